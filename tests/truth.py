@@ -1,0 +1,156 @@
+"""Ground truth: one real eager training step on CPU, measured at storage level.
+
+A TorchDispatchMode sees every storage an op returns and puts a `weakref.finalize` on it, so frees are
+seen when the last reference (Python variable, autograd saved tensor, .grad) goes away; this matches the
+allocator-level profiler to the byte at op boundaries on CPU (shared/notes/GROUND_TRUTH.md section 2),
+except kernel-internal scratch. Saved-for-backward bytes come from `saved_tensors_hooks`, deduplicated
+by storage, parameters excluded. Source lines: forward ops take the innermost user frame; backward ops
+take the forward line stamped on their autograd node by a TorchFunctionMode.
+This is test code: it runs the real model with real memory.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import linecache
+import os
+import sys
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+_HERE = os.path.abspath(__file__)
+
+
+def _user_line() -> str | None:
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != _HERE and not path.startswith("<") and (not path.startswith(_TORCH_DIR) or path.startswith(_OPTIM_DIR)):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+class _LineStamper(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        line = _user_line()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None and "line" not in t.grad_fn.metadata:
+                t.grad_fn.metadata["line"] = line
+        return out
+
+
+class StorageTracker(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[int, str | None, str]] = {}   # key -> (nbytes, line, phase born)
+        self.current = 0
+        self.peak = 0
+        self.peak_phase = ""
+        self.peak_live: dict[int, tuple[int, str | None, str]] = {}
+        self.phase = "setup"
+        self.phase_peaks: dict[str, int] = {}
+        self.op_of: dict[int, tuple] = {}
+
+    def track_existing(self, tensors, label: str) -> None:
+        for t in tensors:
+            self._register(t.untyped_storage(), label, "before")
+
+    def _register(self, storage, line, phase) -> None:
+        key = storage._cdata
+        if key in self.live:
+            return
+        self.live[key] = (storage.nbytes(), line, phase)
+        self.current += storage.nbytes()
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        nbytes, _, _ = self.live.pop(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        node = torch._C._current_autograd_node()
+        line = node.metadata.get("line") if node is not None else _user_line()
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._register(t.untyped_storage(), line, self.phase)
+                self.op_of[t.untyped_storage()._cdata] = (str(func), node.name() if node is not None else None)
+        self._observe()
+        return out
+
+    def _observe(self) -> None:
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.current)
+        if self.current > self.peak:
+            self.peak, self.peak_phase = self.current, self.phase
+            self.peak_live = dict(self.live)
+
+
+@dataclasses.dataclass
+class Measurement:
+    peak_bytes: int
+    peak_phase: str
+    phase_peaks: dict[str, int]
+    start_bytes: int
+    saved_bytes: int
+    lines_at_peak: dict[str, int]
+
+
+def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: str = "fp32",
+                 steady: bool = True, set_to_none: bool = True) -> Measurement:
+    """Runs (steady: one warm-up step, then) one tracked step: forward+loss, backward, step, zero_grad."""
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    params = list(model.parameters())
+    if steady:
+        with autocast():
+            loss = model(*batch)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            model.zero_grad(set_to_none=set_to_none)
+        del loss
+    param_keys = {p.untyped_storage()._cdata for p in params}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in param_keys:
+            saved.setdefault(st._cdata, st.nbytes())
+        return t
+
+    tracker = StorageTracker()
+    tracker.track_existing(params, "parameter")
+    tracker.track_existing(list(model.buffers()), "buffer")
+    tracker.track_existing([t for t in batch if isinstance(t, torch.Tensor)], "input")
+    tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
+    if optimizer is not None:
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        tracker.track_existing(state, "optimizer_state")
+    start = tracker.current
+    with tracker:
+        tracker.phase = "forward"
+        with _LineStamper(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+            loss = model(*batch)
+        tracker.phase = "backward"
+        loss.backward()
+        tracker.phase = "optimizer"
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none)
+        else:
+            model.zero_grad(set_to_none=set_to_none)
+    lines: dict[str, int] = {}
+    for nbytes, line, _ in tracker.peak_live.values():
+        lines[str(line)] = lines.get(str(line), 0) + nbytes
+    measure_step.last_tracker = tracker
+    return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
+                       start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines)

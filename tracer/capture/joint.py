@@ -1,0 +1,142 @@
+"""Export the model and take its joint forward+backward ATen graph, all under fake tensors.
+
+Path (see shared/notes/CAPTURE.md): build model and batch under `FakeTensorMode` on CPU (never `meta`,
+never fake cuda) -> `torch.export.export(strict=False)` -> strip `_assert_tensor_metadata` nodes ->
+`aot_export_joint_with_descriptors` on `ep.module()`, under `torch.autocast("cpu", bfloat16)` for bf16.
+Nodes then carry `partitioner_tag`, `stack_trace`, `nn_module_stack` / `fwd_nn_module_stack`, and
+placeholders/outputs carry AOT descriptors. Not handled here: models that use torch.utils.checkpoint
+(non-strict export drops the checkpoint), data-dependent control flow (export fails with a clear error).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracer.capture.model_input import ModelSource
+from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace
+from tracer.errors import CaptureError, ModelRunError
+
+
+@dataclasses.dataclass
+class JointCapture:
+    """Live torch objects of one capture; only `tracer.capture` ever sees this."""
+    joint: torch.fx.GraphModule
+    model: nn.Module                      # the user's model, with fake parameters
+    batch: tuple                          # fake example batch
+    fake_mode: Any
+    param_by_fqn: dict[str, torch.Tensor]
+    buffer_by_fqn: dict[str, torch.Tensor]
+    exit_stack: contextlib.ExitStack
+
+
+class _LossWrapper(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn):
+        super().__init__()
+        setattr(self, WRAPPED_ATTR, model)
+        self._loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self._loss_fn(getattr(self, WRAPPED_ATTR)(*batch[:-1]), batch[-1])
+
+
+def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode) -> tuple[nn.Module, tuple]:
+    """Build the user's model and example batch under `fake_mode` (no real memory)."""
+    default_dtype = torch.get_default_dtype()
+    try:
+        with fake_mode:
+            if precision == "bf16-pure":
+                torch.set_default_dtype(torch.bfloat16)
+            model = source.build_model()
+            args = source.example_batch(batch, seq)
+    except Exception as exc:
+        raise ModelRunError(f"{_where(exc)}: building the model or its example batch raised "
+                            f"{type(exc).__name__}: {exc}", hint="fix build_model()/example_batch()") from exc
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if not isinstance(model, nn.Module):
+        raise ModelRunError(f"build_model() of {source.name} returned {type(model).__name__}, not an nn.Module")
+    if not isinstance(args, tuple):
+        args = (args,)
+    if precision == "bf16-pure":
+        with fake_mode:
+            args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
+    model.train()
+    return model, args
+
+
+def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> JointCapture:
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    model, args = build_fake(source, batch, seq, precision, fake_mode)
+    traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
+    _check_forward_returns_loss(traced, args, fake_mode, source)
+    try:
+        ep = torch.export.export(traced, args, strict=False)
+    except Exception as exc:
+        raise CaptureError(f"torch.export failed on {source.name}: {_export_message(exc)}",
+                           hint="see --verbose; data-dependent Python control flow and .item() cannot be exported") from exc
+    gm = ep.module()
+    _strip_export_asserts(gm)
+    stack = contextlib.ExitStack()
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+    try:
+        with autocast:
+            jd = aot_export_joint_with_descriptors(stack, gm, args)
+    except Exception as exc:
+        stack.close()
+        raise CaptureError(f"building the joint forward+backward graph of {source.name} failed: "
+                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                           hint="see --verbose") from exc
+    params = dict(traced.named_parameters(remove_duplicate=False))
+    buffers = dict(traced.named_buffers(remove_duplicate=False))
+    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack)
+
+
+def _check_forward_returns_loss(module: nn.Module, args: tuple, fake_mode, source: ModelSource) -> None:
+    """Run forward once under fake tensors so user errors point at the user's line, not at export."""
+    try:
+        with fake_mode:
+            out = module(*args)
+    except Exception as exc:
+        raise ModelRunError(f"{_where(exc)}: forward raised {type(exc).__name__}: {exc}",
+                            hint="fix the model's forward (it runs on fake tensors with the example batch)") from exc
+    if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
+        got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
+        raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",
+                            hint="return the loss from forward, or define loss_fn(output, target) in the model file")
+
+
+def _strip_export_asserts(gm: torch.fx.GraphModule) -> None:
+    target = torch.ops.aten._assert_tensor_metadata.default
+    for sub in gm.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in list(sub.graph.find_nodes(op="call_function", target=target)):
+                sub.graph.erase_node(node)
+            sub.recompile()
+
+
+def _where(exc: BaseException) -> str:
+    import traceback
+    from tracer.capture.source import is_user_file
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    frames = [f for f in frames if "/tracer/" not in f.filename or "/tracer/models/" in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "model"
+
+
+def _export_message(exc: BaseException) -> str:
+    text = str(exc)
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    loc = None
+    for line in text.splitlines():
+        if 'File "' in line:
+            loc = loc_from_stack_trace(line.strip() + "\n    ")
+    where = f" at {loc.file}:{loc.line}" if loc else ""
+    return f"{type(exc).__name__}: {first}{where}"

@@ -1,0 +1,74 @@
+"""Turn a model argument (a zoo name or a path to a model file) into a `ModelSource`.
+
+A model file defines:
+  build_model() -> nn.Module          required; forward returns the scalar loss, or (with loss_fn) the output
+  example_batch(batch, seq) -> tuple  required for files; the positional args of forward
+  loss_fn(output, target) -> loss     optional; then forward gets example_batch(...)[:-1] and the last
+                                      element is the target
+  make_optimizer(params) -> Optimizer optional; otherwise --optimizer picks one
+The file is imported as a fresh module (its top level runs); nothing else is executed here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+import traceback
+from typing import Callable
+
+from tracer.errors import ModelInputError
+from tracer.models import ZOO, zoo_entry
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    name: str                                   # zoo name or file path as given
+    path: str | None                            # absolute path of the model file (None for zoo models)
+    build_model: Callable
+    example_batch: Callable[[int, int], tuple]
+    loss_fn: Callable | None = None
+    make_optimizer: Callable | None = None
+
+
+def load_model_source(model: str) -> ModelSource:
+    if model in ZOO:
+        entry = zoo_entry(model)
+        return ModelSource(name=model, path=None, build_model=entry.build_model, example_batch=entry.example_batch)
+    if not (model.endswith(".py") or os.sep in model):
+        raise ModelInputError(f"unknown model {model!r}: not a file and not a zoo name",
+                              hint=f"valid zoo names: {', '.join(sorted(ZOO))}")
+    return _load_file(model)
+
+
+def _load_file(path: str) -> ModelSource:
+    abspath = os.path.abspath(path)
+    if not os.path.isfile(abspath):
+        raise ModelInputError(f"model file not found: {path}", hint="pass a path to a .py file or a zoo name")
+    module_name = "_tracer_user_model_" + os.path.splitext(os.path.basename(abspath))[0].replace("-", "_")
+    spec = importlib.util.spec_from_file_location(module_name, abspath)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ModelInputError(f"{_user_location(exc, abspath)}: importing the model file raised "
+                              f"{type(exc).__name__}: {exc}", hint="fix the model file") from exc
+    build = getattr(module, "build_model", None)
+    if not callable(build):
+        raise ModelInputError(f"{path} defines no build_model()",
+                              hint="define build_model() returning an nn.Module whose forward returns the loss")
+    batch = getattr(module, "example_batch", None)
+    if not callable(batch):
+        raise ModelInputError(f"{path} defines no example_batch(batch, seq)",
+                              hint="define example_batch(batch, seq) returning the tuple of forward's arguments")
+    return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
+                       loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None))
+
+
+def _user_location(exc: BaseException, path: str) -> str:
+    """'file:line' of the innermost frame of `exc` inside `path`, else the innermost frame at all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if os.path.abspath(f.filename) == path]
+    frame = (inside or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else path

@@ -1,0 +1,147 @@
+"""Capture `optimizer.step()` and `zero_grad()` by running them on fake tensors under a storage tracker.
+
+The optimizer is the user's own object (or a standard one from --optimizer), run for real on fake
+parameters and fake gradients, so foreach temporaries, lazily created state (first step) and every
+Python-level free are seen as they happen: each aten op is recorded as an op, each new storage gets a
+`weakref.finalize` that records the op after which it was released. Steady state runs one untracked
+warm-up step first, so the state exists before the recorded step.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tracer.capture.convert import OpDraft, plain_value, target_name
+from tracer.capture.source import loc_from_python_stack
+from tracer.capture.storages import StorageTable
+from tracer.errors import ModelRunError
+from tracer.stepgraph import Phase, StorageRole
+
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.Optimizer | None:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach)
+    if name == "none":
+        return None
+    raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+class _StepRecorder(TorchDispatchMode):
+    """Records every aten op as an optimizer-phase op; storages released between ops get `released_after_op`."""
+
+    def __init__(self, table: StorageTable, ops_offset: int):
+        super().__init__()
+        self.table, self.ops_offset = table, ops_offset
+        self.ops: list[OpDraft] = []
+        self.created: list[int] = []
+
+    def track_release(self, t: torch.Tensor, sid: int) -> None:
+        storage = t.untyped_storage()
+        weakref.finalize(storage, self._released, sid, storage._cdata)
+
+    def _released(self, sid: int, key: int) -> None:
+        self.table.update(sid, released_after_op=self.ops_offset + len(self.ops) - 1)
+        self.table.forget_key(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t not in self.table:
+                # made outside the dispatcher during the step (a lifted constant): lives from its first use
+                sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
+                self.created.append(sid)
+                self.track_release(t, sid)
+        plain_args = plain_value(args, self.table)
+        plain_kwargs = tuple((k, plain_value(v, self.table)) for k, v in kwargs.items())
+        out = func(*args, **kwargs)
+        if func.namespace == "profiler":
+            return out
+        outputs, fresh = [], False
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t not in self.table:
+                sid = self.table.add(t, StorageRole.INTERMEDIATE)
+                self.created.append(sid)
+                self.track_release(t, sid)
+                fresh = True
+            outputs.append(self.table.value(t))
+        self.ops.append(OpDraft(name=f"optimizer_{len(self.ops)}", target=target_name(func),
+                                phase=Phase.OPTIMIZER, args=plain_args, kwargs=plain_kwargs,
+                                outputs=tuple(outputs), source=loc_from_python_stack(), module="",
+                                is_view=bool(outputs) and not fresh))
+        return out
+
+
+def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, int], table: StorageTable,
+                           fake_mode, *, make_optimizer: Callable | None, optimizer_name: str, foreach: bool,
+                           steady: bool, set_to_none: bool, grads_preexisting: bool,
+                           ops_offset: int) -> list[OpDraft]:
+    """Run step() + zero_grad() under the recorder; returns the optimizer-phase ops (indices from ops_offset)."""
+    params = [p for p in model.parameters() if id(p) in grad_sid_by_param]
+    try:
+        with fake_mode:
+            if make_optimizer is not None:
+                opt = make_optimizer(model.parameters())
+            else:
+                opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
+            if steady and opt is not None:
+                _set_fake_grads(params)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    except Exception as exc:
+        raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
+                            hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
+    for tensor, name in _state_tensors(opt):
+        if tensor not in table:
+            table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
+    recorder = _StepRecorder(table, ops_offset)
+    with fake_mode:
+        for p, g in zip(params, _set_fake_grads(params)):
+            table.alias(g, grad_sid_by_param[id(p)])
+            recorder.track_release(g, grad_sid_by_param[id(p)])
+        del g
+    try:
+        with fake_mode, recorder:
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+            else:
+                model.zero_grad(set_to_none=set_to_none)
+    except Exception as exc:
+        raise ModelRunError(f"optimizer.step() raised {type(exc).__name__}: {exc}",
+                            hint="the optimizer runs on fake tensors; avoid .item()/.tolist() on its state") from exc
+    for tensor, name in _state_tensors(opt):
+        sid = table.lookup(tensor)
+        if table.get(sid).role is StorageRole.INTERMEDIATE:
+            table.update(sid, role=StorageRole.OPTIMIZER_STATE, persistent=True, name=name)
+    for sid in recorder.created:
+        if table.get(sid).released_after_op is None:
+            table.update(sid, persistent=True)        # still referenced after the step (e.g. kept by the optimizer)
+    return recorder.ops
+
+
+def _set_fake_grads(params) -> list[torch.Tensor]:
+    grads = [torch.empty_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    return grads
+
+
+def _state_tensors(opt) -> list[tuple[torch.Tensor, str]]:
+    if opt is None:
+        return []
+    out = []
+    for i, (param, state) in enumerate(opt.state.items()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out.append((value, f"optimizer state {key} #{i}"))
+    return out

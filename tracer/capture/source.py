@@ -1,0 +1,75 @@
+"""Source attribution: the user's line from an fx `stack_trace` string or a live Python stack.
+
+The user's line is the innermost frame outside torch and outside tracer's own capture code. Frames in
+`torch/optim` count as user-visible: an optimizer step's memory belongs to the optimizer's own lines.
+Module paths from export's `nn_module_stack` are normalised (`L__self__`, `_export_root.`,
+`L['self'].` prefixes and the loss wrapper's attribute are dropped).
+"""
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+
+import torch
+
+from tracer.stepgraph import SourceLoc
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
+_CAPTURE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
+_GRAD_ACC_SUFFIX = "Gradient addition node due to multiple use of tensor around:"
+WRAPPED_ATTR = "_tracer_wrapped"   # attribute name of the user model inside the loss wrapper
+_PREFIXES = ("L__self__", "_export_root.", "L['self'].", "L['self']", "L__self___")
+
+
+def is_user_file(path: str) -> bool:
+    path = os.path.abspath(path) if not path.startswith("<") else path
+    if path.startswith("<"):
+        return False
+    if path.startswith(_CAPTURE_DIR):
+        return False
+    return not path.startswith(_TORCH_DIR) or path.startswith(_OPTIM_DIR)
+
+
+def loc_from_stack_trace(stack_trace: str | None) -> SourceLoc | None:
+    if not stack_trace:
+        return None
+    stack_trace = stack_trace.replace(_GRAD_ACC_SUFFIX, "")
+    frames = list(_FRAME_RE.finditer(stack_trace + "\n"))
+    for m in reversed(frames):
+        if is_user_file(m["file"]):
+            code = m["code"].strip()
+            if not code or set(code) <= {"^", "~", " "}:
+                code = linecache.getline(m["file"], int(m["line"])).strip()
+            return SourceLoc(m["file"], int(m["line"]), m["func"], code)
+    return None
+
+
+def loc_from_python_stack(skip_files: tuple[str, ...] = ()) -> SourceLoc | None:
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if is_user_file(path) and not path.startswith(skip_files):
+            line = frame.f_lineno
+            return SourceLoc(path, line, frame.f_code.co_name, linecache.getline(path, line).strip())
+        frame = frame.f_back
+    return None
+
+
+def normalize_module_path(path: str) -> str:
+    for prefix in _PREFIXES:
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    if path == WRAPPED_ATTR or path.startswith(WRAPPED_ATTR + "."):
+        path = path[len(WRAPPED_ATTR) + 1:]
+    return path
+
+
+def module_from_stack(nn_module_stack: dict | None) -> str:
+    if not nn_module_stack:
+        return ""
+    fqn = list(nn_module_stack.values())[-1][0]
+    return normalize_module_path(str(fqn))

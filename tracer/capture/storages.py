@@ -1,0 +1,77 @@
+"""A mutable table of storages used while capturing; frozen into `Storage` records at the end.
+
+Keys are torch StorageImpl addresses (`untyped_storage()._cdata`), valid only while the tensors that
+own them are alive (the capture keeps them alive), so one key never names two storages.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from tracer.stepgraph import Storage, StorageRole, TensorValue
+
+
+def storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass
+class _Entry:
+    nbytes: int
+    role: StorageRole
+    dtype: str
+    shape: tuple[int, ...]
+    preexisting: bool = False
+    persistent: bool = False
+    released_after_op: int | None = None
+    name: str = ""
+
+
+class StorageTable:
+    def __init__(self) -> None:
+        self._entries: list[_Entry] = []
+        self._by_key: dict[int, int] = {}
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        return storage_key(t) in self._by_key
+
+    def lookup(self, t: torch.Tensor) -> int | None:
+        return self._by_key.get(storage_key(t))
+
+    def add(self, t: torch.Tensor | None, role: StorageRole, *, nbytes: int | None = None, **fields) -> int:
+        """A new storage for tensor `t` (or a synthetic one when `t` is None, with explicit nbytes/shape)."""
+        sid = len(self._entries)
+        if t is not None:
+            entry = _Entry(nbytes=t.untyped_storage().nbytes(), role=role, dtype=dtype_name(t.dtype),
+                           shape=tuple(int(d) for d in t.shape), **fields)
+            self._by_key[storage_key(t)] = sid
+        else:
+            entry = _Entry(nbytes=nbytes, role=role, **fields)
+        self._entries.append(entry)
+        return sid
+
+    def alias(self, t: torch.Tensor, sid: int) -> None:
+        self._by_key[storage_key(t)] = sid
+
+    def forget_key(self, key: int) -> None:
+        """The storage behind `key` was released; its address may now be reused by a new storage."""
+        self._by_key.pop(key, None)
+
+    def update(self, sid: int, **fields) -> None:
+        for k, v in fields.items():
+            setattr(self._entries[sid], k, v)
+
+    def get(self, sid: int) -> _Entry:
+        return self._entries[sid]
+
+    def value(self, t: torch.Tensor, sid: int | None = None) -> TensorValue:
+        sid = self._by_key[storage_key(t)] if sid is None else sid
+        return TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+
+    def freeze(self) -> tuple[Storage, ...]:
+        return tuple(Storage(storage_id=i, **dataclasses.asdict(e)) for i, e in enumerate(self._entries))

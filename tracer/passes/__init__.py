@@ -1,0 +1,1 @@
+"""Pure functions over a `StepGraph`: liveness, categories, saved tensors, attribution, the analysis."""

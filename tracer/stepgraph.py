@@ -1,0 +1,120 @@
+"""The captured training step as plain frozen data: the only thing passes and reports ever see.
+
+A `StepGraph` is a straight-line list of ops in execution order (forward, then backward, then the
+optimizer step and zero_grad) over `Storage`s, the unit of memory. Tensors (`TensorValue`) are views of
+storages; several values may share one storage (views, aliases). Storages that exist before the step
+(parameters, inputs, optimizer state in steady state, gradients kept by zero_grad(set_to_none=False))
+have `preexisting=True`. Storages that outlive the step (the loss, gradients, new optimizer state) have
+`persistent=True`. A storage whose release the capture observed directly (Python code such as the
+optimizer, run under a storage tracker) carries `released_after_op`; otherwise the liveness pass frees it
+after its last use. Nothing here imports torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class StorageRole(str, enum.Enum):
+    """What a storage is, as known at capture time (activation vs temporary is decided by the passes)."""
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+    INTERMEDIATE = "intermediate"
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLoc:
+    file: str
+    line: int
+    function: str
+    code: str
+
+    def short(self) -> str:
+        return f"{self.file.rsplit('/', 1)[-1]}:{self.line}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    storage_id: int
+    nbytes: int
+    role: StorageRole
+    dtype: str
+    shape: tuple[int, ...]            # shape of the first tensor seen on this storage
+    preexisting: bool = False
+    persistent: bool = False
+    released_after_op: int | None = None
+    name: str = ""                    # parameter FQN, input index, optimizer state key, ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorValue:
+    storage_id: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpNode:
+    index: int
+    name: str                         # node name in the captured graph (unique)
+    target: str                       # aten overload, e.g. "aten.mm.default"
+    phase: Phase
+    args: tuple[Any, ...]             # TensorValue, tuples, and plain scalars/strings
+    kwargs: tuple[tuple[str, Any], ...]
+    outputs: tuple[TensorValue, ...]
+    source: SourceLoc | None          # user line (for backward ops: the forward line that caused them)
+    module: str                       # module path ("" for the root; for backward ops, the forward module)
+    is_view: bool = False             # outputs alias an input storage (no allocation)
+    autograd_node: int | None = None  # backward ops of one autograd Node share this id (eager frees at its end)
+
+    def input_values(self) -> tuple[TensorValue, ...]:
+        return tuple(_iter_values((self.args, tuple(v for _, v in self.kwargs))))
+
+
+def _iter_values(obj):
+    if isinstance(obj, TensorValue):
+        yield obj
+    elif isinstance(obj, tuple):
+        for item in obj:
+            yield from _iter_values(item)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    model: str
+    batch: int
+    seq: int
+    precision: str
+    optimizer: str
+    step: str                         # "first" | "steady"
+    zero_grad_set_to_none: bool
+    capture_path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGraph:
+    config: StepConfig
+    ops: tuple[OpNode, ...]
+    storages: tuple[Storage, ...]     # indexed by storage_id
+    parameter_count: int
+    loss_storage_id: int | None = None
+
+    def storage(self, storage_id: int) -> Storage:
+        return self.storages[storage_id]
+
+    def phase_ranges(self) -> dict[Phase, range]:
+        out: dict[Phase, range] = {}
+        for op in self.ops:
+            r = out.get(op.phase)
+            out[op.phase] = range(op.index, op.index + 1) if r is None else range(r.start, op.index + 1)
+        return out
