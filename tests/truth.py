@@ -41,9 +41,13 @@ class _LineStamper(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         line = _user_line()
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.grad_fn is not None and "line" not in t.grad_fn.metadata:
-                t.grad_fn.metadata["line"] = line
+        stack = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:                      # every autograd node this call created gets the caller's line
+            node = stack.pop()
+            if node is None or "line" in node.metadata or type(node).__name__ == "AccumulateGrad":
+                continue
+            node.metadata["line"] = line
+            stack.extend(fn for fn, _ in node.next_functions)
         return out
 
 
@@ -151,6 +155,5 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     lines: dict[str, int] = {}
     for nbytes, line, _ in tracker.peak_live.values():
         lines[str(line)] = lines.get(str(line), 0) + nbytes
-    measure_step.last_tracker = tracker
     return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
                        start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines)

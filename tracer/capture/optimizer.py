@@ -87,6 +87,7 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
                            ops_offset: int) -> list[OpDraft]:
     """Run step() + zero_grad() under the recorder; returns the optimizer-phase ops (indices from ops_offset)."""
     params = [p for p in model.parameters() if id(p) in grad_sid_by_param]
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
     try:
         with fake_mode:
             if make_optimizer is not None:
@@ -100,7 +101,7 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
-    for tensor, name in _state_tensors(opt):
+    for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
             table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
     recorder = _StepRecorder(table, ops_offset)
@@ -119,7 +120,7 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
     except Exception as exc:
         raise ModelRunError(f"optimizer.step() raised {type(exc).__name__}: {exc}",
                             hint="the optimizer runs on fake tensors; avoid .item()/.tolist() on its state") from exc
-    for tensor, name in _state_tensors(opt):
+    for tensor, name in _state_tensors(opt, names):
         sid = table.lookup(tensor)
         if table.get(sid).role is StorageRole.INTERMEDIATE:
             table.update(sid, role=StorageRole.OPTIMIZER_STATE, persistent=True, name=name)
@@ -136,12 +137,13 @@ def _set_fake_grads(params) -> list[torch.Tensor]:
     return grads
 
 
-def _state_tensors(opt) -> list[tuple[torch.Tensor, str]]:
+def _state_tensors(opt, names: dict[int, str]) -> list[tuple[torch.Tensor, str]]:
+    """(tensor, "<param fqn>.<state key>") for every tensor in the optimizer's state."""
     if opt is None:
         return []
     out = []
-    for i, (param, state) in enumerate(opt.state.items()):
+    for param, state in opt.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                out.append((value, f"optimizer state {key} #{i}"))
+                out.append((value, f"{names.get(id(param), '?')}.{key}"))
     return out

@@ -1,0 +1,1 @@
+"""Renderers: turn analysis results into text, JSON and other outputs. No analysis happens here."""

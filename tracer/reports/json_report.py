@@ -1,0 +1,49 @@
+"""The versioned JSON report (schema documented in README.md, "JSON schema").
+
+Version 1: {schema_version, tracer_version, torch_version, config, parameter_count,
+policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
+end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers}}}.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tracer.passes.analysis import Analysis, PolicyAnalysis
+
+SCHEMA_VERSION = 1
+
+
+def report_json(analysis: Analysis, *, top: int = 10, versions: dict[str, str] | None = None) -> dict:
+    graph = analysis.graph
+    return {
+        "schema_version": SCHEMA_VERSION,
+        **(versions or {}),
+        "config": dataclasses.asdict(graph.config),
+        "parameter_count": graph.parameter_count,
+        "policies": {name: policy_json(p, top=top) for name, p in analysis.policies.items()},
+    }
+
+
+def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
+    op = result.peak_op
+    return {
+        "peak_bytes": result.peak_bytes,
+        "peak_phase": result.peak_phase,
+        "peak_op": {"name": op.name, "target": op.target, **_source(op.source)},
+        "phases": {name: {"peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
+        "start_bytes": result.start_bytes,
+        "end_bytes": result.end_bytes,
+        "saved_bytes": result.saved.total_bytes,
+        "saved_activation_bytes": result.saved.activation_bytes,
+        "by_category_at_peak": dict(result.at_peak.by_category),
+        "top_lines": [{**_source(row.source), "label": row.label, "bytes_at_peak": row.bytes_at_peak,
+                       "saved_bytes": row.saved_bytes} for row in result.at_peak.lines[:top]],
+        "layers": [{"layer": row.layer, "bytes_at_peak": row.bytes_at_peak, "saved_bytes": row.saved_bytes}
+                   for row in result.at_peak.layers],
+    }
+
+
+def _source(source) -> dict:
+    if source is None:
+        return {"file": None, "line": None, "code": None}
+    return {"file": source.file, "line": source.line, "code": source.code}

@@ -1,0 +1,83 @@
+"""The terminal report of one analysis: peak, phase, bill, per-phase peaks, top lines, layers."""
+from __future__ import annotations
+
+import os
+import re
+
+from tracer.passes.analysis import Analysis, PolicyAnalysis
+from tracer.passes.attribution import CATEGORIES, LayerBytes
+from tracer.reports.units import format_bytes
+
+
+def render_text(analysis: Analysis, *, policy: str = "eager", top: int = 10) -> str:
+    graph = analysis.graph
+    result = analysis.policies[policy]
+    cfg = graph.config
+    lines = [
+        f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
+        f"  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
+        f"parameters: {graph.parameter_count:,}",
+        "",
+        f"peak: {format_bytes(result.peak_bytes)} ({result.peak_bytes:,} B) in {result.peak_phase}, "
+        f"at {result.peak_op.target} {_where(result.peak_op.source)}",
+        "per phase: " + "  |  ".join(f"{name} {format_bytes(p.peak_bytes)}" for name, p in result.phases.items()),
+        f"live before the step: {format_bytes(result.start_bytes)}   after: {format_bytes(result.end_bytes)}",
+        f"saved for backward: {format_bytes(result.saved.activation_bytes)} of activations"
+        + (f" (+ {format_bytes(result.saved.input_bytes)} of inputs)" if result.saved.input_bytes else ""),
+        "",
+        "bill at the peak:",
+    ]
+    for cat in CATEGORIES:
+        nbytes = result.at_peak.by_category[cat]
+        share = 100.0 * nbytes / result.peak_bytes if result.peak_bytes else 0.0
+        lines.append(f"  {cat:<16} {format_bytes(nbytes):>14}  {share:5.1f}%")
+    lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
+    for row in result.at_peak.lines[:top]:
+        code = f"  {row.source.code}" if row.source and row.source.code else ""
+        label = _short(row.label)
+        lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}{code}")
+    lines += ["", "layers at the peak (identical layers grouped):", f"  {'at peak':>12} {'saved':>12}  layer"]
+    for label, row in group_layers(result.at_peak.layers):
+        lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}")
+    lines += ["", "not modelled: kernel-internal scratch buffers; tensors that Python locals keep alive "
+                  "after their last use in forward."]
+    return "\n".join(lines) + "\n"
+
+
+def group_layers(layers: tuple[LayerBytes, ...]) -> list[tuple[str, LayerBytes]]:
+    """Consecutive `prefix.N` layers with identical bytes become one row `prefix.A-B x n` (bytes per layer)."""
+    out: list[tuple[str, LayerBytes]] = []
+    i = 0
+    rows = list(layers)
+    while i < len(rows):
+        match = re.fullmatch(r"(.*)\.(\d+)", rows[i].layer)
+        j = i + 1
+        if match:
+            prefix, first = match.group(1), int(match.group(2))
+            while j < len(rows):
+                m = re.fullmatch(r"(.*)\.(\d+)", rows[j].layer)
+                same = (rows[j].bytes_at_peak, rows[j].saved_bytes) == (rows[i].bytes_at_peak, rows[i].saved_bytes)
+                if not (m and m.group(1) == prefix and int(m.group(2)) == first + (j - i) and same):
+                    break
+                j += 1
+        if j - i > 1:
+            out.append((f"{prefix}.{first}-{first + j - i - 1} x{j - i} (each)", rows[i]))
+        else:
+            out.append((rows[i].layer, rows[i]))
+        i = j
+    return out
+
+
+def _where(source) -> str:
+    return f"({_short(f'{source.file}:{source.line}')}: {source.code})" if source else ""
+
+
+def _short(label: str) -> str:
+    if label.startswith("("):
+        return label
+    path, _, line = label.rpartition(":")
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        rel = path
+    return f"{rel if not rel.startswith('..') else path}:{line}"

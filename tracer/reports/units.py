@@ -1,0 +1,24 @@
+"""Byte formatting and parsing shared by every renderer and the CLI."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def format_bytes(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:,.0f} B" if unit == "B" else f"{value:,.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80 GB', '512MiB', '1024' -> bytes. Raises ValueError on anything else."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS | {"": 1}:
+        raise ValueError(f"cannot read {text!r} as a size; use a number with B, KB, MB, GB, KiB, MiB or GiB")
+    return int(float(match.group(1)) * _UNITS.get(match.group(2).lower(), 1))
