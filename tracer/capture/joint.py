@@ -78,7 +78,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> J
     traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
     _check_forward_returns_loss(traced, args, fake_mode, source)
     try:
-        ep = torch.export.export(traced, args, strict=False)
+        with _keep_user_frames():
+            ep = torch.export.export(traced, args, strict=False)
     except Exception as exc:
         raise CaptureError(f"torch.export failed on {source.name}: {_export_message(exc)}",
                            hint="see --verbose; data-dependent Python control flow and .item() cannot be exported") from exc
@@ -112,6 +113,27 @@ def _check_forward_returns_loss(module: nn.Module, args: tuple, fake_mode, sourc
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
         raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",
                             hint="return the loss from forward, or define loss_fn(output, target) in the model file")
+
+
+class _UserFrameAnchors(set):
+    """Stands in for fx's stack-trace anchor set: every frame in a user file counts as an anchor."""
+
+    def __contains__(self, item) -> bool:
+        from tracer.capture.source import is_user_file
+        return super().__contains__(item) or is_user_file(item[0])
+
+
+@contextlib.contextmanager
+def _keep_user_frames():
+    """Non-strict export keeps only `forward` frames in stack traces; keep helper functions' frames too,
+    so a line inside `apply_rope()` is attributed to that line, not to the forward that called it."""
+    import torch.fx.proxy as fx_proxy
+    saved = fx_proxy._STACK_TRACE_ANCHORS
+    fx_proxy._STACK_TRACE_ANCHORS = _UserFrameAnchors(saved)
+    try:
+        yield
+    finally:
+        fx_proxy._STACK_TRACE_ANCHORS = saved
 
 
 def _strip_export_asserts(gm: torch.fx.GraphModule) -> None:

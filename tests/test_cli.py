@@ -1,0 +1,62 @@
+"""The command line: report, JSON schema, and one clear line with a documented exit code on bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tracer.cli import main
+from tracer.errors import ExitCode
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_report_and_json_schema(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    assert main(["llama-debug", "--seq", "32", "--json", str(out), "--quiet"]) == ExitCode.OK
+    text = capsys.readouterr().out
+    assert "peak:" in text and "bill at the peak:" in text and "top 10 lines" in text
+    data = json.loads(out.read_text())
+    assert data["schema_version"] == 1
+    assert data["config"]["model"] == "llama-debug" and data["config"]["seq"] == 32
+    eager = data["policies"]["eager"]
+    assert set(eager["phases"]) == {"forward", "backward", "optimizer"}
+    assert eager["peak_bytes"] == max(p["peak_bytes"] for p in eager["phases"].values())
+    assert eager["peak_phase"] in eager["phases"]
+    assert set(eager["by_category_at_peak"]) == {"parameter", "gradient", "optimizer_state", "activation",
+                                                 "temporary", "input"}
+    assert sum(eager["by_category_at_peak"].values()) == eager["peak_bytes"]
+    assert eager["saved_activation_bytes"] > 0
+    line = eager["top_lines"][0]
+    assert {"file", "line", "code", "bytes_at_peak", "saved_bytes"} <= set(line)
+
+
+@pytest.mark.parametrize("argv,code,needle", [
+    (["does/not/exist.py"], ExitCode.USAGE, "model file not found"),
+    ([os.path.join(FIXTURES, "no_model.py")], ExitCode.USAGE, "defines no build_model()"),
+    (["llama-3b"], ExitCode.USAGE, "valid zoo names"),
+    ([os.path.join(FIXTURES, "raising_forward.py")], ExitCode.ANALYSIS, "raising_forward.py:12"),
+    ([os.path.join(FIXTURES, "data_dependent.py")], ExitCode.ANALYSIS, "data_dependent.py:13"),
+])
+def test_bad_input_gets_one_clear_line(argv, code, needle, capsys):
+    assert main(argv + ["--seq", "4", "--quiet"]) == code
+    err = capsys.readouterr().err.strip()
+    assert needle in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_help_documents_every_flag():
+    proc = subprocess.run([sys.executable, "-m", "tracer", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0
+    for flag in ("--batch", "--seq", "--precision", "--optimizer", "--foreach", "--step", "--zero-grad", "--json",
+                 "--top", "--verbose", "--quiet"):
+        assert flag in proc.stdout
+
+
+def test_readme_example_file_runs_as_written():
+    proc = subprocess.run([sys.executable, "-m", "tracer", "examples/tiny_mlp_lm.py", "--seq", "128", "--batch", "4"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "peak:" in proc.stdout

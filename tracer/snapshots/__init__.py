@@ -1,0 +1,29 @@
+"""Real CUDA memory snapshots (`torch.cuda.memory._dump_snapshot()` pickles), read without torch.
+
+`read_snapshot(path)` gives a frozen `SnapshotReading` (peak, phases, pre-step bytes, reserved memory, top
+lines); `load_snapshot_dict(path)` is the restricted load underneath it. See `tracer.snapshots.reader`.
+"""
+from tracer.snapshots.reader import (
+    FREE_ACTIONS,
+    InitialBlock,
+    InitialSegment,
+    LineBytes,
+    LiveBlock,
+    OomEvent,
+    ReplayInputs,
+    SegmentSummary,
+    SnapshotError,
+    SnapshotReading,
+    classify_frames,
+    is_user_frame,
+    load_snapshot_dict,
+    read_snapshot,
+    replay_inputs,
+    summarize_snapshot,
+)
+
+__all__ = [
+    "FREE_ACTIONS", "InitialBlock", "InitialSegment", "LineBytes", "LiveBlock", "OomEvent", "ReplayInputs",
+    "SegmentSummary", "SnapshotError", "SnapshotReading", "classify_frames", "is_user_frame",
+    "load_snapshot_dict", "read_snapshot", "replay_inputs", "summarize_snapshot",
+]
