@@ -107,6 +107,10 @@ def _check_forward_returns_loss(module: nn.Module, args: tuple, fake_mode, sourc
         with fake_mode:
             out = module(*args)
     except Exception as exc:
+        if "DataDependent" in type(exc).__name__:
+            raise CaptureError(f"{_where(exc)}: forward reads a tensor's value ({exc})",
+                               hint="tracing uses fake tensors without data: replace Python branches on tensor "
+                                    "values, .item() and .tolist() with tensor ops such as torch.where") from exc
         raise ModelRunError(f"{_where(exc)}: forward raised {type(exc).__name__}: {exc}",
                             hint="fix the model's forward (it runs on fake tensors with the example batch)") from exc
     if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
