@@ -4,7 +4,10 @@
 lines); `load_snapshot_dict(path)` is the restricted load underneath it. See `tracer.snapshots.reader`.
 """
 from tracer.snapshots.reader import (
+    AUTOGRAD_ENGINE,
+    BEFORE_TRACE,
     FREE_ACTIONS,
+    NO_USER_FRAME,
     InitialBlock,
     InitialSegment,
     LineBytes,
@@ -23,7 +26,8 @@ from tracer.snapshots.reader import (
 )
 
 __all__ = [
-    "FREE_ACTIONS", "InitialBlock", "InitialSegment", "LineBytes", "LiveBlock", "OomEvent", "ReplayInputs",
-    "SegmentSummary", "SnapshotError", "SnapshotReading", "classify_frames", "is_user_frame",
-    "load_snapshot_dict", "read_snapshot", "replay_inputs", "summarize_snapshot",
+    "AUTOGRAD_ENGINE", "BEFORE_TRACE", "FREE_ACTIONS", "NO_USER_FRAME", "InitialBlock", "InitialSegment",
+    "LineBytes", "LiveBlock", "OomEvent", "ReplayInputs", "SegmentSummary", "SnapshotError", "SnapshotReading",
+    "classify_frames", "is_user_frame", "load_snapshot_dict", "read_snapshot", "replay_inputs",
+    "summarize_snapshot",
 ]
