@@ -60,3 +60,22 @@ def test_readme_example_file_runs_as_written():
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "peak:" in proc.stdout
+
+
+SNAPSHOT = os.path.join(ROOT, "..", "shared", "snapshots", "cs336-medium-ctx128-fp32-train-step.pickle")
+
+
+@pytest.mark.skipif(not os.path.exists(SNAPSHOT), reason="../shared/snapshots is not beside the checkout")
+def test_snapshot_subcommand_reads_a_real_snapshot(tmp_path, capsys):
+    out = tmp_path / "snap.json"
+    assert main(["snapshot", SNAPSHOT, "--json", str(out)]) == ExitCode.OK
+    assert "peak live" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    from tracer.snapshots.reader import read_snapshot
+    reading = read_snapshot(SNAPSHOT)                  # its numbers are checked against the raw trace elsewhere
+    assert data["peak_bytes"] == reading.peak_bytes and data["peak_phase"] == reading.peak_phase
+
+
+def test_snapshot_subcommand_missing_file(capsys):
+    assert main(["snapshot", "nope.pickle"]) == ExitCode.USAGE
+    assert "snapshot file not found" in capsys.readouterr().err

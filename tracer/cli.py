@@ -13,7 +13,8 @@ import time
 from tracer.errors import ExitCode, TracerError
 from tracer.models import DEFAULT_MODEL, ZOO
 
-EPILOG = f"""zoo models: {', '.join(sorted(ZOO))}
+EPILOG = f"""subcommand: python -m tracer snapshot STEP.pickle [--json PATH]  (read a real CUDA memory snapshot)
+zoo models: {', '.join(sorted(ZOO))}
 exit codes: 0 ok, 1 memory check failed, 2 usage error (flags, model file, zoo name), 3 analysis error"""
 
 
@@ -47,13 +48,55 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_snapshot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tracer snapshot", description=(
+        "Read a real CUDA memory snapshot (the pickle torch.cuda.memory._dump_snapshot writes): peak, phases, "
+        "bytes live before the step, reserved memory, top lines. The pickle is loaded as plain data only."))
+    p.add_argument("path", help="snapshot pickle")
+    p.add_argument("--json", metavar="PATH", help="write the reading as JSON (same conventions as the prediction)")
+    p.add_argument("--top", type=int, default=10, help="number of source lines to show (default 10)")
+    p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["snapshot"]:
+        args = build_snapshot_parser().parse_args(argv[1:])
+        runner = _run_snapshot
+    else:
+        args = build_parser().parse_args(argv)
+        runner = _run
     try:
-        return _run(args)
+        return runner(args)
     except TracerError as exc:
         _print_error(exc, args.verbose)
         return int(exc.exit_code)
+
+
+def _run_snapshot(args) -> int:
+    import os
+
+    from tracer.errors import UsageError
+    from tracer.reports.snapshot_text import render_snapshot, snapshot_json
+    from tracer.snapshots.reader import read_snapshot
+
+    if not os.path.isfile(args.path):
+        raise UsageError(f"snapshot file not found: {args.path}")
+    reading = read_snapshot(args.path)
+    sys.stdout.write(render_snapshot(reading, top=args.top))
+    if args.json:
+        _write_json(args.json, snapshot_json(reading, top=args.top))
+    return int(ExitCode.OK)
+
+
+def _write_json(path: str, data: dict) -> None:
+    from tracer.errors import UsageError
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+    except OSError as exc:
+        raise UsageError(f"cannot write --json {path}: {exc.strerror}") from exc
 
 
 def _run(args) -> int:
@@ -79,11 +122,7 @@ def _run(args) -> int:
     sys.stdout.write(render_text(analysis, top=args.top))
     if args.json:
         versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
-        try:
-            with open(args.json, "w") as f:
-                json.dump(report_json(analysis, top=args.top, versions=versions), f, indent=2)
-        except OSError as exc:
-            raise UsageError(f"cannot write --json {args.json}: {exc.strerror}") from exc
+        _write_json(args.json, report_json(analysis, top=args.top, versions=versions))
     progress.done()
     return int(ExitCode.OK)
 
