@@ -112,9 +112,3 @@ class StepGraph:
     def storage(self, storage_id: int) -> Storage:
         return self.storages[storage_id]
 
-    def phase_ranges(self) -> dict[Phase, range]:
-        out: dict[Phase, range] = {}
-        for op in self.ops:
-            r = out.get(op.phase)
-            out[op.phase] = range(op.index, op.index + 1) if r is None else range(r.start, op.index + 1)
-        return out

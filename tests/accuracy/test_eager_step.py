@@ -74,8 +74,9 @@ def test_first_step_creates_optimizer_state_lazily():
     steady, measured_steady = predict_and_measure("llama-debug", batch=2, seq=64, step="steady")
     assert_step_matches(first, measured_first, peak_phase=measured_first.peak_phase)
     assert_step_matches(steady, measured_steady, peak_phase=measured_steady.peak_phase)
-    assert first.at_peak.by_category["optimizer_state"] != steady.at_peak.by_category["optimizer_state"] or \
-        first.start_bytes < steady.start_bytes
+    # no optimizer state exists before a first step: the real step starts lower by Adam's two moments + steps
+    assert measured_first.start_bytes < measured_steady.start_bytes
+    assert first.phases["optimizer"].peak_bytes == measured_first.phase_peaks["optimizer"]
 
 
 @pytest.mark.parametrize("foreach", [True, False])
@@ -97,7 +98,8 @@ def test_custom_python_optimizer():
 def test_zero_grad_keeps_gradients_between_steps():
     result, measured = predict_and_measure("llama-debug", batch=2, seq=64, set_to_none=False)
     assert_step_matches(result, measured, peak_phase=measured.peak_phase)
-    assert result.at_peak.by_category["gradient"] > 0 or result.start_bytes > 0
+    param_bytes = sum(p.numel() * p.element_size() for p in load_model_source("llama-debug").build_model().parameters())
+    assert result.at_peak.by_category["gradient"] == param_bytes   # kept gradients are live all step long
 
 
 def test_gpt2_debug_fp32():

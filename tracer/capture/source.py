@@ -48,11 +48,11 @@ def loc_from_stack_trace(stack_trace: str | None) -> SourceLoc | None:
     return None
 
 
-def loc_from_python_stack(skip_files: tuple[str, ...] = ()) -> SourceLoc | None:
+def loc_from_python_stack() -> SourceLoc | None:
     frame = sys._getframe(1)
     while frame is not None:
         path = frame.f_code.co_filename
-        if is_user_file(path) and not path.startswith(skip_files):
+        if is_user_file(path):
             line = frame.f_lineno
             return SourceLoc(path, line, frame.f_code.co_name, linecache.getline(path, line).strip())
         frame = frame.f_back

@@ -20,7 +20,7 @@ class ZooEntry:
     example_batch: Callable[[int, int], tuple]
 
 
-def _family(prefix: str, module, config_cls, model_cls, sizes: dict[str, object]) -> dict[str, ZooEntry]:
+def _family(prefix: str, module, model_cls, sizes: dict[str, object]) -> dict[str, ZooEntry]:
     entries = {}
     debug_cfg = sizes["debug"]
     for size, cfg in sizes.items():
@@ -39,9 +39,9 @@ def _family(prefix: str, module, config_cls, model_cls, sizes: dict[str, object]
 
 
 ZOO: dict[str, ZooEntry] = {
-    **_family("llama", llama, llama.LlamaConfig, llama.Llama, llama.LLAMA_SIZES),
-    **_family("gpt2", gpt2, gpt2.GPT2Config, gpt2.GPT2, gpt2.GPT2_SIZES),
-    **_family("gpt3-layer", gpt3_layer, gpt3_layer.GPT3LayerConfig, gpt3_layer.GPT3Layer,
+    **_family("llama", llama, llama.Llama, llama.LLAMA_SIZES),
+    **_family("gpt2", gpt2, gpt2.GPT2, gpt2.GPT2_SIZES),
+    **_family("gpt3-layer", gpt3_layer, gpt3_layer.GPT3Layer,
               gpt3_layer.GPT3_LAYER_SIZES),
 }
 

@@ -83,7 +83,7 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
         nbytes = storage.nbytes
         by_category[categories[sid]] += nbytes
         producer = producers[sid]
-        label, source = _line_label(storage, producer, categories[sid])
+        label, source = _line_label(producer, categories[sid])
         entry = lines.setdefault(label, [source, 0, 0])
         entry[1] += nbytes
         layer = _layer_label(storage, producer, categories[sid])
@@ -92,7 +92,7 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
         storage = graph.storage(sid)
         if liveness.intervals[sid].alloc_op == BEFORE_STEP:
             continue
-        label, source = _line_label(storage, producers[sid], "activation")
+        label, source = _line_label(producers[sid], "activation")
         lines.setdefault(label, [source, 0, 0])[2] += storage.nbytes
         layers.setdefault(_layer_label(storage, producers[sid], "activation"), [0, 0])[1] += storage.nbytes
     line_rows = sorted((LineBytes(src, label, b, s) for label, (src, b, s) in lines.items()),
@@ -101,7 +101,7 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
     return Attribution(op_index=op_index, by_category=by_category, lines=tuple(line_rows), layers=layer_rows)
 
 
-def _line_label(storage, producer: OpNode | None, category: str) -> tuple[str, SourceLoc | None]:
+def _line_label(producer: OpNode | None, category: str) -> tuple[str, SourceLoc | None]:
     if producer is not None and producer.source is not None:
         return f"{producer.source.file}:{producer.source.line}", producer.source
     if producer is None:
