@@ -5,7 +5,8 @@ optimizer step and zero_grad) over `Storage`s, the unit of memory. Tensors (`Ten
 storages; several values may share one storage (views, aliases). Storages that exist before the step
 (parameters, inputs, optimizer state in steady state, gradients kept by zero_grad(set_to_none=False))
 have `preexisting=True`. Storages that outlive the step (the loss, gradients, new optimizer state) have
-`persistent=True`. A storage whose release the capture observed directly (Python code such as the
+`persistent=True`. A storage that a Python local keeps after its last use carries `held_until_op`.
+A storage whose release the capture observed directly (Python code such as the
 optimizer, run under a storage tracker) carries `released_after_op`; otherwise the liveness pass frees it
 after its last use. Nothing here imports torch.
 """
@@ -53,6 +54,7 @@ class Storage:
     preexisting: bool = False
     persistent: bool = False
     released_after_op: int | None = None
+    held_until_op: int | None = None  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
 
 

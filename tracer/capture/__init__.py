@@ -11,6 +11,7 @@ import dataclasses
 from tracer.capture.convert import OpDraft, convert_joint
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
+from tracer.capture.pylocals import local_holds
 from tracer.capture.optimizer import OPTIMIZERS, capture_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph
@@ -46,6 +47,10 @@ def capture_step(source: ModelSource, options: CaptureOptions) -> StepGraph:
         if last_backward is not None:
             # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
             table.update(part.seed_sid, released_after_op=last_backward)
+        forward = [(i, d.frames, tuple(v.storage_id for v in d.outputs))
+                   for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
+        for sid, op_index in local_holds(forward).items():
+            table.update(sid, held_until_op=op_index)
         ops = tuple(_freeze(i, d) for i, d in enumerate(part.ops + opt_ops))
         config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                             optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.joint import JointCapture
-from tracer.capture.source import loc_from_stack_trace, module_from_stack
+from tracer.capture.source import loc_from_stack_trace, module_from_stack, user_frames
 from tracer.capture.storages import StorageTable, dtype_name
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
@@ -38,6 +38,7 @@ class OpDraft:
     module: str
     is_view: bool
     seq_nr: int | None = None           # autograd sequence number: ops of one autograd node share it
+    frames: tuple = ()                  # user frames (file, line, function), outer to inner
 
 
 @dataclasses.dataclass
@@ -142,6 +143,7 @@ def _convert_node(node: fx.Node, table: StorageTable, values) -> OpDraft:
         module=module_from_stack(stack),
         is_view=bool(outputs) and not fresh,
         seq_nr=node.meta.get("seq_nr"),
+        frames=user_frames(node.meta.get("stack_trace")) if not backward else (),
     )
 
 

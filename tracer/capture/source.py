@@ -48,6 +48,15 @@ def loc_from_stack_trace(stack_trace: str | None) -> SourceLoc | None:
     return None
 
 
+def user_frames(stack_trace: str | None) -> tuple[tuple[str, int, str], ...]:
+    """All user frames of an fx stack trace, outer to inner, as (file, line, function)."""
+    if not stack_trace:
+        return ()
+    stack_trace = stack_trace.replace(_GRAD_ACC_SUFFIX, "")
+    return tuple((m["file"], int(m["line"]), m["func"]) for m in _FRAME_RE.finditer(stack_trace + "\n")
+                 if is_user_file(m["file"]))
+
+
 def loc_from_python_stack() -> SourceLoc | None:
     frame = sys._getframe(1)
     while frame is not None:

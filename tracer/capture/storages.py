@@ -29,6 +29,7 @@ class _Entry:
     preexisting: bool = False
     persistent: bool = False
     released_after_op: int | None = None
+    held_until_op: int | None = None
     name: str = ""
 
 

@@ -5,7 +5,8 @@ Conventions (eager semantics at op granularity):
     first op it appears in (normally as an output), while that op's inputs are still live.
   * A storage is freed after the op named by `released_after_op` when the capture observed its release,
     never if it is persistent (it outlives the step), otherwise after its last use (the last op that
-    reads it or produces a value on it: views extend the life of their storage).
+    reads it or produces a value on it: views extend the life of their storage), or after
+    `held_until_op` if a Python local holds it longer.
   * Backward ops of one autograd Node (same `autograd_node`) run as one unit in eager: a storage made
     before the node and last used inside it (a saved tensor, the incoming gradient) is freed when the
     whole node has run, as the engine releases saved variables and input buffers after `apply`.
@@ -110,4 +111,6 @@ def _interval(storage, first: int | None, last: int | None) -> Interval:
         free = None
     else:
         free = last if last is not None else alloc
+        if storage.held_until_op is not None:
+            free = max(free, storage.held_until_op)
     return Interval(storage.storage_id, storage.nbytes, alloc_op=alloc, free_op=free)

@@ -39,8 +39,8 @@ def render_text(analysis: Analysis, *, policy: str = "eager", top: int = 10) -> 
     lines += ["", "layers at the peak (identical layers grouped):", f"  {'at peak':>12} {'saved':>12}  layer"]
     for label, row in group_layers(result.at_peak.layers):
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}")
-    lines += ["", "not modelled: kernel-internal scratch buffers; tensors that Python locals keep alive "
-                  "after their last use in forward."]
+    lines += ["", "not modelled: kernel-internal scratch buffers; Python references other than plain "
+                  "`name = ...` locals in forward."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,51 @@
+"""Python-local lifetimes from user stacks + the source AST, on hand-written frames and a temp file."""
+import textwrap
+
+from tracer.capture.pylocals import local_holds
+
+SOURCE = textwrap.dedent('''\
+    def forward(x):
+        h = f(x)
+        y = g(h)
+        h = k(y)
+        return h
+
+
+    def block(x):
+        x = x + 1
+        return x
+''')
+
+
+def _write(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(SOURCE)
+    return str(path)
+
+
+def test_local_is_held_until_rebound(tmp_path):
+    f = _write(tmp_path)
+    ops = [
+        (0, ((f, 2, "forward"),), (10,)),       # h = f(x)
+        (1, ((f, 3, "forward"),), (11,)),       # y = g(h): last use of h
+        (2, ((f, 3, "forward"),), (12,)),
+        (3, ((f, 4, "forward"),), (13,)),       # h = k(y): old h released here
+        (4, ((f, 5, "forward"),), (14,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[10] == 3                        # first h lives until the rebinding statement ends
+    assert holds[12] == 4                        # y (last op of line 3) lives until forward returns
+    assert holds[13] == 4
+
+
+def test_each_call_in_a_loop_is_its_own_invocation(tmp_path):
+    f = _write(tmp_path)
+    outer = (f, 99, "caller")
+    ops = [
+        (0, (outer, (f, 9, "block")), (20,)),    # block 0: x = x + 1
+        (1, (outer, (f, 10, "block")), (21,)),
+        (2, (outer, (f, 9, "block")), (22,)),    # block 1 starts: the line goes back
+        (3, (outer, (f, 10, "block")), (23,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[20] == 1 and holds[22] == 3     # not held across into the next call
