@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tracer.capture.convert import OpDraft, convert_joint
+from tracer.capture.convert import OpDraft, Schedule, convert_step
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.pylocals import local_holds
@@ -37,7 +37,7 @@ def capture_step(source: ModelSource, options: CaptureOptions) -> StepGraph:
         table = StorageTable()
         steady = options.step == "steady"
         grads_preexisting = steady and not options.zero_grad_set_to_none
-        part = convert_joint(cap, table, grads_preexisting=grads_preexisting)
+        part = convert_step(cap, table, Schedule(joint=cap.joint), grads_preexisting=grads_preexisting)
         opt_ops = capture_optimizer_step(
             cap.model, part.grad_sid_by_param, table, cap.fake_mode,
             make_optimizer=source.make_optimizer, optimizer_name=options.optimizer, foreach=options.foreach,

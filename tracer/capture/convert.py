@@ -1,15 +1,22 @@
-"""Convert the joint fx graph into ops over storages, with eager autograd's gradient semantics.
+"""Convert a captured step's fx graphs into ops over storages, with eager autograd's gradient semantics.
+
+A step is read from a `Schedule`: either the joint graph (eager: forward nodes, then backward nodes in
+autograd-engine order) or a partitioned pair (forward graph, then backward graph whose placeholders are
+the forward graph's saved outputs; backward nodes not tagged `is_backward` are recomputed forward ops).
 
 Conventions:
   * getitem nodes are not ops: they name an element of their parent's output tuple.
-  * an op's output storage is new unless an earlier value already owns it (then the op is a view).
+  * an output that shares a storage with one of the op's inputs is a view (no allocation); any other
+    output is a new storage (a recomputed op in the backward graph carries its forward twin's fake
+    value, and still allocates anew).
   * placeholders are pre-existing: parameters and buffers (tied parameters share one storage, as in
     eager), inputs; the loss tangent is a 4-byte `ones_like` made at the start of backward, as
     `loss.backward()` does.
   * gradients follow AccumulateGrad: with grads set to None before the step, a parameter's single
     gradient is stolen as `.grad` (no copy); a tied parameter's gradients are summed out of place when
     the last one is ready. With grads kept from the previous step (`zero_grad(set_to_none=False)`),
-    every incoming gradient is added in place into the existing `.grad` and then freed.
+    every incoming gradient is added in place into the existing `.grad` and then freed. In eager, a
+    gradient is ready when its autograd node has run; in a compiled backward, when the graph returns.
 """
 from __future__ import annotations
 
@@ -22,8 +29,21 @@ import torch.fx as fx
 
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, user_frames
-from tracer.capture.storages import StorageTable, dtype_name
+from tracer.capture.storages import StorageTable, dtype_name, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
+
+_GETITEM = operator.getitem
+SEED_OP_NAME = "loss_grad_seed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """How to read the step: the joint graph alone, or a (forward, backward) partition of it."""
+    joint: fx.GraphModule
+    forward: fx.GraphModule | None = None
+    backward: fx.GraphModule | None = None
+    num_forward_outputs: int = 1
+    compiled: bool = False            # one compiled autograd node: grads ready when the backward returns
 
 
 @dataclasses.dataclass
@@ -39,6 +59,7 @@ class OpDraft:
     is_view: bool
     seq_nr: int | None = None           # autograd sequence number: ops of one autograd node share it
     frames: tuple = ()                  # user frames (file, line, function), outer to inner
+    recomputed: bool = False            # a forward op re-run in backward
 
 
 @dataclasses.dataclass
@@ -49,37 +70,73 @@ class GraphPart:
     seed_sid: int | None                       # the ones_like(loss) gradient that starts backward
 
 
-def convert_joint(cap: JointCapture, table: StorageTable, *, grads_preexisting: bool) -> GraphPart:
-    joint = cap.joint
+def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, grads_preexisting: bool) -> GraphPart:
     values: dict[fx.Node, Any] = {}
     node_pos: dict[fx.Node, int] = {}
     ops: list[OpDraft] = []
-    tangent = _add_placeholders(cap, table, values)
-    for node in joint.graph.nodes:
+    descs = {node.name: node.meta.get("desc") for node in schedule.joint.graph.find_nodes(op="placeholder")}
+    if schedule.forward is None:
+        tangent = _add_placeholders(cap, schedule.joint, descs, table, values)
+        _convert_nodes(schedule.joint, table, values, node_pos, ops, tangent, partitioned=False)
+        out = _output_args(schedule.joint)
+        loss_node, grad_outputs = out[0], _grad_outputs(out, _output_node(schedule.joint).meta.get("desc") or [])
+    else:
+        _add_placeholders(cap, schedule.forward, descs, table, values)
+        _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD)
+        fw_out = _output_args(schedule.forward)
+        loss_node = fw_out[0]
+        by_name = {n.name: n for n in schedule.forward.graph.nodes}
+        tangent = (None, None)
+        for node in schedule.backward.graph.find_nodes(op="placeholder"):
+            if node.name.startswith("tangents"):
+                tangent = (node, node.meta.get("val"))
+            else:
+                values[node] = values[by_name[node.name]]
+        _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
+                       phase=Phase.BACKWARD)
+        primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
+        grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
+                        if type(d).__name__ == "ParamAOTInput" and out is not None]
+    return _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting,
+                                 compiled=schedule.compiled)
+
+
+def _output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(iter(gm.graph.find_nodes(op="output")))
+
+
+def _output_args(gm: fx.GraphModule) -> list:
+    return list(_output_node(gm).args[0])
+
+
+def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
+    return [(d.grad_of.target, out) for out, d in zip(outs, descs)
+            if type(d).__name__ == "GradAOTOutput" and out is not None]
+
+
+def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None):
+    for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is _GETITEM:
             values[node] = values[node.args[0]][node.args[1]]
             node_pos[node] = node_pos[node.args[0]]
             continue
-        if node.meta.get("partitioner_tag") == "is_backward" and not any(o.phase is Phase.BACKWARD for o in ops):
+        tagged_backward = node.meta.get("partitioner_tag") == "is_backward"
+        node_phase = phase or (Phase.BACKWARD if tagged_backward else Phase.FORWARD)
+        if node_phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
             ops.append(_tangent_op(tangent, table, values))
-        ops.append(_convert_node(node, table, values))
+        recomputed = partitioned and node_phase is Phase.BACKWARD and not tagged_backward
+        ops.append(_convert_node(node, node_phase, recomputed, table, values))
         node_pos[node] = len(ops) - 1
-    output_node = next(iter(joint.graph.find_nodes(op="output")))
-    return _apply_grad_semantics(cap, output_node, table, values, node_pos, ops, grads_preexisting)
 
 
-_GETITEM = operator.getitem
-SEED_OP_NAME = "loss_grad_seed"
-
-
-def _add_placeholders(cap, table, values) -> tuple:
+def _add_placeholders(cap, gm, descs, table, values) -> tuple:
     """Registers parameters, buffers and inputs; returns the loss tangent (node, fake value)."""
     sid_by_param_id: dict[int, int] = {}
     tangent = (None, None)
-    for node in cap.joint.graph.find_nodes(op="placeholder"):
-        desc = node.meta.get("desc")
+    for node in gm.graph.find_nodes(op="placeholder"):
+        desc = descs.get(node.name)
         kind = type(desc).__name__
         val = node.meta.get("val")
         if kind == "ParamAOTInput" or kind == "BufferAOTInput":
@@ -92,19 +149,15 @@ def _add_placeholders(cap, table, values) -> tuple:
                 sid = table.add(val, role, preexisting=True, persistent=True, name=desc.target)
                 sid_by_param_id[id(owner)] = sid
                 table.alias(owner, sid)
-            else:
-                table.alias(val, sid)
             values[node] = table.value(val, sid)
         elif kind == "TangentAOTInput":
-            values[node] = None            # made by the synthetic ones_like op at the start of backward
-            tangent = (node, val)
+            tangent = (node, val)          # made by the synthetic ones_like op at the start of backward
         elif isinstance(val, torch.Tensor):
-            if val in table:
-                values[node] = table.value(val)
-            else:
+            sid = table.lookup(val)
+            if sid is None:
                 sid = table.add(val, StorageRole.INPUT, preexisting=True, persistent=True,
                                 name=f"input {getattr(desc, 'idx', '?')}")
-                values[node] = table.value(val, sid)
+            values[node] = table.value(val, sid)
         else:
             values[node] = val
     return tangent
@@ -119,81 +172,89 @@ def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:
                    kwargs=(), outputs=(tv,), source=None, module="", is_view=False)
 
 
-def _convert_node(node: fx.Node, table: StorageTable, values) -> OpDraft:
-    backward = node.meta.get("partitioner_tag") == "is_backward"
-    outputs = []
+def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageTable, values) -> OpDraft:
+    inputs = {}
+    for arg in _input_nodes(node):
+        val, tv = arg.meta.get("val"), values.get(arg)
+        if isinstance(val, torch.Tensor) and isinstance(tv, TensorValue):
+            inputs.setdefault(storage_key(val), tv.storage_id)
+    new_values = {}
     fresh = False
     for t in _tensors(node.meta.get("val")):
-        if t in table:
-            outputs.append(table.value(t))
-        else:
-            sid = table.add(t, StorageRole.INTERMEDIATE)
-            outputs.append(table.value(t, sid))
+        key = storage_key(t)
+        sid = inputs.get(key)
+        if sid is None:
+            sid = inputs[key] = table.add(t, StorageRole.INTERMEDIATE)
             fresh = True
-    values[node] = _structure(node.meta.get("val"), table)
-    stack = node.meta.get("fwd_nn_module_stack") if backward else node.meta.get("nn_module_stack")
+        new_values[id(t)] = TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+    values[node] = _structure(node.meta.get("val"), new_values)
+    backward_meta = node.meta.get("partitioner_tag") == "is_backward"
+    stack = node.meta.get("fwd_nn_module_stack") if backward_meta else node.meta.get("nn_module_stack")
     return OpDraft(
         name=node.name,
         target=target_name(node.target),
-        phase=Phase.BACKWARD if backward else Phase.FORWARD,
+        phase=phase,
         args=_plain(node.args, values),
         kwargs=tuple((k, _plain(v, values)) for k, v in node.kwargs.items()),
-        outputs=tuple(outputs),
+        outputs=tuple(new_values.values()),
         source=loc_from_stack_trace(node.meta.get("stack_trace")),
         module=module_from_stack(stack),
-        is_view=bool(outputs) and not fresh,
+        is_view=bool(new_values) and not fresh,
         seq_nr=node.meta.get("seq_nr"),
-        frames=user_frames(node.meta.get("stack_trace")) if not backward else (),
+        frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
+        recomputed=recomputed,
     )
 
 
-def _apply_grad_semantics(cap, output_node, table, values, node_pos, ops, grads_preexisting) -> GraphPart:
-    descs = output_node.meta.get("desc") or []
-    outs = output_node.args[0]
-    loss_sid = values[outs[0]].storage_id
+def _input_nodes(node: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting, *,
+                          compiled: bool) -> GraphPart:
+    loss_sid = values[loss_node].storage_id
     table.update(loss_sid, persistent=True, name="loss")
     grads: dict[int, list[tuple[int, TensorValue]]] = {}      # id(param) -> [(ready position, grad value)]
-    owners: dict[int, torch.Tensor] = {}
-    for out, desc in zip(outs, descs):
-        if type(desc).__name__ != "GradAOTOutput" or out is None:
-            continue
-        param = cap.param_by_fqn[desc.grad_of.target]
-        owners[id(param)] = param
-        grads.setdefault(id(param), []).append((_end_of_autograd_node(ops, node_pos[out]), values[out]))
+    owners: dict[int, tuple[str, torch.Tensor]] = {}
+    for fqn, out in grad_outputs:
+        param = cap.param_by_fqn[fqn]
+        owners.setdefault(id(param), (fqn, param))
+        ready = len(ops) - 1 if compiled else _end_of_autograd_node(ops, node_pos[out])
+        grads.setdefault(id(param), []).append((ready, values[out]))
     inserts: list[tuple[int, OpDraft]] = []
     grad_sid_by_param: dict[int, int] = {}
     for pid, incoming in grads.items():
         incoming.sort(key=lambda item: item[0])
-        param = owners[pid]
-        name = next(fqn for fqn, p in cap.param_by_fqn.items() if p is param)
+        name, param = owners[pid]
         if grads_preexisting:
-            grad_sid = table.add(None, StorageRole.GRADIENT, nbytes=param.untyped_storage().nbytes(),
-                                 dtype=dtype_name(param.dtype), shape=tuple(param.shape),
-                                 preexisting=True, persistent=True, name=f"{name}.grad")
-            grad_value = TensorValue(grad_sid, tuple(param.shape), dtype_name(param.dtype))
+            grad_value = _new_grad(table, param, name, preexisting=True)
             for pos, value in incoming:
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add_.Tensor",
                                                     (grad_value, value), grad_value, ops[pos])))
         elif len(incoming) == 1:
-            grad_sid = incoming[0][1].storage_id
-            table.update(grad_sid, role=StorageRole.GRADIENT, persistent=True, name=f"{name}.grad")
+            grad_value = incoming[0][1]
+            table.update(grad_value.storage_id, role=StorageRole.GRADIENT, persistent=True, name=f"{name}.grad")
         else:
-            first = incoming[0][1]
-            grad_sid = table.add(None, StorageRole.GRADIENT, nbytes=param.untyped_storage().nbytes(),
-                                 dtype=dtype_name(param.dtype), shape=tuple(param.shape),
-                                 persistent=True, name=f"{name}.grad")
-            total = TensorValue(grad_sid, tuple(param.shape), dtype_name(param.dtype))
-            acc = first
+            grad_value = _new_grad(table, param, name, preexisting=False)
+            acc = incoming[0][1]
             for pos, value in incoming[1:]:
-                out = total if pos == incoming[-1][0] else _fresh_sum(table, param, name)
+                out = grad_value if pos == incoming[-1][0] else _fresh_sum(table, param, name)
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add.Tensor",
                                                     (acc, value), out, ops[pos], fresh=True)))
                 acc = out
-        grad_sid_by_param[pid] = grad_sid
+        grad_sid_by_param[pid] = grad_value.storage_id
     for pos, op in sorted(inserts, key=lambda item: item[0], reverse=True):
         ops.insert(pos + 1, op)
     seed = next((op.outputs[0].storage_id for op in ops if op.name == SEED_OP_NAME), None)
     return GraphPart(ops=ops, grad_sid_by_param=grad_sid_by_param, loss_sid=loss_sid, seed_sid=seed)
+
+
+def _new_grad(table, param, name, *, preexisting: bool) -> TensorValue:
+    sid = table.add(None, StorageRole.GRADIENT, nbytes=param.untyped_storage().nbytes(), dtype=dtype_name(param.dtype),
+                    shape=tuple(param.shape), preexisting=preexisting, persistent=True, name=f"{name}.grad")
+    return TensorValue(sid, tuple(param.shape), dtype_name(param.dtype))
 
 
 def _end_of_autograd_node(ops: list[OpDraft], pos: int) -> int:
@@ -212,7 +273,7 @@ def _fresh_sum(table, param, name) -> TensorValue:
 
 def _accumulate_op(name, target, args, out, producer: OpDraft, fresh=False) -> OpDraft:
     return OpDraft(name=name, target=target, phase=Phase.BACKWARD, args=args, kwargs=(), outputs=(out,),
-                   source=producer.source, module=producer.module, is_view=not fresh)
+                   source=producer.source, module=producer.module, is_view=not fresh, seq_nr=producer.seq_nr)
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -234,11 +295,11 @@ def plain_value(obj, table: StorageTable):
     return str(obj)
 
 
-def _structure(val, table: StorageTable):
+def _structure(val, new_values: dict[int, TensorValue]):
     if isinstance(val, torch.Tensor):
-        return table.value(val)
+        return new_values[id(val)]
     if isinstance(val, (tuple, list)):
-        return tuple(_structure(v, table) for v in val)
+        return tuple(_structure(v, new_values) for v in val)
     return val
 
 
