@@ -105,6 +105,28 @@ class Measurement:
     start_bytes: int
     saved_bytes: int
     lines_at_peak: dict[str, int]
+    forward_end_bytes: int = 0          # live right after forward + loss (start + everything kept for backward)
+
+
+class Checkpointed(torch.nn.Module):
+    """Wraps a block in torch.utils.checkpoint (non-reentrant), optionally selective: `save_ops` is a set of
+    aten OpOverloads whose outputs are kept (MUST_SAVE); everything else is recomputed."""
+
+    def __init__(self, block: torch.nn.Module, save_ops=None):
+        super().__init__()
+        self.block = block
+        self.save_ops = save_ops
+
+    def forward(self, *args):
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+        if self.save_ops is None:
+            return checkpoint(self.block, *args, use_reentrant=False)
+
+        def policy(ctx, op, *a, **k):
+            return CheckpointPolicy.MUST_SAVE if op in self.save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return checkpoint(self.block, *args, use_reentrant=False,
+                          context_fn=lambda: create_selective_checkpoint_contexts(policy))
 
 
 def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: str = "fp32",
@@ -140,10 +162,33 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         tracker.track_existing(state, "optimizer_state")
     start = tracker.current
+    real_get_rng_state = torch.get_rng_state
+
+    def tracked_get_rng_state():       # checkpoint saves the CPU RNG state; it is made outside the dispatcher
+        state = real_get_rng_state()
+        tracker._register(state.untyped_storage(), _user_line(), tracker.phase)
+        return state
+
+    torch.get_rng_state = tracked_get_rng_state
+    try:
+        forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none)
+    finally:
+        torch.get_rng_state = real_get_rng_state
+    lines: dict[str, int] = {}
+    for nbytes, line, _ in tracker.peak_live.values():
+        lines[str(line)] = lines.get(str(line), 0) + nbytes
+    return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
+                       start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines,
+                       forward_end_bytes=forward_end)
+
+
+def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none) -> int:
+    """forward+loss, backward, step, zero_grad under the tracker; returns live bytes right after forward."""
     with tracker:
         tracker.phase = "forward"
         with _LineStamper(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
             loss = model(*batch)
+        forward_end = tracker.current
         tracker.phase = "backward"
         loss.backward()
         tracker.phase = "optimizer"
@@ -152,8 +197,4 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
             optimizer.zero_grad(set_to_none=set_to_none)
         else:
             model.zero_grad(set_to_none=set_to_none)
-    lines: dict[str, int] = {}
-    for nbytes, line, _ in tracker.peak_live.values():
-        lines[str(line)] = lines.get(str(line), 0) + nbytes
-    return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
-                       start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines)
+    return forward_end

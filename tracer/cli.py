@@ -41,6 +41,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                    help="zero_grad(set_to_none=True) (none, default) or set_to_none=False (zeros): gradients "
                         "are kept between steps and accumulated in place")
+    p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
+                   help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
+                        "compiled (torch.compile's min-cut partitioner), selective or full activation "
+                        "checkpointing of the blocks; all = one table with a row per policy (default eager)")
+    p.add_argument("--memory-budget", metavar="B|sweep",
+                   help="compiled: torch._functorch activation_memory_budget (0..1, a fraction of activation "
+                        "bytes, not of the peak); 'sweep' adds one compiled row per budget 1.0, 0.9, ... 0.0")
+    p.add_argument("--blocks", metavar="GLOB", help="module paths of the blocks to checkpoint, e.g. 'layers.*' "
+                                                     "(default: the repeated `name.N` modules)")
+    p.add_argument("--checkpoint-every", type=int, default=1, metavar="K",
+                   help="checkpoint every K-th block (default 1: all)")
+    p.add_argument("--save-policy", default="matmul-attention",
+                   help="selective: a named save policy (matmul-attention, matmul, nothing; default matmul-attention)")
+    p.add_argument("--save-ops", metavar="OPS",
+                   help="selective: comma-separated aten ops whose outputs are kept, e.g. "
+                        "mm,_scaled_dot_product_flash_attention (overrides --save-policy)")
     p.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH")
     p.add_argument("--top", type=int, default=10, help="number of source lines to show (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
@@ -103,9 +119,9 @@ def _run(args) -> int:
     import torch
 
     import tracer
-    from tracer.capture import CaptureOptions, capture_step, load_model_source
+    from tracer.capture import CaptureOptions, capture_steps, load_model_source
     from tracer.errors import UsageError
-    from tracer.passes.analysis import analyze_graph
+    from tracer.passes.analysis import analyze_graphs
     from tracer.reports.json_report import report_json
     from tracer.reports.text import render_text
 
@@ -115,16 +131,51 @@ def _run(args) -> int:
     source = load_model_source(args.model)
     options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
                              foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none")
+    specs = policy_specs(args)
     progress(f"capturing {args.model} (batch {args.batch}, seq {args.seq}) under fake tensors ...")
-    graph = capture_step(source, options)
-    progress(f"captured {len(graph.ops)} ops; analysing ...")
-    analysis = analyze_graph(graph)
-    sys.stdout.write(render_text(analysis, top=args.top))
+    graphs = capture_steps(source, options, specs, on_policy=lambda label: progress(f"simulating {label} ..."))
+    progress("analysing ...")
+    analysis = analyze_graphs(graphs)
+    shown = None if args.policy == "all" or len(specs) > 1 else specs[0].label
+    sys.stdout.write(render_text(analysis, policy=shown, top=args.top))
     if args.json:
         versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
         _write_json(args.json, report_json(analysis, top=args.top, versions=versions))
     progress.done()
     return int(ExitCode.OK)
+
+
+BUDGET_SWEEP = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+
+
+def policy_specs(args) -> tuple:
+    from tracer.errors import UsageError
+    from tracer.policies import PolicySpec, save_predicate
+
+    if args.checkpoint_every < 1:
+        raise UsageError("--checkpoint-every must be a positive integer")
+    names = ("eager", "compiled", "selective", "full") if args.policy == "all" else (args.policy,)
+    common = dict(blocks=args.blocks, checkpoint_every=args.checkpoint_every, save=args.save_policy,
+                  save_ops=tuple(args.save_ops.split(",")) if args.save_ops else ())
+    budgets: tuple = (None,)
+    if args.memory_budget is not None:
+        if args.memory_budget == "sweep":
+            budgets = BUDGET_SWEEP
+        else:
+            try:
+                budgets = (float(args.memory_budget),)
+            except ValueError:
+                raise UsageError(f"--memory-budget {args.memory_budget!r} is not a number or 'sweep'") from None
+            if not 0.0 <= budgets[0] <= 1.0:
+                raise UsageError("--memory-budget must be between 0 and 1 (a fraction of activation bytes)")
+        if "compiled" not in names:
+            names = names + ("compiled",)
+    specs = []
+    for name in names:
+        for budget in (budgets if name == "compiled" else (None,)):
+            specs.append(PolicySpec(name=name, memory_budget=budget, **common))
+    save_predicate(specs[0])                    # an unknown --save-policy fails here, before any capture
+    return tuple(specs)
 
 
 def _print_error(exc: TracerError, verbose: bool) -> None:

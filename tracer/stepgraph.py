@@ -78,6 +78,7 @@ class OpNode:
     module: str                       # module path ("" for the root; for backward ops, the forward module)
     is_view: bool = False             # outputs alias an input storage (no allocation)
     autograd_node: int | None = None  # backward ops of one autograd Node share this id (eager frees at its end)
+    recomputed: bool = False          # a forward op re-run during backward (checkpointing, compiled remat)
 
     def input_values(self) -> tuple[TensorValue, ...]:
         return tuple(_iter_values((self.args, tuple(v for _, v in self.kwargs))))
@@ -101,6 +102,7 @@ class StepConfig:
     step: str                         # "first" | "steady"
     zero_grad_set_to_none: bool
     capture_path: str
+    policy: str = "eager"
 
 
 @dataclasses.dataclass(frozen=True)

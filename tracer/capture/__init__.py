@@ -7,17 +7,20 @@ converts it to ops over storages, then records the optimizer step on fake tensor
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from tracer.capture.convert import OpDraft, Schedule, convert_step
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
+from tracer.capture.policies import policy_schedule
 from tracer.capture.pylocals import local_holds
 from tracer.capture.optimizer import OPTIMIZERS, capture_optimizer_step
 from tracer.capture.storages import StorageTable
+from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
-__all__ = ["CaptureOptions", "capture_step", "load_model_source", "ModelSource", "OPTIMIZERS", "PRECISIONS"]
+__all__ = ["CaptureOptions", "capture_step", "capture_steps", "PolicySpec", "load_model_source", "ModelSource", "OPTIMIZERS", "PRECISIONS"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,38 +34,65 @@ class CaptureOptions:
     zero_grad_set_to_none: bool = True
 
 
-def capture_step(source: ModelSource, options: CaptureOptions) -> StepGraph:
+def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
+    spec = spec or PolicySpec(name="eager")
+    return capture_steps(source, options, (spec,))[spec.label]
+
+
+def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
+                  on_policy=None) -> dict[str, StepGraph]:
+    """Export once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
+    with warnings.catch_warnings():
+        # torch's own pytree deprecation warnings while tracing are noise for the user
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        return _capture_steps(source, options, specs, on_policy)
+
+
+def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     cap = export_joint(source, options.batch, options.seq, options.precision)
     try:
-        table = StorageTable()
-        steady = options.step == "steady"
-        grads_preexisting = steady and not options.zero_grad_set_to_none
-        part = convert_step(cap, table, Schedule(joint=cap.joint), grads_preexisting=grads_preexisting)
-        opt_ops = capture_optimizer_step(
-            cap.model, part.grad_sid_by_param, table, cap.fake_mode,
-            make_optimizer=source.make_optimizer, optimizer_name=options.optimizer, foreach=options.foreach,
-            steady=steady, set_to_none=options.zero_grad_set_to_none, grads_preexisting=grads_preexisting,
-            ops_offset=len(part.ops))
-        last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
-        if last_backward is not None:
-            # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
-            table.update(part.seed_sid, released_after_op=last_backward)
-        forward = [(i, d.frames, tuple(v.storage_id for v in d.outputs))
-                   for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        for sid, op_index in local_holds(forward).items():
-            table.update(sid, held_until_op=op_index)
-        ops = tuple(_freeze(i, d) for i, d in enumerate(part.ops + opt_ops))
-        config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
-                            optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
-                            zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path="export-joint")
-        n_params = sum(p.numel() for p in cap.model.parameters())
-        return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
-                         loss_storage_id=part.loss_sid)
+        out = {}
+        for spec in specs:
+            if on_policy is not None:
+                on_policy(spec.label)
+            out[spec.label] = _step_for_policy(cap, source, options, spec)
+        return out
     finally:
         cap.exit_stack.close()
 
 
-def _freeze(index: int, d: OpDraft) -> OpNode:
+def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec) -> StepGraph:
+    schedule = policy_schedule(cap, spec)
+    table = StorageTable()
+    steady = options.step == "steady"
+    grads_preexisting = steady and not options.zero_grad_set_to_none
+    part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
+    opt_ops = capture_optimizer_step(
+        cap.model, part.grad_sid_by_param, table, cap.fake_mode,
+        make_optimizer=source.make_optimizer, optimizer_name=options.optimizer, foreach=options.foreach,
+        steady=steady, set_to_none=options.zero_grad_set_to_none, grads_preexisting=grads_preexisting,
+        ops_offset=len(part.ops))
+    last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
+    if last_backward is not None and part.seed_sid is not None:
+        # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
+        table.update(part.seed_sid, released_after_op=last_backward)
+    if not schedule.compiled:          # compiled code keeps no Python locals alive
+        forward = [(i, d.frames, tuple(v.storage_id for v in d.outputs))
+                   for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
+        for sid, op_index in local_holds(forward).items():
+            table.update(sid, held_until_op=op_index)
+    ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
+    config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
+                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
+                        zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path="export-joint",
+                        policy=spec.label)
+    n_params = sum(p.numel() for p in cap.model.parameters())
+    return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
+                     loss_storage_id=part.loss_sid)
+
+
+def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:
+    node = d.seq_nr if eager_autograd and d.phase is Phase.BACKWARD else None
     return OpNode(index=index, name=d.name, target=d.target, phase=d.phase, args=d.args, kwargs=d.kwargs,
                   outputs=d.outputs, source=d.source, module=d.module, is_view=d.is_view,
-                  autograd_node=d.seq_nr if d.phase is Phase.BACKWARD else None)
+                  autograd_node=node, recomputed=d.recomputed)

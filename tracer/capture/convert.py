@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, user_frames
+from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
@@ -82,18 +83,25 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         loss_node, grad_outputs = out[0], _grad_outputs(out, _output_node(schedule.joint).meta.get("desc") or [])
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
-        _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD)
+        _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD,
+                       fake_mode=cap.fake_mode)
         fw_out = _output_args(schedule.forward)
         loss_node = fw_out[0]
-        by_name = {n.name: n for n in schedule.forward.graph.nodes}
         tangent = (None, None)
+        saved_inputs = []
         for node in schedule.backward.graph.find_nodes(op="placeholder"):
             if node.name.startswith("tangents"):
                 tangent = (node, node.meta.get("val"))
             else:
-                values[node] = values[by_name[node.name]]
+                saved_inputs.append(node)
+        saved_outputs = fw_out[schedule.num_forward_outputs:]
+        if len(saved_outputs) != len(saved_inputs):
+            raise CaptureError(f"the partition's backward takes {len(saved_inputs)} saved values but its forward "
+                               f"returns {len(saved_outputs)}")
+        for placeholder, produced in zip(saved_inputs, saved_outputs):   # same order (saved_values)
+            values[placeholder] = values[produced]
         _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
-                       phase=Phase.BACKWARD)
+                       phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
         primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
                         if type(d).__name__ == "ParamAOTInput" and out is not None]
@@ -114,7 +122,33 @@ def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
             if type(d).__name__ == "GradAOTOutput" and out is not None]
 
 
-def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None):
+def _is_rng_wrapper(node: fx.Node) -> bool:
+    return getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state")
+
+
+def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
+    """Checkpointing wraps random ops in run_and_save_rng_state(op, *args) -> (rng_state, out) and
+    run_with_rng_state(rng_state, op, *args) -> out; the partitioner leaves these nodes without meta.
+    Their values come from running the wrapped op on fake inputs; the saved CPU RNG state is a uint8
+    tensor of torch.get_rng_state()'s size. Attribution falls back to the first input's line and module."""
+    saving = node.target.__name__ == "run_and_save_rng_state"
+    op, args = (node.args[0], node.args[1:]) if saving else (node.args[1], node.args[2:])
+    fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
+    fake_kwargs = fx.node.map_arg(dict(node.kwargs), lambda n: n.meta.get("val"))
+    with fake_mode:
+        out = op(*fake_args, **fake_kwargs)
+        rng_state = torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
+    node.meta["val"] = (rng_state, out) if saving else out
+    source = next((n for n in _input_nodes(node) if n.meta.get("stack_trace")), None)
+    if source is not None:
+        for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr"):
+            if key in source.meta:
+                node.meta.setdefault(key, source.meta[key])
+    node.meta["wrapped_target"] = op
+
+
+def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
+                   fake_mode=None):
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -127,6 +161,8 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         if node_phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
             ops.append(_tangent_op(tangent, table, values))
         recomputed = partitioned and node_phase is Phase.BACKWARD and not tagged_backward
+        if _is_rng_wrapper(node):
+            _fill_rng_wrapper_meta(node, fake_mode)
         ops.append(_convert_node(node, node_phase, recomputed, table, values))
         node_pos[node] = len(ops) - 1
 
@@ -192,9 +228,9 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
     stack = node.meta.get("fwd_nn_module_stack") if backward_meta else node.meta.get("nn_module_stack")
     return OpDraft(
         name=node.name,
-        target=target_name(node.target),
+        target=target_name(node.meta.get("wrapped_target", node.target)),
         phase=phase,
-        args=_plain(node.args, values),
+        args=_plain(_unwrapped_args(node), values),
         kwargs=tuple((k, _plain(v, values)) for k, v in node.kwargs.items()),
         outputs=tuple(new_values.values()),
         source=loc_from_stack_trace(node.meta.get("stack_trace")),
@@ -204,6 +240,12 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
         recomputed=recomputed,
     )
+
+
+def _unwrapped_args(node: fx.Node) -> tuple:
+    if "wrapped_target" not in node.meta:
+        return node.args
+    return node.args[1:] if node.target.__name__ == "run_and_save_rng_state" else node.args[2:]
 
 
 def _input_nodes(node: fx.Node) -> list[fx.Node]:

@@ -1,13 +1,17 @@
-"""The analysis pipeline: a straight list of pure passes over one `StepGraph`.
+"""The analysis pipeline: a straight list of pure passes over one `StepGraph` per simulated policy.
 
-`analyze_graph(graph)` returns an `Analysis` with one `PolicyAnalysis` per simulated policy. Today the
-policy is `eager` (what autograd saves and frees, op by op); recompute policies plug in here later.
+`analyze_graphs({label: graph})` returns an `Analysis` with one `PolicyAnalysis` per policy (eager,
+compiled, selective, full, compiled@budget ...), each with its liveness, peak, bill, attribution and
+FLOPs: `step_flops` counts every op of the step that has a formula (forward, backward, recompute,
+optimizer), `recompute_flops` the forward ops re-run in backward; ops without a formula are listed in
+`flops.unknown_ops`, never counted as zero.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from tracer.passes.attribution import Attribution, attribute, categorize
+from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
 from tracer.stepgraph import OpNode, Phase, StepGraph
@@ -32,20 +36,36 @@ class PolicyAnalysis:
     at_peak: Attribution
     liveness: Liveness
     categories: tuple[str, ...]           # bill category per storage id
+    graph: StepGraph
+    flops: FlopSummary
+    recompute_flops: int
+    recompute_flops_by_line: dict[str, int]   # "file:line" -> FLOPs of recomputed ops from that line
 
     @property
     def peak_phase(self) -> str:
         return self.peak_op.phase.value
 
+    @property
+    def step_flops(self) -> int:
+        return self.flops.total_flops
+
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
-    graph: StepGraph
     policies: dict[str, PolicyAnalysis]
+
+    @property
+    def graph(self) -> StepGraph:
+        """The eager step graph (or the first policy's, when eager was not simulated)."""
+        return (self.policies.get("eager") or next(iter(self.policies.values()))).graph
 
 
 def analyze_graph(graph: StepGraph) -> Analysis:
-    return Analysis(graph=graph, policies={"eager": analyze_policy(graph, "eager")})
+    return analyze_graphs({graph.config.policy: graph})
+
+
+def analyze_graphs(graphs: dict[str, StepGraph]) -> Analysis:
+    return Analysis(policies={label: analyze_policy(graph, label) for label, graph in graphs.items()})
 
 
 def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:
@@ -64,7 +84,20 @@ def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:
         at_peak=at_peak,
         liveness=liveness,
         categories=categories,
+        graph=graph,
+        flops=summarize_flops(graph.ops),
+        recompute_flops=sum(op_flops(op) or 0 for op in graph.ops if op.recomputed),
+        recompute_flops_by_line=_recompute_flops_by_line(graph),
     )
+
+
+def _recompute_flops_by_line(graph: StepGraph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op in graph.ops:
+        if op.recomputed and op.source is not None:
+            label = f"{op.source.file}:{op.source.line}"
+            out[label] = out.get(label, 0) + (op_flops(op) or 0)
+    return out
 
 
 def phase_peaks(graph: StepGraph, liveness: Liveness) -> dict[str, PhasePeak]:

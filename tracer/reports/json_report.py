@@ -2,7 +2,8 @@
 
 Version 1: {schema_version, tracer_version, torch_version, config, parameter_count,
 policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
-end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers}}}.
+end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
+step_flops, flops_by_phase, unknown_flop_ops}}}.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def report_json(analysis: Analysis, *, top: int = 10, versions: dict[str, str] |
     return {
         "schema_version": SCHEMA_VERSION,
         **(versions or {}),
-        "config": dataclasses.asdict(graph.config),
+        "config": {k: v for k, v in dataclasses.asdict(graph.config).items() if k != "policy"},
         "parameter_count": graph.parameter_count,
         "policies": {name: policy_json(p, top=top) for name, p in analysis.policies.items()},
     }
@@ -40,6 +41,10 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
                        "saved_bytes": row.saved_bytes} for row in result.at_peak.lines[:top]],
         "layers": [{"layer": row.layer, "bytes_at_peak": row.bytes_at_peak, "saved_bytes": row.saved_bytes}
                    for row in result.at_peak.layers],
+        "recompute_flops": result.recompute_flops,
+        "step_flops": result.step_flops,
+        "flops_by_phase": dict(result.flops.flops_by_phase),
+        "unknown_flop_ops": [{"target": t, "count": n} for t, n in result.flops.unknown_ops],
     }
 
 

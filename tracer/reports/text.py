@@ -9,9 +9,14 @@ from tracer.passes.attribution import CATEGORIES, LayerBytes
 from tracer.reports.units import format_bytes
 
 
-def render_text(analysis: Analysis, *, policy: str = "eager", top: int = 10) -> str:
-    graph = analysis.graph
+def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10) -> str:
+    """The policy table when several policies were simulated and `policy` is None; else one policy in full."""
+    if policy is None:
+        if len(analysis.policies) > 1:
+            return render_policy_table(analysis)
+        policy = next(iter(analysis.policies))
     result = analysis.policies[policy]
+    graph = result.graph
     cfg = graph.config
     lines = [
         f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
@@ -39,9 +44,60 @@ def render_text(analysis: Analysis, *, policy: str = "eager", top: int = 10) -> 
     lines += ["", "layers at the peak (identical layers grouped):", f"  {'at peak':>12} {'saved':>12}  layer"]
     for label, row in group_layers(result.at_peak.layers):
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}")
-    lines += ["", "not modelled: kernel-internal scratch buffers; Python references other than plain "
-                  "`name = ...` locals in forward."]
+    lines += ["", f"FLOPs: step {format_flops(result.step_flops)}, recomputed {format_flops(result.recompute_flops)}"
+              + _unknown_note(result)]
+    lines += ["", "not modelled: " + NOT_MODELLED[policy.split("@")[0]]]
     return "\n".join(lines) + "\n"
+
+
+NOT_MODELLED = {
+    "eager": "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward.",
+    "compiled": "Inductor's fusion of intermediates inside the compiled forward and backward graphs (every op's "
+                "output is materialised here, so the compiled peak is an upper bound); kernel scratch.",
+    "selective": "eager selective checkpointing keeps every output of a saved op until its block's backward; "
+                 "here only those backward needs are kept; kernel scratch.",
+    "full": "the CPU RNG state checkpoint copies again while recomputing (5,056 B per block, briefly); kernel scratch.",
+}
+
+
+def render_policy_table(analysis: Analysis) -> str:
+    eager = analysis.policies.get("eager")
+    cfg = analysis.graph.config
+    lines = [f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
+             f"  {cfg.step} step  (capture: {cfg.capture_path})", "",
+             f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
+             f"{'recompute':>11} {'step':>11} {'overhead':>8}"]
+    for label, result in analysis.policies.items():
+        saving = (f"{100.0 * (result.peak_bytes - eager.peak_bytes) / eager.peak_bytes:+8.1f}%"
+                  if eager is not None else f"{'':>9}")
+        base = result.step_flops - result.recompute_flops
+        overhead = 100.0 * result.recompute_flops / base if base else 0.0
+        lines.append(f"  {label:<16} {format_bytes(result.peak_bytes):>12} {result.peak_phase:<9} "
+                     f"{format_bytes(result.saved.activation_bytes):>12} {saving} "
+                     f"{format_flops(result.recompute_flops):>11} {format_flops(result.step_flops):>11} "
+                     f"{overhead:7.1f}%")
+    unknown = {t for r in analysis.policies.values() for t, _ in r.flops.unknown_ops}
+    if unknown:
+        lines.append(f"\nops without a FLOP formula (not counted): {', '.join(sorted(unknown))}")
+    lines += ["", "not modelled:"] + [f"  {name}: {text}" for name, text in NOT_MODELLED.items()
+                                     if any(label.split("@")[0] == name for label in analysis.policies)]
+    return "\n".join(lines) + "\n"
+
+
+def format_flops(flops: int) -> str:
+    value = float(flops)
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(value) < 1000 or unit == "P":
+            return f"{value:,.0f} FLOP" if unit == "" else f"{value:,.2f} {unit}FLOP"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def _unknown_note(result: PolicyAnalysis) -> str:
+    if not result.flops.unknown_ops:
+        return ""
+    return f"; {result.flops.unknown_op_count} ops without a formula (not counted): " + ", ".join(
+        f"{t} x{n}" for t, n in result.flops.unknown_ops)
 
 
 def group_layers(layers: tuple[LayerBytes, ...]) -> list[tuple[str, LayerBytes]]:
