@@ -231,7 +231,7 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         target=target_name(node.meta.get("wrapped_target", node.target)),
         phase=phase,
         args=_plain(_unwrapped_args(node), values),
-        kwargs=tuple((k, _plain(v, values)) for k, v in node.kwargs.items()),
+        kwargs=tuple((k, _plain(v, values)) for k, v in _unwrapped_kwargs(node).items()),
         outputs=tuple(new_values.values()),
         source=loc_from_stack_trace(node.meta.get("stack_trace")),
         module=module_from_stack(stack),
@@ -246,6 +246,13 @@ def _unwrapped_args(node: fx.Node) -> tuple:
     if "wrapped_target" not in node.meta:
         return node.args
     return node.args[1:] if node.target.__name__ == "run_and_save_rng_state" else node.args[2:]
+
+
+def _unwrapped_kwargs(node: fx.Node) -> dict:
+    """run_with_rng_state reads the saved RNG state: keep it as an input (a keyword the formulas ignore)."""
+    if node.meta.get("wrapped_target") is not None and node.target.__name__ == "run_with_rng_state":
+        return {**node.kwargs, "rng_state": node.args[0]}
+    return dict(node.kwargs)
 
 
 def _input_nodes(node: fx.Node) -> list[fx.Node]:
