@@ -39,9 +39,11 @@ def _measure(model, every, batch, seq, save_ops=None):
 
 @pytest.mark.parametrize("model,batch,seq", [("llama-debug", 2, 64), (os.path.join(FIXTURES, "llama4.py"), 2, 256)])
 @pytest.mark.parametrize("every", [1, 2])
-def test_full_checkpointing_matches_a_real_checkpointed_step(model, batch, seq, every):
-    predicted = _predict(model, PolicySpec(name="full", checkpoint_every=every), batch, seq)
-    measured = _measure(model, every, batch, seq)
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_checkpointing_matches_a_real_checkpointed_step(model, batch, seq, every, policy):
+    """Selective keeps mm and CPU-flash SDPA outputs, like the default `matmul-attention` save policy."""
+    predicted = _predict(model, PolicySpec(name=policy, checkpoint_every=every), batch, seq)
+    measured = _measure(model, every, batch, seq, SAVE_OPS if policy == "selective" else None)
     assert predicted.peak_phase == measured.peak_phase
     for phase in ("forward", "backward", "optimizer"):
         p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]

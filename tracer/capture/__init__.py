@@ -17,7 +17,7 @@ from tracer.capture.pylocals import local_holds
 from tracer.capture.optimizer import OPTIMIZERS, capture_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
-from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph
+from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure")
 __all__ = ["CaptureOptions", "capture_step", "capture_steps", "PolicySpec", "load_model_source", "ModelSource", "OPTIMIZERS", "PRECISIONS"]
@@ -81,6 +81,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
+    if spec.name in ("full", "selective"):
+        _eager_checkpoint_semantics(part.ops, table)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
@@ -89,6 +91,50 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)
+
+
+def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
+    """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
+    the CPU RNG state it saves at entry (preserve_rng_state=True) when the partition saved none, held
+    until the region's recompute ends; the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
+    cached from forward until the region's recompute has run."""
+    import torch
+
+    first_forward: dict[int, int] = {}
+    recompute_start: dict[int, int] = {}
+    recompute_end: dict[int, int] = {}
+    first_backward = next((i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD), len(ops) - 1)
+    has_rng_state = set()
+    for i, d in enumerate(ops):
+        region = d.checkpoint_region
+        if region is None:
+            continue
+        if d.phase is Phase.FORWARD:
+            first_forward.setdefault(region, i)
+            if d.name.startswith("run_and_save_rng_state"):
+                has_rng_state.add(region)
+        elif d.recomputed:
+            recompute_start.setdefault(region, i)
+            recompute_end[region] = i
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
+            end = recompute_end.get(d.checkpoint_region, first_backward)
+            for value in d.outputs:
+                held = table.get(value.storage_id).held_until_op
+                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
+    rng_bytes = torch.get_rng_state().numel()
+    for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
+                        name=f"RNG state stashed during recompute, region {region}")
+        ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
+        table.update(sid, held_until_op=recompute_end[region])
+    for region, start in first_forward.items():
+        if region in has_rng_state:
+            continue
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
+                        name=f"checkpoint RNG state, region {region}")
+        ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
+        table.update(sid, held_until_op=recompute_end.get(region, first_backward))
 
 
 def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:

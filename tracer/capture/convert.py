@@ -61,6 +61,8 @@ class OpDraft:
     seq_nr: int | None = None           # autograd sequence number: ops of one autograd node share it
     frames: tuple = ()                  # user frames (file, line, function), outer to inner
     recomputed: bool = False            # a forward op re-run in backward
+    checkpoint_region: int | None = None  # ac_graph_id of the checkpointed block this op belongs to
+    must_save: bool = False             # selective checkpointing keeps this op's outputs
 
 
 @dataclasses.dataclass
@@ -141,7 +143,7 @@ def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     node.meta["val"] = (rng_state, out) if saving else out
     source = next((n for n in _input_nodes(node) if n.meta.get("stack_trace")), None)
     if source is not None:
-        for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr"):
+        for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "ac_graph_id"):
             if key in source.meta:
                 node.meta.setdefault(key, source.meta[key])
     node.meta["wrapped_target"] = op
@@ -239,6 +241,8 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         seq_nr=node.meta.get("seq_nr"),
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
         recomputed=recomputed,
+        checkpoint_region=node.meta.get("ac_graph_id"),
+        must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )
 
 

@@ -54,9 +54,9 @@ NOT_MODELLED = {
     "eager": "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward.",
     "compiled": "Inductor's fusion of intermediates inside the compiled forward and backward graphs (every op's "
                 "output is materialised here, so the compiled peak is an upper bound); kernel scratch.",
-    "selective": "eager selective checkpointing keeps every output of a saved op until its block's backward; "
-                 "here only those backward needs are kept; kernel scratch.",
-    "full": "the CPU RNG state checkpoint copies again while recomputing (5,056 B per block, briefly); kernel scratch.",
+    "selective": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint "
+                 "(under torch.compile the region would be partitioned differently).",
+    "full": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint.",
 }
 
 
