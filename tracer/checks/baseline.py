@@ -1,0 +1,288 @@
+"""Memory baselines: write what a later run compares against, and compare a fresh analysis with it.
+
+    save_baseline(analysis, path, *, top=10) -> dict     writes the baseline JSON, returns what it wrote
+    baseline_json(analysis, *, top=10) -> dict           the same, without writing
+    load_baseline(path) -> dict                          reads and checks the format (UsageError if not one)
+    compare_to_baseline(analysis, baseline, tolerance=0.02) -> CheckResult
+    parse_tolerance("2%") -> 0.02
+
+A baseline file is the JSON report (schema 1, `tracer.reports.json_report`, with the tracer and torch
+versions) plus a `baseline` section:
+    baseline: {format_version: 1, policies: {<policy>: {
+        numbers: {peak_bytes, phases.<phase>.peak_bytes, saved_bytes, saved_activation_bytes, end_bytes,
+                  recompute_flops (only when the policy has one)},
+        by_category_at_peak: {<category>: bytes},
+        lines:  [{key, label, code, bytes_at_peak, saved_bytes}]      every line live at the peak
+        layers: [{layer, bytes_at_peak, saved_bytes}]}}}
+
+Comparison contract:
+  * The config (model, batch, seq, precision, optimizer, step, zero_grad_set_to_none, capture_path) must
+    match; otherwise UsageError naming each setting that differs. Different tracer or torch versions are
+    allowed and reported in `notes` (torch controls some of the numbers).
+  * Gated numbers are the `numbers` above. One regresses when `current > baseline * (1 + tolerance)`
+    (from a baseline of 0, any growth regresses); it improves when `current < baseline * (1 - tolerance)`.
+  * The diff tables (lines, layers, bill categories at the peak) list every row whose bytes at the peak
+    or saved bytes changed, largest growth first. They explain a change; they are not gated.
+  * A line is identified by (file, function, code without a trailing comment), not by its number, so
+    editing a file above a line does not make it look new; identical statements in one function merge. Files are named
+    relative to the model file's directory, else to the directory holding the `tracer` package, else
+    to the current directory, else absolutely, so a baseline made in one checkout compares in another.
+Not handled: `foreach` is not part of the captured config (`StepConfig`), so a baseline made with the
+other setting is not refused; its effect shows as changed numbers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+from tracer.errors import UsageError
+from tracer.passes.analysis import Analysis, PolicyAnalysis
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class NumberChange:
+    policy: str
+    metric: str                       # "peak_bytes", "phases.backward.peak_bytes", "recompute_flops", ...
+    baseline: int
+    current: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy}.{self.metric}"
+
+    @property
+    def delta(self) -> int:
+        return self.current - self.baseline
+
+    @property
+    def growth(self) -> float:
+        """Relative change; +inf when growing from 0."""
+        if self.baseline == 0:
+            return 0.0 if self.current == 0 else math.inf
+        return self.delta / self.baseline
+
+
+@dataclasses.dataclass(frozen=True)
+class RowChange:
+    key: str                          # line identity, layer name or bill category
+    label: str                        # "model.py:19", "blocks.0", "activation"
+    code: str | None
+    baseline_bytes: int               # bytes at the peak
+    current_bytes: int
+    baseline_saved: int
+    current_saved: int
+
+    @property
+    def delta_bytes(self) -> int:
+        return self.current_bytes - self.baseline_bytes
+
+    @property
+    def delta_saved(self) -> int:
+        return self.current_saved - self.baseline_saved
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyDiff:
+    policy: str
+    lines: tuple[RowChange, ...]      # changed rows, largest growth at the peak first
+    layers: tuple[RowChange, ...]
+    categories: tuple[RowChange, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    config: tuple[tuple[str, object], ...]
+    tolerance: float
+    numbers: tuple[NumberChange, ...]        # every gated number, in baseline order
+    regressions: tuple[NumberChange, ...]    # grew beyond the tolerance
+    improvements: tuple[NumberChange, ...]   # shrank beyond the tolerance
+    diffs: tuple[PolicyDiff, ...]
+    notes: tuple[str, ...]                   # version or parameter-count changes, policies added or gone
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+
+def parse_tolerance(text: str | float) -> float:
+    """'2%' -> 0.02, '0.5%' -> 0.005, '0.02' -> 0.02, 0 -> 0.0. Raises ValueError otherwise (a bare number
+    of 1 or more is refused as ambiguous)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(%?)\s*", str(text))
+        if not match:
+            raise ValueError(f"cannot read tolerance {text!r}; write a percentage (2%) or a fraction (0.02)")
+        value = float(match.group(1)) / (100.0 if match.group(2) else 1.0)
+        if not match.group(2) and value >= 1:
+            raise ValueError(f"tolerance {text!r} is ambiguous; write {text}% or a fraction below 1")
+    if value < 0 or math.isnan(value) or math.isinf(value):
+        raise ValueError(f"tolerance must be a non-negative percentage or fraction, not {text!r}")
+    return value
+
+
+def baseline_json(analysis: Analysis, *, top: int = 10) -> dict:
+    import torch
+
+    import tracer
+    from tracer.reports.json_report import report_json
+
+    versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
+    data = report_json(analysis, top=top, versions=versions)
+    model_dir = _model_dir(analysis.graph)
+    data["baseline"] = {"format_version": FORMAT_VERSION,
+                        "policies": {name: _policy_record(p, model_dir) for name, p in analysis.policies.items()}}
+    return data
+
+
+def save_baseline(analysis: Analysis, path: str, *, top: int = 10) -> dict:
+    """Write the baseline JSON to `path`. Raises UsageError if it cannot be written."""
+    data = baseline_json(analysis, top=top)
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write baseline {path}: {exc.strerror}") from exc
+    return data
+
+
+def load_baseline(path: str) -> dict:
+    """Read a baseline file. Raises UsageError if it is missing, not JSON, or has no `baseline` section."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise UsageError(f"baseline not found: {path}",
+                         hint="write it with --save-baseline PATH or tracer check --update-baseline") from exc
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read baseline {path}: {exc}") from exc
+    section = data.get("baseline") if isinstance(data, dict) else None
+    if not isinstance(section, dict) or section.get("format_version") != FORMAT_VERSION:
+        raise UsageError(f"{path} is not a tracer baseline (format {FORMAT_VERSION})",
+                         hint="write it with --save-baseline PATH or tracer check --update-baseline")
+    return data
+
+
+def compare_to_baseline(analysis: Analysis, baseline: dict, tolerance: float | str = 0.02) -> CheckResult:
+    """Compare `analysis` with a loaded baseline. Raises UsageError if the configs differ."""
+    tol = parse_tolerance(tolerance)
+    current = baseline_json(analysis, top=0)
+    _refuse_config_mismatch(baseline.get("config", {}), current["config"])
+    notes = [f"{key} differs: baseline {baseline.get(key)}, now {current[key]}"
+             for key in ("tracer_version", "torch_version", "parameter_count") if baseline.get(key) != current[key]]
+    old_policies = baseline["baseline"]["policies"]
+    new_policies = current["baseline"]["policies"]
+    notes += [f"policy {name} is in the baseline but was not analysed"
+              for name in old_policies if name not in new_policies]
+    notes += [f"policy {name} is new (not in the baseline)" for name in new_policies if name not in old_policies]
+    numbers, diffs = [], []
+    for name, old in old_policies.items():
+        new = new_policies.get(name)
+        if new is None:
+            continue
+        for metric, before in old["numbers"].items():
+            if metric in new["numbers"]:
+                numbers.append(NumberChange(name, metric, int(before), int(new["numbers"][metric])))
+            else:
+                notes.append(f"{name}.{metric} is in the baseline but not in this analysis")
+        diffs.append(PolicyDiff(
+            policy=name,
+            lines=_diff_rows(_rows(old["lines"], "key"), _rows(new["lines"], "key")),
+            layers=_diff_rows(_rows(old["layers"], "layer"), _rows(new["layers"], "layer")),
+            categories=_diff_rows(_category_rows(old), _category_rows(new))))
+    regressions = tuple(n for n in numbers if n.current > n.baseline * (1 + tol))
+    improvements = tuple(n for n in numbers if n.current < n.baseline * (1 - tol))
+    return CheckResult(config=tuple(current["config"].items()), tolerance=tol, numbers=tuple(numbers),
+                       regressions=regressions, improvements=improvements, diffs=tuple(diffs), notes=tuple(notes))
+
+
+def _policy_record(result: PolicyAnalysis, model_dir: str | None) -> dict:
+    numbers = {"peak_bytes": result.peak_bytes}
+    numbers.update({f"phases.{name}.peak_bytes": p.peak_bytes for name, p in result.phases.items()})
+    numbers.update(saved_bytes=result.saved.total_bytes, saved_activation_bytes=result.saved.activation_bytes,
+                   end_bytes=result.end_bytes)
+    recompute_flops = getattr(result, "recompute_flops", None)
+    if recompute_flops is not None:
+        numbers["recompute_flops"] = int(recompute_flops)
+    lines: dict[str, dict] = {}
+    for row in result.at_peak.lines:
+        key, label, code = _line_identity(row, model_dir)
+        entry = lines.setdefault(key, {"key": key, "label": label, "code": code, "bytes_at_peak": 0, "saved_bytes": 0})
+        entry["bytes_at_peak"] += row.bytes_at_peak
+        entry["saved_bytes"] += row.saved_bytes
+    return {
+        "numbers": numbers,
+        "by_category_at_peak": dict(result.at_peak.by_category),
+        "lines": list(lines.values()),
+        "layers": [{"layer": r.layer, "bytes_at_peak": r.bytes_at_peak, "saved_bytes": r.saved_bytes}
+                   for r in result.at_peak.layers],
+    }
+
+
+def _line_identity(row, model_dir: str | None) -> tuple[str, str, str | None]:
+    if row.source is None:
+        return row.label, row.label, None
+    file = portable_path(row.source.file, model_dir)
+    code = re.sub(r"\s*#[^'\"]*$", "", row.source.code)           # a trailing comment is not the line's identity
+    return f"{file}::{row.source.function}::{code}", f"{file}:{row.source.line}", code
+
+
+def portable_path(file: str, model_dir: str | None) -> str:
+    """`file` relative to the model file's directory, the directory holding the tracer package, or the
+    current directory (the first that contains it), else absolute."""
+    import tracer
+
+    path = os.path.abspath(file)
+    for root in (model_dir, os.path.dirname(os.path.dirname(os.path.abspath(tracer.__file__))), os.getcwd()):
+        if root and os.path.commonpath([path, root]) == root:
+            return os.path.relpath(path, root)
+    return path
+
+
+def _model_dir(graph) -> str | None:
+    """Directory of the model file, from the captured source lines (so it does not depend on the current
+    directory at save time): the file at the model's path, else the only file with its name."""
+    model = graph.config.model
+    if not (model.endswith(".py") or os.sep in model):
+        return None                                   # a zoo name
+    files = {op.source.file for op in graph.ops if op.source is not None}
+    named = [f for f in files if os.path.basename(f) == os.path.basename(model)]
+    if os.path.abspath(model) not in files and len(named) == 1:
+        return os.path.dirname(named[0])
+    return os.path.dirname(os.path.abspath(model))
+
+
+def _refuse_config_mismatch(old: dict, new: dict) -> None:
+    def norm(key, value):
+        return os.path.normpath(value) if key == "model" and isinstance(value, str) and value.endswith(".py") else value
+
+    differ = [f"{key} (baseline {old.get(key)!r}, now {new.get(key)!r})"
+              for key in dict.fromkeys([*old, *new]) if norm(key, old.get(key)) != norm(key, new.get(key))]
+    if differ:
+        raise UsageError("the baseline was made with other settings: " + "; ".join(differ),
+                         hint="pass the baseline's settings, or rewrite the baseline with --update-baseline")
+
+
+def _rows(records: list[dict], key_field: str) -> dict[str, tuple[str, str | None, int, int]]:
+    return {r[key_field]: (r.get("label", r[key_field]), r.get("code"), r["bytes_at_peak"], r["saved_bytes"])
+            for r in records}
+
+
+def _category_rows(record: dict) -> dict[str, tuple[str, None, int, int]]:
+    return {cat: (cat, None, nbytes, 0) for cat, nbytes in record["by_category_at_peak"].items()}
+
+
+def _diff_rows(old: dict, new: dict) -> tuple[RowChange, ...]:
+    rows = []
+    for key in dict.fromkeys([*old, *new]):
+        label, code, before, before_saved = old.get(key, (None, None, 0, 0))
+        new_label, new_code, after, after_saved = new.get(key, (None, None, 0, 0))
+        if (before, before_saved) != (after, after_saved):
+            rows.append(RowChange(key, new_label or label, new_code or code, before, after, before_saved, after_saved))
+    return tuple(sorted(rows, key=lambda r: (-r.delta_bytes, -r.delta_saved, r.key)))

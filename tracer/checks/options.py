@@ -1,0 +1,80 @@
+"""The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad), defined once.
+
+`MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
+`memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
+value (missing names take the default) and returns the keyword arguments of `tracer.analyze`.
+Names are the CLI's, with `_` for `-`: `zero_grad` is "none" (set_to_none=True) or "zeros".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+
+from tracer.errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOption:
+    name: str                            # marker keyword; the flag is --name with '-' for '_'
+    default: int | bool | str
+    choices: tuple[str, ...] | None
+    help: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+MODEL_OPTIONS: tuple[ModelOption, ...] = (
+    ModelOption("batch", 2, None, "batch size passed to example_batch (default 2)"),
+    ModelOption("seq", 1024, None, "sequence length passed to example_batch (default 1024)"),
+    ModelOption("precision", "fp32", ("fp32", "bf16", "bf16-pure"),
+                "fp32; bf16 = torch.autocast(bfloat16) around forward and loss with fp32 weights; "
+                "bf16-pure = bf16 weights and inputs, no autocast (default fp32)"),
+    ModelOption("optimizer", "adamw", ("adamw", "sgd", "none"),
+                "optimizer used when the model file defines no make_optimizer (default adamw; sgd has momentum 0.9)"),
+    ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
+    ModelOption("step", "steady", ("steady", "first"),
+                "steady: optimizer state exists before the step; first: it is created in step() (default steady)"),
+    ModelOption("zero_grad", "none", ("none", "zeros"),
+                "zero_grad(set_to_none=True) (none, default) or set_to_none=False (zeros): gradients are kept "
+                "between steps and accumulated in place"),
+)
+OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add --batch --seq --precision --optimizer --foreach/--no-foreach --step --zero-grad to `parser`
+    (dest = the option name). Pass `vars(args)` to `analyze_kwargs`."""
+    for option in MODEL_OPTIONS:
+        if isinstance(option.default, bool):
+            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                                default=option.default, help=option.help)
+        elif isinstance(option.default, int):
+            parser.add_argument(option.flag, dest=option.name, type=int, default=option.default, help=option.help)
+        else:
+            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=option.default,
+                                help=option.help)
+
+
+def analyze_kwargs(values: Mapping[str, object]) -> dict:
+    """Option name -> value (other keys are ignored; missing names take the default) -> the keyword
+    arguments of `tracer.analyze`. Raises UsageError naming the option on a bad value."""
+    out: dict[str, object] = {}
+    for option in MODEL_OPTIONS:
+        value = values.get(option.name, option.default)
+        if isinstance(option.default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(option.default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        else:
+            ok = value in option.choices
+        if not ok:
+            wanted = ("True or False" if isinstance(option.default, bool) else "a positive integer"
+                      if isinstance(option.default, int) else "one of " + ", ".join(option.choices))
+            raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
+        out[option.name] = value
+    zero_grad = out.pop("zero_grad")
+    out["zero_grad_set_to_none"] = zero_grad == "none"
+    return out
