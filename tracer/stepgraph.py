@@ -54,7 +54,8 @@ class Storage:
     preexisting: bool = False
     persistent: bool = False
     released_after_op: int | None = None
-    held_until_op: int | None = None  # a Python reference (a local in forward) holds it at least this long
+    held_until_op: int | None = None
+    fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
 
 

@@ -86,7 +86,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
         _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD,
-                       fake_mode=cap.fake_mode)
+                       fake_mode=cap.fake_mode, fuse=schedule.compiled)
         fw_out = _output_args(schedule.forward)
         loss_node = fw_out[0]
         tangent = (None, None)
@@ -103,7 +103,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         for placeholder, produced in zip(saved_inputs, saved_outputs):   # same order (saved_values)
             values[placeholder] = values[produced]
         _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
-                       phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
+                       phase=Phase.BACKWARD, fake_mode=cap.fake_mode, fuse=schedule.compiled)
         primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
                         if type(d).__name__ == "ParamAOTInput" and out is not None]
@@ -149,8 +149,44 @@ def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     node.meta["wrapped_target"] = op
 
 
+# Ops Inductor decomposes into pointwise and reduction kernels, so they fuse like pointwise ops.
+_FUSIBLE_EXTRA = {"aten._to_copy.default", "aten.clone.default", "aten.nll_loss_backward.default",
+                  "aten._log_softmax_backward_data.default", "aten._softmax_backward_data.default",
+                  "aten._log_softmax.default", "aten._softmax.default", "aten.nll_loss_forward.default"}
+
+
+def _is_pointwise(node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target_name(target) in _FUSIBLE_EXTRA)
+
+
+def _is_view_op(node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def _fused_into_consumers(node: fx.Node) -> bool:
+    """Inductor-style vertical fusion: a pointwise op whose every consumer is a pointwise op or a reduction
+    (directly or through views) in the same graph is computed inside its consumers' kernels and never
+    materialised. Graph outputs (saved activations, gradients, the loss) are always materialised."""
+    if not _is_pointwise(node) or not node.users:
+        return False
+
+    def fusible_user(user: fx.Node, depth: int = 0) -> bool:
+        if user.op != "call_function":
+            return False
+        if _is_view_op(user):
+            return depth < 2 and bool(user.users) and all(fusible_user(u, depth + 1) for u in user.users)
+        target = user.target
+        return isinstance(target, torch._ops.OpOverload) and (
+            _is_pointwise(user) or torch.Tag.reduction in target.tags)
+
+    return all(fusible_user(user) for user in node.users)
+
+
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
-                   fake_mode=None):
+                   fake_mode=None, fuse: bool = False):
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -167,6 +203,9 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
             _fill_rng_wrapper_meta(node, fake_mode)
         ops.append(_convert_node(node, node_phase, recomputed, table, values))
         node_pos[node] = len(ops) - 1
+        if fuse and not ops[-1].is_view and _fused_into_consumers(node):
+            for value in ops[-1].outputs:
+                table.update(value.storage_id, fused=True)
 
 
 def _add_placeholders(cap, gm, descs, table, values) -> tuple:

@@ -30,6 +30,7 @@ class _Entry:
     persistent: bool = False
     released_after_op: int | None = None
     held_until_op: int | None = None
+    fused: bool = False
     name: str = ""
 
 

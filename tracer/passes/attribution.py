@@ -80,7 +80,7 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
     layers: dict[str, list] = {}
     for sid in liveness.live_storages_at(op_index):
         storage = graph.storage(sid)
-        nbytes = storage.nbytes
+        nbytes = liveness.intervals[sid].nbytes
         by_category[categories[sid]] += nbytes
         producer = producers[sid]
         label, source = _line_label(producer, categories[sid])

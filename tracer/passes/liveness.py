@@ -7,6 +7,7 @@ Conventions (eager semantics at op granularity):
     never if it is persistent (it outlives the step), otherwise after its last use (the last op that
     reads it or produces a value on it: views extend the life of their storage), or after
     `held_until_op` if a Python local holds it longer.
+  * A storage marked `fused` (compiled code computes it inside its consumers' kernels) takes 0 bytes.
   * Backward ops of one autograd Node (same `autograd_node`) run as one unit in eager: a storage made
     before the node and last used inside it (a saved tensor, the incoming gradient) is freed when the
     whole node has run, as the engine releases saved variables and input buffers after `apply`.
@@ -113,4 +114,4 @@ def _interval(storage, first: int | None, last: int | None) -> Interval:
         free = last if last is not None else alloc
         if storage.held_until_op is not None:
             free = max(free, storage.held_until_op)
-    return Interval(storage.storage_id, storage.nbytes, alloc_op=alloc, free_op=free)
+    return Interval(storage.storage_id, 0 if storage.fused else storage.nbytes, alloc_op=alloc, free_op=free)
