@@ -1,0 +1,27 @@
+"""Fixtures for renderer tests: the hand-built two-block step, and llama-debug captured once per session.
+
+Goldens: see golden_files.py (regenerate with TRACER_UPDATE_GOLDEN=1).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from synthetic import two_block_step  # noqa: E402
+
+from tracer.passes.analysis import analyze_graph  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    return analyze_graph(two_block_step())
+
+
+@pytest.fixture(scope="session")
+def llama_debug():
+    import tracer
+    return tracer.analyze("llama-debug", batch=2, seq=32)

@@ -1,0 +1,65 @@
+"""Write every report of one analysis into a directory (what `--report DIR` produces).
+
+Contract:
+    write_report_dir(analysis, out_dir, *, policy="eager", layer=None, device_memory_bytes=None, top=None)
+        -> dict[str, Path]
+    creates `out_dir` if needed and writes, returning {kind: path}:
+        report.html            self-contained HTML (tracer.reports.html_report)
+        timeline.png, .svg     the peak timeline, every policy (tracer.reports.timeline)
+        lines.txt, lines.json  the per-line table of `policy` (tracer.reports.line_table)
+        layer.dot              the layer graph (tracer.reports.layer_graph); layer.svg too when graphviz
+                               `dot` is installed (the HTML then inlines the same SVG)
+        predicted_snapshot.pickle   the memory_viz export of `policy` (tracer.reports.memviz)
+    Existing files of those names are overwritten; nothing else in `out_dir` is touched.
+Raises UsageError when the directory cannot be created or written.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tracer.errors import UsageError
+from tracer.passes.analysis import Analysis
+from tracer.reports.html_report import render_html
+from tracer.reports.layer_graph import dot_to_svg, render_layer_graph
+from tracer.reports.line_table import build_line_table, line_table_json, render_line_table
+from tracer.reports.memviz import write_memviz_snapshot
+from tracer.reports.timeline import render_timeline
+
+
+def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", layer: str | None = None,
+                     device_memory_bytes: int | None = None, top: int | None = None) -> dict[str, Path]:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the report directory {out}: {exc.strerror}") from exc
+    paths = {kind: out / name for kind, name in (
+        ("html", "report.html"), ("timeline_png", "timeline.png"), ("timeline_svg", "timeline.svg"),
+        ("lines_txt", "lines.txt"), ("lines_json", "lines.json"), ("layer_dot", "layer.dot"),
+        ("layer_svg", "layer.svg"), ("snapshot", "predicted_snapshot.pickle"))}
+    render_timeline(analysis, paths["timeline_png"], device_memory_bytes=device_memory_bytes)
+    render_timeline(analysis, paths["timeline_svg"], device_memory_bytes=device_memory_bytes)
+    table = build_line_table(analysis, policy)
+    dot = render_layer_graph(analysis, layer, policy)
+    svg = dot_to_svg(dot)
+    texts = {"lines_txt": render_line_table(table, top=top),
+             "lines_json": json.dumps(line_table_json(table, top=top), indent=2) + "\n",
+             "layer_dot": dot}
+    if svg is None:
+        del paths["layer_svg"]
+    else:
+        texts["layer_svg"] = svg
+    texts["html"] = render_html(analysis, policy=policy, layer=layer, device_memory_bytes=device_memory_bytes,
+                                top=top, graph_svg=svg)
+    for kind, text in texts.items():
+        _write(paths[kind], text)
+    write_memviz_snapshot(analysis, paths["snapshot"], policy)
+    return paths
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror}") from exc
