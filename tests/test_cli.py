@@ -79,3 +79,29 @@ def test_snapshot_subcommand_reads_a_real_snapshot(tmp_path, capsys):
 def test_snapshot_subcommand_missing_file(capsys):
     assert main(["snapshot", "nope.pickle"]) == ExitCode.USAGE
     assert "snapshot file not found" in capsys.readouterr().err
+
+
+def test_policy_table_and_json_per_policy(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["llama-debug", "--seq", "32", "--policy", "all", "--json", str(out), "--quiet"]) == ExitCode.OK
+    text = capsys.readouterr().out
+    for name in ("eager", "compiled", "selective", "full"):
+        assert f"\n  {name} " in text
+    policies = json.loads(out.read_text())["policies"]
+    assert set(policies) == {"eager", "compiled", "selective", "full"}
+    assert policies["eager"]["recompute_flops"] == 0 and policies["full"]["recompute_flops"] > 0
+    assert policies["full"]["saved_activation_bytes"] < policies["eager"]["saved_activation_bytes"]
+    assert all(p["step_flops"] > 0 for p in policies.values())
+
+
+def test_unknown_save_policy_lists_the_valid_ones(capsys):
+    assert main(["llama-debug", "--policy", "selective", "--save-policy", "most", "--quiet"]) == ExitCode.USAGE
+    assert "matmul-attention" in capsys.readouterr().err
+
+
+def test_check_subcommand_and_save_baseline(tmp_path, capsys):
+    baseline = tmp_path / "b.json"
+    assert main(["llama-debug", "--seq", "32", "--quiet", "--save-baseline", str(baseline)]) == ExitCode.OK
+    assert main(["check", "llama-debug", "--seq", "32", "--baseline", str(baseline)]) == ExitCode.OK
+    assert main(["check", "llama-debug", "--seq", "48", "--baseline", str(baseline)]) == ExitCode.USAGE
+    assert "seq" in capsys.readouterr().err

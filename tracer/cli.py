@@ -13,7 +13,8 @@ import time
 from tracer.errors import ExitCode, TracerError
 from tracer.models import DEFAULT_MODEL, ZOO
 
-EPILOG = f"""subcommand: python -m tracer snapshot STEP.pickle [--json PATH]  (read a real CUDA memory snapshot)
+EPILOG = f"""subcommands: python -m tracer snapshot STEP.pickle [--json PATH]  (read a real CUDA memory snapshot)
+             python -m tracer check MODEL --baseline PATH [--tolerance 2%]  (fail on memory regressions)
 zoo models: {', '.join(sorted(ZOO))}
 exit codes: 0 ok, 1 memory check failed, 2 usage error (flags, model file, zoo name), 3 analysis error"""
 
@@ -25,22 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"zoo name or path to a model file (default: {DEFAULT_MODEL})")
-    p.add_argument("--batch", type=int, default=2, help="batch size passed to example_batch (default 2)")
-    p.add_argument("--seq", type=int, default=1024, help="sequence length passed to example_batch (default 1024)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "bf16-pure"), default="fp32",
-                   help="fp32; bf16 = torch.autocast(bfloat16) around forward and loss with fp32 weights; "
-                        "bf16-pure = bf16 weights and inputs, no autocast (default fp32)")
-    p.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
-                   help="optimizer used when the model file defines no make_optimizer (default adamw; "
-                        "sgd has momentum 0.9)")
-    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=True,
-                   help="foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)")
-    p.add_argument("--step", choices=("steady", "first"), default="steady",
-                   help="steady: optimizer state exists before the step; first: it is created in step() "
-                        "(default steady)")
-    p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
-                   help="zero_grad(set_to_none=True) (none, default) or set_to_none=False (zeros): gradients "
-                        "are kept between steps and accumulated in place")
+    from tracer.checks.options import add_model_arguments
+    add_model_arguments(p)
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
@@ -58,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="selective: comma-separated aten ops whose outputs are kept, e.g. "
                         "mm,_scaled_dot_product_flash_attention (overrides --save-policy)")
     p.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH")
+    p.add_argument("--report", metavar="DIR", help="write DIR/report.html (self-contained) and its plots, tables, "
+                                                   "layer graph and predicted snapshot")
+    p.add_argument("--plot", metavar="PATH", help="peak timeline plot, .png or .svg (one panel per policy)")
+    p.add_argument("--graph", metavar="PATH", help="per-layer liveness graph, .dot, .svg or .png (svg/png need graphviz)")
+    p.add_argument("--graph-layer", metavar="NAME", help="layer for --graph/--report, e.g. blocks.3 "
+                                                         "(default: the block holding most memory at the peak)")
+    p.add_argument("--snapshot", metavar="PATH", help="write the predicted step as a torch.cuda.memory._dump_snapshot "
+                                                      "pickle (opens in PyTorch's memory viewer)")
+    p.add_argument("--device-memory", metavar="SIZE", help="device memory line on the plot, e.g. 80GiB")
+    p.add_argument("--lines", action="store_true", help="print the full per-line table (grouped blocks, FLOPs)")
+    p.add_argument("--save-baseline", metavar="PATH",
+                   help="write a baseline for `python -m tracer check` (the JSON report plus what check compares)")
     p.add_argument("--top", type=int, default=10, help="number of source lines to show (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
@@ -77,6 +76,9 @@ def build_snapshot_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        from tracer.checks.cli import check_main
+        return check_main(argv[1:])
     if argv[:1] == ["snapshot"]:
         args = build_snapshot_parser().parse_args(argv[1:])
         runner = _run_snapshot
@@ -104,6 +106,34 @@ def _run_snapshot(args) -> int:
     if args.json:
         _write_json(args.json, snapshot_json(reading, top=args.top))
     return int(ExitCode.OK)
+
+
+def _write_visual_outputs(args, analysis, policy: str) -> None:
+    from tracer.errors import UsageError
+    from tracer.reports.units import parse_bytes
+
+    device_memory = None
+    if args.device_memory:
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as exc:
+            raise UsageError(f"--device-memory: {exc}") from exc
+    if args.lines:
+        from tracer.reports.line_table import build_line_table, render_line_table
+        sys.stdout.write("\n" + render_line_table(build_line_table(analysis, policy), top=None))
+    if args.plot:
+        from tracer.reports.timeline import render_timeline
+        render_timeline(analysis, args.plot, device_memory_bytes=device_memory)
+    if args.graph:
+        from tracer.reports.layer_graph import render_layer_graph, write_layer_graph
+        write_layer_graph(render_layer_graph(analysis, layer=args.graph_layer, policy=policy), args.graph)
+    if args.snapshot:
+        from tracer.reports.memviz import write_memviz_snapshot
+        write_memviz_snapshot(analysis, args.snapshot, policy=policy)
+    if args.report:
+        from tracer.reports.report_dir import write_report_dir
+        write_report_dir(analysis, args.report, policy=policy, layer=args.graph_layer,
+                         device_memory_bytes=device_memory)
 
 
 def _write_json(path: str, data: dict) -> None:
@@ -141,6 +171,10 @@ def _run(args) -> int:
     if args.json:
         versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
         _write_json(args.json, report_json(analysis, top=args.top, versions=versions))
+    if args.save_baseline:
+        from tracer.checks import save_baseline
+        save_baseline(analysis, args.save_baseline, top=args.top)
+    _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
     progress.done()
     return int(ExitCode.OK)
 

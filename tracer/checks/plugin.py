@@ -64,16 +64,16 @@ def check_budget_marker(args: tuple, kwargs: dict, *, test_dir: str, cache: dict
 
     try:
         model, policy, options, budgets = _read_marker(args, kwargs, test_dir)
-        key = (model, tuple(sorted(options.items())))
+        from tracer.policies import POLICIES
+        if policy not in POLICIES:
+            return f"memory_budget: unknown policy {policy!r}; valid policies: {', '.join(POLICIES)}"
+        key = (model, policy, tuple(sorted(options.items())))
         analysis = cache.get(key) if cache is not None else None
         if analysis is None:
             import tracer
-            analysis = tracer.analyze(model, **options)
+            analysis = tracer.analyze(model, policies=(policy,), **options)
             if cache is not None:
                 cache[key] = analysis
-        if policy not in analysis.policies:
-            return (f"memory_budget: unknown policy {policy!r}; valid policies: "
-                    f"{', '.join(sorted(analysis.policies))}")
     except TracerError as exc:
         return f"memory_budget: {exc}"
     return _budget_message(model, policy, options, analysis.policies[policy], budgets)
