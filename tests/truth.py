@@ -156,6 +156,10 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")
     tracker.track_existing(list(model.buffers()), "buffer")
+    kept = [v for m in model.modules() for k, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and k not in m._parameters and k not in m._buffers]
+    tracker.track_existing(kept, "module attribute")      # tensors a previous step left on module attributes
+    del kept                                               # (holding them here would keep them alive)
     tracker.track_existing([t for t in batch if isinstance(t, torch.Tensor)], "input")
     tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
     if optimizer is not None:

@@ -81,16 +81,58 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
-    if spec.name in ("full", "selective"):
+    if not schedule.compiled and schedule.forward is not None:
         _eager_checkpoint_semantics(part.ops, table)
+    _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path="export-joint",
-                        policy=spec.label)
+                        policy=spec.label, notes=_capture_notes(cap))
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)
+
+
+def _capture_notes(cap) -> tuple[str, ...]:
+    seen = cap.seen
+    notes = list(seen.checkpoint_notes)
+    if seen.checkpointed_modules:
+        notes.append("the forward checkpoints " + ", ".join(m or "(root)" for m in seen.checkpointed_modules)
+                     + ": simulated as eager non-reentrant torch.utils.checkpoint")
+    for kept in seen.kept_attributes:
+        where = f" (made at {kept.source.short()})" if kept.source else ""
+        notes.append(f"{kept.module or 'the model'}.{kept.attribute} keeps a {kept.nbytes:,} B tensor past the "
+                     f"step{where}")
+    return tuple(notes)
+
+
+def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, steady: bool) -> None:
+    """A tensor stored on a module attribute lives until the next step overwrites it: the new one lives to
+    the end of the step; in steady state the previous step's lives until the new one is assigned."""
+    for attr in kept:
+        op_index = _producer_of(attr, ops)
+        if op_index is None:
+            continue
+        value = next(v for v in ops[op_index].outputs if v.shape == attr.shape)
+        table.update(value.storage_id, persistent=True)
+        if steady:
+            table.add(None, StorageRole.INTERMEDIATE, nbytes=attr.nbytes, dtype=str(attr.dtype).removeprefix("torch."),
+                      shape=attr.shape, preexisting=True, released_after_op=op_index,
+                      name=f"{attr.module}.{attr.attribute} from the previous step")
+
+
+def _producer_of(attr, ops: list[OpDraft]) -> int | None:
+    """The last forward op of the attribute's module on its source line that outputs a tensor of its shape."""
+    if attr.source is None:
+        return None
+    found = None
+    for i, d in enumerate(ops):
+        in_module = d.module == attr.module or d.module.startswith(attr.module + ".") or not attr.module
+        if (d.phase is Phase.FORWARD and in_module and d.source is not None and d.source.file == attr.source.file
+                and d.source.line == attr.source.line and any(v.shape == attr.shape for v in d.outputs)):
+            found = i
+    return found
 
 
 def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:

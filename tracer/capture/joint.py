@@ -4,20 +4,24 @@ Path (see shared/notes/CAPTURE.md): build model and batch under `FakeTensorMode`
 never fake cuda) -> `torch.export.export(strict=False)` -> strip `_assert_tensor_metadata` nodes ->
 `aot_export_joint_with_descriptors` on `ep.module()`, under `torch.autocast("cpu", bfloat16)` for bf16.
 Nodes then carry `partitioner_tag`, `stack_trace`, `nn_module_stack` / `fwd_nn_module_stack`, and
-placeholders/outputs carry AOT descriptors. Not handled here: models that use torch.utils.checkpoint
-(non-strict export drops the checkpoint), data-dependent control flow (export fails with a clear error).
+placeholders/outputs carry AOT descriptors. Export drops two things that a fake run of the forward shows, so one is made first
+(`ForwardObservations`): modules run through torch.utils.checkpoint (policies re-apply them to the
+graph) and tensors stored on module attributes (kept alive past the step). Data-dependent control flow
+fails with a clear error naming the line.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from tracer.capture.model_input import ModelSource
-from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace
+from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
 
@@ -31,6 +35,26 @@ class JointCapture:
     param_by_fqn: dict[str, torch.Tensor]
     buffer_by_fqn: dict[str, torch.Tensor]
     exit_stack: contextlib.ExitStack
+    seen: "ForwardObservations"
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptAttribute:
+    """A tensor the forward stored on a module attribute (`self.cache = h`): it outlives the step."""
+    module: str
+    attribute: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: object                     # SourceLoc of the op that made it
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardObservations:
+    """What one fake run of the user's forward shows that export does not keep."""
+    checkpointed_modules: tuple[str, ...]        # modules the forward runs through torch.utils.checkpoint
+    checkpoint_notes: tuple[str, ...]            # checkpoint uses that cannot be simulated as written
+    kept_attributes: tuple[KeptAttribute, ...]
 
 
 class _LossWrapper(nn.Module):
@@ -76,9 +100,11 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> J
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
     traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
-    _check_forward_returns_loss(traced, args, fake_mode, source)
+    seen = _observe_forward(traced, args, fake_mode, source)
     try:
-        with _keep_user_frames():
+        with _keep_user_frames(), warnings.catch_warnings():
+            # tensors assigned to module attributes are reported by tracer itself (ForwardObservations)
+            warnings.filterwarnings("ignore", message="The tensor attributes")
             ep = torch.export.export(traced, args, strict=False)
     except Exception as exc:
         raise CaptureError(f"torch.export failed on {source.name}: {_export_message(exc)}",
@@ -98,13 +124,19 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> J
     params = dict(traced.named_parameters(remove_duplicate=False))
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
-                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack)
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen)
 
 
-def _check_forward_returns_loss(module: nn.Module, args: tuple, fake_mode, source: ModelSource) -> None:
-    """Run forward once under fake tensors so user errors point at the user's line, not at export."""
+def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource) -> ForwardObservations:
+    """Run forward once under fake tensors: user errors point at the user's line, not at export; and the
+    run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes)."""
+    names = {id(m): path for path, m in module.named_modules()}
+    before = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
+    checkpointed: list[str] = []
+    notes: list[str] = []
+    producer_line = _ProducerLines()
     try:
-        with fake_mode:
+        with _record_checkpoints(names, checkpointed, notes), fake_mode, producer_line:
             out = module(*args)
     except Exception as exc:
         if "DataDependent" in type(exc).__name__:
@@ -117,6 +149,78 @@ def _check_forward_returns_loss(module: nn.Module, args: tuple, fake_mode, sourc
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
         raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",
                             hint="return the loss from forward, or define loss_fn(output, target) in the model file")
+    kept = []
+    for m in module.modules():
+        for attr, t in _tensor_attributes(m):
+            if before.get(id(m), {}).get(attr) is not t:
+                storage = t.untyped_storage()
+                kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=attr,
+                                          nbytes=storage.nbytes(), shape=tuple(t.shape), dtype=t.dtype,
+                                          source=producer_line.lines.get(storage._cdata)))
+                setattr(m, attr, before.get(id(m), {}).get(attr))    # leave the model as it was
+    return ForwardObservations(tuple(dict.fromkeys(normalize_module_path(c) for c in checkpointed)),
+                               tuple(dict.fromkeys(notes)), tuple(kept))
+
+
+def _tensor_attributes(m: nn.Module):
+    params, buffers = set(m._parameters), set(m._buffers)
+    for attr, value in vars(m).items():
+        if isinstance(value, torch.Tensor) and attr not in params and attr not in buffers:
+            yield attr, value
+
+
+class _ProducerLines(torch.utils._python_dispatch.TorchDispatchMode):
+    """storage key -> the user line of the op that returned it (during the fake forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: dict[int, object] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from tracer.capture.source import loc_from_python_stack
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.lines:          # a new storage: remember who made it
+                    self.lines[storage._cdata] = loc_from_python_stack()
+                    weakref.finalize(storage, self.lines.pop, storage._cdata, None)
+        return out
+
+
+@contextlib.contextmanager
+def _record_checkpoints(names: dict[int, str], checkpointed: list[str], notes: list[str]):
+    """Note which modules the forward checkpoints (both torch.utils.checkpoint implementations)."""
+    import torch.utils.checkpoint as ckpt
+
+    def record(fn, context_fn=None) -> None:
+        owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            checkpointed.append(names[id(owner)])
+            if context_fn is not None and context_fn is not ckpt.noop_context_fn:
+                notes.append(f"checkpoint of {names[id(owner)] or 'the model'} with a context_fn (selective "
+                             "checkpointing) is simulated as full checkpointing")
+        else:
+            notes.append(f"checkpoint of {getattr(fn, '__qualname__', fn)!r} (not a module) is not simulated: "
+                         "its ops are kept as if not checkpointed")
+
+    real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+
+    def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *a, **k):
+        record(fn, context_fn)
+        return real_generator(fn, preserve_rng_state, context_fn, *a, **k)
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve, *args):
+            record(function)
+            return real_function.apply(function, preserve, *args)
+
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, Reentrant
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = real_generator, real_function
 
 
 class _UserFrameAnchors(set):

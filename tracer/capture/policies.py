@@ -1,17 +1,17 @@
 """Apply a recompute policy to the captured joint graph and partition it (the user's model is untouched).
 
-  * eager: the joint graph as is.
+  * eager: the joint graph as is, or, when the user's forward checkpoints modules (seen in a fake run,
+    since non-strict export drops torch.utils.checkpoint), those modules checkpointed as below.
   * compiled: `min_cut_rematerialization_partition` with parameters and buffers as static inputs (what
     torch.compile's partitioner saves), optionally under `activation_memory_budget`.
   * full / selective: forward nodes inside checkpointed blocks get `meta["recompute"]` (PREFER_RECOMPUTE,
     or MUST_SAVE for ops the save predicate names) and `meta["ac_graph_id"]` = block index, as
     torch.utils.checkpoint's selective contexts would tag them (a block's outputs stay untagged: eager
-checkpointing returns them as ordinary tensors); then `default_partition` materialises the
+    checkpointing returns them as ordinary tensors); then `default_partition` materialises the
     recomputation in the backward graph, as eager non-reentrant checkpointing does.
 Blocks are module paths `prefix.N` repeated in forward (the most frequent prefix with >= 2 indices), or
 those matching `--blocks` (a glob such as `layers.*`).
-Not modelled: Inductor's fusion of intermediates inside the compiled graphs (every op's output is
-materialised), CUDA-graph pools.
+Inductor's fusion is modelled in tracer.capture.convert; CUDA-graph pools are not.
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def find_blocks(joint: torch.fx.GraphModule, pattern: str | None) -> list[str]:
 
 
 def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
-    if spec.name == "eager":
+    """Partition for the policy. Modules the user's forward already checkpoints are checkpointed in every
+    policy (as torch.compile and eager both honour them); `full`/`selective` then tag their own blocks."""
+    user_regions = list(cap.seen.checkpointed_modules)
+    if spec.name == "eager" and not user_regions:
         return Schedule(joint=cap.joint)
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._guards import TracingContext, tracing
@@ -72,10 +75,19 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
               if type(p.meta.get("desc")).__name__ in ("ParamAOTInput", "BufferAOTInput")]
     output = next(iter(joint.graph.find_nodes(op="output")))
     num_fwd = sum(1 for d in output.meta["desc"] if d is not None and type(d).__name__ != "GradAOTOutput")
+    if user_regions:
+        _tag_regions(joint, user_regions, lambda target: False)
     if spec.name == "compiled":
         partition, budget = min_cut_rematerialization_partition, spec.memory_budget
     elif spec.name in ("full", "selective"):
-        _tag_checkpointed_blocks(joint, spec)
+        blocks = find_blocks(joint, spec.blocks)
+        if not blocks:
+            raise UsageError("no repeated blocks found to checkpoint",
+                             hint="name them with --blocks 'layers.*' (a glob over module paths)")
+        keep = save_predicate(spec) if spec.name == "selective" else (lambda target: False)
+        _tag_regions(joint, blocks[::spec.checkpoint_every], keep, first_id=len(user_regions))
+        partition, budget = default_partition, None
+    elif spec.name == "eager":
         partition, budget = default_partition, None
     else:
         raise UsageError(f"unknown policy {spec.name!r}", hint="valid: eager, compiled, selective, full")
@@ -86,23 +98,19 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
                     compiled=spec.name == "compiled")
 
 
-def _tag_checkpointed_blocks(joint: torch.fx.GraphModule, spec: PolicySpec) -> None:
+def _tag_regions(joint: torch.fx.GraphModule, regions: list[str], keep, first_id: int = 0) -> None:
+    """Tag the forward nodes of each region (a module path) for recomputation, as checkpoint would."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    blocks = find_blocks(joint, spec.blocks)
-    if not blocks:
-        raise UsageError("no repeated blocks found to checkpoint",
-                         hint="name them with --blocks 'layers.*' (a glob over module paths)")
-    chosen = {b: i for i, b in enumerate(blocks) if i % spec.checkpoint_every == 0}
-    keep = save_predicate(spec) if spec.name == "selective" else (lambda target: False)
-    block_of_node = {}
+    region_id = {b: first_id + i for i, b in enumerate(regions)}
+    region_of_node = {}
     for node in joint.graph.nodes:
         if node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward":
             path = module_from_stack(node.meta.get("nn_module_stack"))
-            block_of_node[node] = next((b for b in chosen if path == b or path.startswith(b + ".")), None)
-    for node, block in block_of_node.items():
-        if block is None or any(block_of_node.get(user, block) != block for user in node.users):
-            continue       # outside every checkpointed block, or a block output: eager keeps it as is
-        node.meta["ac_graph_id"] = chosen[block]
+            region_of_node[node] = next((b for b in regions if b == "" or path == b or path.startswith(b + ".")), None)
+    for node, region in region_of_node.items():
+        if region is None or any(region_of_node.get(user, region) != region for user in node.users):
+            continue       # outside every region, or a region output: eager keeps it as is
+        node.meta["ac_graph_id"] = region_id[region]
         node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if keep(target_name(node.target))
                                   else CheckpointPolicy.PREFER_RECOMPUTE)

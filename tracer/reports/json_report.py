@@ -1,6 +1,6 @@
 """The versioned JSON report (schema documented in README.md, "JSON schema").
 
-Version 1: {schema_version, tracer_version, torch_version, config, parameter_count,
+Version 1: {schema_version, tracer_version, torch_version, config, capture_notes, parameter_count,
 policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
 end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
 step_flops, flops_by_phase, unknown_flop_ops}}}.
@@ -19,7 +19,8 @@ def report_json(analysis: Analysis, *, top: int = 10, versions: dict[str, str] |
     return {
         "schema_version": SCHEMA_VERSION,
         **(versions or {}),
-        "config": {k: v for k, v in dataclasses.asdict(graph.config).items() if k != "policy"},
+        "config": {k: v for k, v in dataclasses.asdict(graph.config).items() if k not in ("policy", "notes")},
+        "capture_notes": list(graph.config.notes),
         "parameter_count": graph.parameter_count,
         "policies": {name: policy_json(p, top=top) for name, p in analysis.policies.items()},
     }

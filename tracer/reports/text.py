@@ -22,6 +22,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
         f"  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
         f"parameters: {graph.parameter_count:,}",
+        *(f"note: {note}" for note in cfg.notes),
         "",
         f"peak: {format_bytes(result.peak_bytes)} ({result.peak_bytes:,} B) in {result.peak_phase}, "
         f"at {result.peak_op.target} {_where(result.peak_op.source)}",
@@ -64,7 +65,7 @@ def render_policy_table(analysis: Analysis) -> str:
     eager = analysis.policies.get("eager")
     cfg = analysis.graph.config
     lines = [f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
-             f"  {cfg.step} step  (capture: {cfg.capture_path})", "",
+             f"  {cfg.step} step  (capture: {cfg.capture_path})", *(f"note: {n}" for n in cfg.notes), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"]
     for label, result in analysis.policies.items():
