@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tracer.passes.attribution import Attribution, attribute, categorize
+from tracer.passes.attribution import Attribution, attribute, categorize, layer_of
 from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
@@ -40,6 +40,7 @@ class PolicyAnalysis:
     flops: FlopSummary
     recompute_flops: int
     recompute_flops_by_line: dict[str, int]   # "file:line" -> FLOPs of recomputed ops from that line
+    flops_by_layer: dict[str, int]            # layer (attribution.layer_of) -> FLOPs of its ops, all phases
 
     @property
     def peak_phase(self) -> str:
@@ -88,7 +89,18 @@ def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:
         flops=summarize_flops(graph.ops),
         recompute_flops=sum(op_flops(op) or 0 for op in graph.ops if op.recomputed),
         recompute_flops_by_line=_recompute_flops_by_line(graph),
+        flops_by_layer=_flops_by_layer(graph),
     )
+
+
+def _flops_by_layer(graph: StepGraph) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for op in graph.ops:
+        flops = op_flops(op)
+        if flops:
+            layer = "(optimizer step)" if op.phase is Phase.OPTIMIZER else (layer_of(op.module) or "(root)")
+            out[layer] = out.get(layer, 0) + flops
+    return out
 
 
 def _recompute_flops_by_line(graph: StepGraph) -> dict[str, int]:

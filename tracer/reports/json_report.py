@@ -3,7 +3,7 @@
 Version 1: {schema_version, tracer_version, torch_version, config, capture_notes, parameter_count,
 policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
 end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
-step_flops, flops_by_phase, unknown_flop_ops}}}.
+step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops}}}.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         "recompute_flops": result.recompute_flops,
         "step_flops": result.step_flops,
         "flops_by_phase": dict(result.flops.flops_by_phase),
+        "flops_by_layer": dict(result.flops_by_layer),
         "unknown_flop_ops": [{"target": t, "count": n} for t, n in result.flops.unknown_ops],
     }
 

@@ -53,8 +53,9 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
 
 NOT_MODELLED = {
     "eager": "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward.",
-    "compiled": "Inductor's fusion of intermediates inside the compiled forward and backward graphs (every op's "
-                "output is materialised here, so the compiled peak is an upper bound); kernel scratch.",
+    "compiled": "Inductor is modelled by vertical fusion of pointwise chains only (no horizontal fusion, buffer "
+                "reuse or reordering): the compiled peak is an upper bound (+11% vs a real compiled CPU step on "
+                "llama-debug); kernel scratch.",
     "selective": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint "
                  "(under torch.compile the region would be partitioned differently).",
     "full": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint.",
