@@ -25,9 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
         "the peak, its phase, the bill by category, and the lines and layers holding memory at the peak."),
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"zoo name or path to a model file (default: {DEFAULT_MODEL})")
+                   help=f"zoo name, path to a model file, or hf:<name> (a transformers model built from its config; "
+                        f"gpt2, llama, mistral, qwen2, bert, t5) (default: {DEFAULT_MODEL})")
     from tracer.checks.options import add_model_arguments
     add_model_arguments(p)
+    p.add_argument("--hf-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="hf: models: override a config field (repeatable), e.g. --hf-config num_hidden_layers=2")
+    p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
+    p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
+                   help="hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
@@ -158,7 +164,8 @@ def _run(args) -> int:
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be positive integers")
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
-    source = load_model_source(args.model)
+    source = load_model_source(args.model, hf_config=tuple(args.hf_config), config_json=args.config_json,
+                               hf_attn=args.hf_attn)
     options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
                              foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none")
     specs = policy_specs(args)

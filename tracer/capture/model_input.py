@@ -1,4 +1,4 @@
-"""Turn a model argument (a zoo name or a path to a model file) into a `ModelSource`.
+"""Turn a model argument (a zoo name, `hf:<name>`, or a path to a model file) into a `ModelSource`.
 
 A model file defines:
   build_model() -> nn.Module          required; forward returns the scalar loss, or (with loss_fn) the output
@@ -31,7 +31,15 @@ class ModelSource:
     make_optimizer: Callable | None = None
 
 
-def load_model_source(model: str) -> ModelSource:
+def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
+                      hf_attn: str = "sdpa") -> ModelSource:
+    """A zoo name, `hf:<name>` (a transformers model built from a config), or a model file path."""
+    if model.startswith("hf:"):
+        from tracer.models.hf import build_hf_model, hf_example_batch, hf_spec, parse_overrides
+        spec = hf_spec(model[3:], overrides=parse_overrides(hf_config), config_json=config_json,
+                       attn_implementation=hf_attn)
+        return ModelSource(name=model, path=None, build_model=lambda: build_hf_model(spec),
+                           example_batch=lambda batch, seq: hf_example_batch(spec, batch, seq))
     if model in ZOO:
         entry = zoo_entry(model)
         return ModelSource(name=model, path=None, build_model=entry.build_model, example_batch=entry.example_batch)

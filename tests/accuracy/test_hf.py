@@ -1,0 +1,52 @@
+"""Hugging Face models built from small configs (no download): eager prediction vs a real CPU step."""
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
+from tracer.errors import ModelInputError  # noqa: E402
+from tracer.passes.analysis import analyze_graphs  # noqa: E402
+from truth import measure_step  # noqa: E402
+
+DECODER = ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+           "num_key_value_heads=2", "vocab_size=512")
+CONFIGS = {
+    "hf:gpt2": ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "n_positions=64",
+                "resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"),
+    "hf:llama": DECODER,
+    "hf:qwen2": DECODER,
+    "hf:bert": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_eager_step_of_a_transformers_model(name):
+    """Dropout is 0: CPU eager dropout saves a float mask where the graph (and CUDA) saves a bool one."""
+    source = load_model_source(name, hf_config=CONFIGS[name])
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32), (PolicySpec(name="eager"),))
+    predicted = analyze_graphs(graphs).policies["eager"]
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step(model, source.example_batch(2, 32),
+                            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert predicted.peak_phase == measured.peak_phase
+    for phase in ("forward", "backward", "optimizer"):
+        p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
+        assert abs(p - m) <= 0.001 * m, f"{phase}: predicted {p:,} measured {m:,}"
+
+
+def test_a_hub_name_without_a_config_file_says_how_to_build_it():
+    with pytest.raises(ModelInputError, match="config-json"):
+        load_model_source("hf:meta-llama/Llama-3.2-1B")
+
+
+def test_config_json_names_the_architecture(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,'
+                      ' "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 128}')
+    source = load_model_source("hf:meta-llama/Llama-3.2-1B", config_json=str(config))
+    graphs = capture_steps(source, CaptureOptions(batch=1, seq=16), (PolicySpec(name="eager"),))
+    assert graphs["eager"].parameter_count == sum(p.numel() for p in source.build_model().parameters())
