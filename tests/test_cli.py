@@ -38,7 +38,7 @@ def test_report_and_json_schema(tmp_path, capsys):
     ([os.path.join(FIXTURES, "no_model.py")], ExitCode.USAGE, "defines no build_model()"),
     (["llama-3b"], ExitCode.USAGE, "valid zoo names"),
     ([os.path.join(FIXTURES, "raising_forward.py")], ExitCode.ANALYSIS, "raising_forward.py:12"),
-    ([os.path.join(FIXTURES, "data_dependent.py")], ExitCode.ANALYSIS, "data_dependent.py:13"),
+    ([os.path.join(FIXTURES, "data_dependent.py"), "--capture", "export"], ExitCode.ANALYSIS, "data_dependent.py:13"),
 ])
 def test_bad_input_gets_one_clear_line(argv, code, needle, capsys):
     assert main(argv + ["--seq", "4", "--quiet"]) == code
@@ -105,3 +105,9 @@ def test_check_subcommand_and_save_baseline(tmp_path, capsys):
     assert main(["check", "llama-debug", "--seq", "32", "--baseline", str(baseline)]) == ExitCode.OK
     assert main(["check", "llama-debug", "--seq", "48", "--baseline", str(baseline)]) == ExitCode.USAGE
     assert "seq" in capsys.readouterr().err
+
+
+def test_export_failure_falls_back_and_says_so(capsys):
+    assert main([os.path.join(FIXTURES, "data_dependent.py"), "--seq", "4", "--quiet"]) == ExitCode.OK
+    out = capsys.readouterr().out
+    assert "capture: dispatch" in out and "export failed" in out and "data_dependent.py:13" in out

@@ -34,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
     p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)")
+    p.add_argument("--capture", choices=("auto", "export", "dispatch"), default="auto",
+                   help="auto: torch.export's joint graph, falling back to running the step op by op on fake "
+                        "tensors when export fails (eager policy only); export: no fallback; dispatch: the "
+                        "fallback directly (default auto)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
@@ -167,7 +171,8 @@ def _run(args) -> int:
     source = load_model_source(args.model, hf_config=tuple(args.hf_config), config_json=args.config_json,
                                hf_attn=args.hf_attn)
     options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                             foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none")
+                             foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none",
+                             capture=args.capture)
     specs = policy_specs(args)
     progress(f"capturing {args.model} (batch {args.batch}, seq {args.seq}) under fake tensors ...")
     graphs = capture_steps(source, options, specs, on_policy=lambda label: progress(f"simulating {label} ..."))

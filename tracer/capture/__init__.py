@@ -1,8 +1,11 @@
 """Capture one training step (forward, loss, backward, optimizer step, zero_grad) as a `StepGraph`.
 
-This package is the only code that touches torch.export, fx and fake tensors. `capture_step` builds the
+This package is the only code that touches torch.export, fx and fake tensors. `capture_steps` builds the
 model under FakeTensorMode (no real memory), exports it, takes the joint forward+backward graph,
-converts it to ops over storages, then records the optimizer step on fake tensors.
+converts it to ops over storages per recompute policy, then records the optimizer step on fake tensors.
+The capture ladder: export (non-strict) -> when that fails, the whole step run op by op on fake
+tensors (`dispatch.py`: eager memory and attribution, no recompute policies); the report's capture path
+and notes say which rung was used and why.
 """
 from __future__ import annotations
 
@@ -10,6 +13,8 @@ import dataclasses
 import warnings
 
 from tracer.capture.convert import OpDraft, Schedule, convert_step
+from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
+from tracer.errors import CaptureError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
@@ -32,6 +37,7 @@ class CaptureOptions:
     foreach: bool = True
     step: str = "steady"             # steady (optimizer state exists) | first (state created lazily)
     zero_grad_set_to_none: bool = True
+    capture: str = "auto"            # auto (export, else the dispatch fallback) | export | dispatch
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -49,7 +55,14 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
 
 
 def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
-    cap = export_joint(source, options.batch, options.seq, options.precision)
+    if options.capture == "dispatch":
+        return _dispatch_steps(source, options, specs, reason="--capture dispatch")
+    try:
+        cap = export_joint(source, options.batch, options.seq, options.precision)
+    except CaptureError as exc:
+        if options.capture == "export":
+            raise
+        return _dispatch_steps(source, options, specs, reason=str(exc))
     try:
         out = {}
         for spec in specs:
@@ -59,6 +72,22 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
         return out
     finally:
         cap.exit_stack.close()
+
+
+def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
+    """The ladder's last rung: no graph, so only the eager policy can be simulated."""
+    others = [spec.label for spec in specs if spec.name != "eager"]
+    if others:
+        raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
+                           f"{reason}", hint="fix what export reports, or ask for --policy eager only")
+    ops, table, n_params, notes = capture_step_dispatch(source, options)
+    config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
+                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
+                        zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
+                        policy="eager", notes=(f"export failed: {reason}",) + notes)
+    graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
+                      storages=table.freeze(), parameter_count=n_params)
+    return {spec.label: graph for spec in specs}
 
 
 def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec) -> StepGraph:

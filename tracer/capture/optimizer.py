@@ -8,15 +8,12 @@ warm-up step first, so the state exists before the recorded step.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from tracer.capture.convert import OpDraft, plain_value, target_name
-from tracer.capture.source import loc_from_python_stack
+from tracer.capture.convert import OpDraft
+from tracer.capture.recorder import StepRecorder
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
 from tracer.stepgraph import Phase, StorageRole
@@ -32,53 +29,6 @@ def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.
     if name == "none":
         return None
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
-
-
-class _StepRecorder(TorchDispatchMode):
-    """Records every aten op as an optimizer-phase op; storages released between ops get `released_after_op`."""
-
-    def __init__(self, table: StorageTable, ops_offset: int):
-        super().__init__()
-        self.table, self.ops_offset = table, ops_offset
-        self.ops: list[OpDraft] = []
-        self.created: list[int] = []
-
-    def track_release(self, t: torch.Tensor, sid: int) -> None:
-        storage = t.untyped_storage()
-        weakref.finalize(storage, self._released, sid, storage._cdata)
-
-    def _released(self, sid: int, key: int) -> None:
-        self.table.update(sid, released_after_op=self.ops_offset + len(self.ops) - 1)
-        self.table.forget_key(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t not in self.table:
-                # made outside the dispatcher during the step (a lifted constant): lives from its first use
-                sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
-                self.created.append(sid)
-                self.track_release(t, sid)
-        plain_args = plain_value(args, self.table)
-        plain_kwargs = tuple((k, plain_value(v, self.table)) for k, v in kwargs.items())
-        out = func(*args, **kwargs)
-        if func.namespace == "profiler":
-            return out
-        outputs, fresh = [], False
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if t not in self.table:
-                sid = self.table.add(t, StorageRole.INTERMEDIATE)
-                self.created.append(sid)
-                self.track_release(t, sid)
-                fresh = True
-            outputs.append(self.table.value(t))
-        self.ops.append(OpDraft(name=f"optimizer_{len(self.ops)}", target=target_name(func),
-                                phase=Phase.OPTIMIZER, args=plain_args, kwargs=plain_kwargs,
-                                outputs=tuple(outputs), source=loc_from_python_stack(), module="",
-                                is_view=bool(outputs) and not fresh))
-        return out
 
 
 def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, int], table: StorageTable,
@@ -104,7 +54,7 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
     for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
             table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
-    recorder = _StepRecorder(table, ops_offset)
+    recorder = StepRecorder(table, ops_offset)
     with fake_mode:
         for p, g in zip(params, _set_fake_grads(params)):
             table.alias(g, grad_sid_by_param[id(p)])

@@ -1,0 +1,178 @@
+"""The last rung of the capture ladder: run the whole step eagerly on fake tensors under `StepRecorder`.
+
+When no graph can be exported (data-dependent Python control flow, ops export cannot trace), the step
+still runs op by op on fake tensors: forward+loss, `loss.backward()`, `optimizer.step()`, `zero_grad()`,
+after an untracked warm-up step for steady state. Frees are observed (exact eager lifetimes, Python
+locals included). Backward ops are attributed to the forward line and module that created their
+autograd node (stamped on the node by a TorchFunctionMode during forward). Values read from tensors
+(`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line.
+What this path cannot do: recompute policies (compiled, selective, full) need a graph.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from tracer.capture.joint import build_fake
+from tracer.capture.model_input import ModelSource
+from tracer.capture.optimizer import make_standard_optimizer
+from tracer.capture.recorder import StepRecorder
+from tracer.capture.source import loc_from_python_stack, normalize_module_path
+from tracer.capture.storages import StorageTable
+from tracer.errors import ModelRunError
+from tracer.stepgraph import Phase, StorageRole
+
+CAPTURE_PATH = "dispatch (fake tensors, no graph)"
+
+
+class _ModuleStack:
+    """The current module path during forward, from global module hooks."""
+
+    def __init__(self, names: dict[int, str]):
+        self.names, self.stack = names, []
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        self.handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._exit)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+    def _enter(self, module, args):
+        self.stack.append(self.names.get(id(module), self.stack[-1] if self.stack else ""))
+
+    def _exit(self, module, args, out):
+        if self.stack:
+            self.stack.pop()
+
+    @property
+    def current(self) -> str:
+        return normalize_module_path(self.stack[-1]) if self.stack else ""
+
+
+class _NodeStamper(TorchFunctionMode):
+    """Stamps the caller's line and module on every autograd node a torch call creates (for backward ops)."""
+
+    def __init__(self, modules: _ModuleStack):
+        super().__init__()
+        self.modules = modules
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        site = (loc_from_python_stack(), self.modules.current)
+        stack = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            node = stack.pop()
+            if node is None or "tracer_site" in node.metadata or type(node).__name__ == "AccumulateGrad":
+                continue
+            node.metadata["tracer_site"] = site
+            stack.extend(fn for fn, _ in node.next_functions)
+        return out
+
+
+def capture_step_dispatch(source: ModelSource, options) -> tuple:
+    """Returns (ops, StorageTable, parameter count, notes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode()
+    model, batch = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if options.precision == "bf16" \
+        else contextlib.nullcontext
+    with fake_mode:
+        opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
+               else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
+    steady = options.step == "steady"
+    table = StorageTable()
+    names = {id(m): path for path, m in model.named_modules()}
+    modules = _ModuleStack(names)
+    phase = {"now": Phase.FORWARD}
+
+    def site():
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            loc, module = node.metadata.get("tracer_site", (None, ""))
+            return Phase.BACKWARD, loc, module
+        if phase["now"] is Phase.FORWARD:
+            return Phase.FORWARD, loc_from_python_stack(), modules.current
+        return phase["now"], loc_from_python_stack(), ""
+
+    recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True)
+
+    def run_step(record: bool):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fake_mode)
+            if record:
+                stack.enter_context(recorder)
+            phase["now"] = Phase.FORWARD
+            with modules, _NodeStamper(modules), autocast():
+                loss = model(*batch)
+            phase["now"] = Phase.BACKWARD
+            loss.backward()
+            phase["now"] = Phase.OPTIMIZER
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=options.zero_grad_set_to_none)
+            else:
+                model.zero_grad(set_to_none=options.zero_grad_set_to_none)
+            return loss
+
+    try:
+        if steady:
+            with StepRecorder(StorageTable(), 0, read_scalars_as_zero=True):   # warm-up: only reads scalars as 0
+                run_step(record=False)
+        _register_preexisting(table, recorder, model, batch, opt)
+        loss = run_step(record=True)
+    except Exception as exc:
+        raise ModelRunError(f"running the step on fake tensors failed: {type(exc).__name__}: {exc}",
+                            hint="see --verbose") from exc
+    loss_sid = table.lookup(loss)
+    if loss_sid is not None:
+        table.update(loss_sid, persistent=True, name="loss")
+    del loss
+    for sid in recorder.created:
+        if table.get(sid).released_after_op is None:
+            table.update(sid, persistent=True)
+    for p in model.parameters():
+        if p.grad is not None and table.lookup(p.grad) is not None:
+            table.update(table.lookup(p.grad), role=StorageRole.GRADIENT, name="grad")
+    if opt is not None:
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and table.lookup(value) is not None:
+                    table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=str(key))
+    notes = [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
+             "memory and attribution only, no recompute policies"]
+    notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
+              "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
+    return recorder.ops, table, sum(p.numel() for p in model.parameters()), tuple(notes)
+
+
+def _register_preexisting(table: StorageTable, recorder: StepRecorder, model, batch, opt) -> None:
+    for fqn, p in model.named_parameters():
+        table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
+        if p.grad is not None:
+            sid = table.add(p.grad, StorageRole.GRADIENT, preexisting=True, name=f"{fqn}.grad")
+            recorder.track_release(p.grad, sid)
+    for fqn, b in model.named_buffers():
+        if b not in table:
+            table.add(b, StorageRole.BUFFER, preexisting=True, persistent=True, name=fqn)
+    for i, t in enumerate(x for x in batch if isinstance(x, torch.Tensor)):
+        if t not in table:
+            table.add(t, StorageRole.INPUT, preexisting=True, persistent=True, name=f"input {i}")
+    if opt is not None:
+        for state in opt.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value not in table:
+                    sid = table.add(value, StorageRole.OPTIMIZER_STATE, preexisting=True, name=str(key))
+                    recorder.track_release(value, sid)
+    for m in model.modules():
+        for attr, value in vars(m).items():
+            if isinstance(value, torch.Tensor) and attr not in m._parameters and attr not in m._buffers \
+                    and value not in table:
+                sid = table.add(value, StorageRole.INTERMEDIATE, preexisting=True, name=f"module attribute {attr}")
+                recorder.track_release(value, sid)

@@ -1,0 +1,88 @@
+"""Record a stretch of eager execution on fake tensors as ops over storages, with exact frees.
+
+`StepRecorder` is a TorchDispatchMode: every aten op becomes an `OpDraft`; every new storage gets a
+`weakref.finalize` that records the op after which it was released (the last reference went away:
+a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last-use guess here.
+Phases and source lines come from callables, so the optimizer step and a whole-step fallback share it.
+Values the code reads from tensors (`.item()`, `if t:`) do not exist on fake tensors: with
+`read_scalars_as_zero` they read as 0 / False and each such read is noted with its line.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tracer.capture.convert import OpDraft, plain_value, target_name
+from tracer.capture.source import loc_from_python_stack
+from tracer.capture.storages import StorageTable
+from tracer.stepgraph import Phase, SourceLoc, StorageRole
+
+
+def _optimizer_site() -> tuple[Phase, SourceLoc | None, str]:
+    return Phase.OPTIMIZER, loc_from_python_stack(), ""
+
+
+class StepRecorder(TorchDispatchMode):
+    def __init__(self, table: StorageTable, ops_offset: int,
+                 site: Callable[[], tuple[Phase, SourceLoc | None, str]] = _optimizer_site,
+                 read_scalars_as_zero: bool = False):
+        super().__init__()
+        self.table, self.ops_offset, self.site = table, ops_offset, site
+        self.read_scalars_as_zero = read_scalars_as_zero
+        self.ops: list[OpDraft] = []
+        self.created: list[int] = []
+        self.scalar_reads: list[SourceLoc | None] = []
+
+    def track_release(self, t: torch.Tensor, sid: int) -> None:
+        storage = t.untyped_storage()
+        weakref.finalize(storage, self._released, sid, storage._cdata)
+
+    def _released(self, sid: int, key: int) -> None:
+        self.table.update(sid, released_after_op=self.ops_offset + len(self.ops) - 1)
+        self.table.forget_key(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.read_scalars_as_zero and func is torch.ops.aten._local_scalar_dense.default:
+            from torch._subclasses.fake_tensor import DataDependentOutputException
+            try:
+                return func(*args, **kwargs)        # a constant the fake mode knows (e.g. Adam's step count)
+            except DataDependentOutputException:
+                self.scalar_reads.append(loc_from_python_stack())
+                return _zero_like_scalar(args[0].dtype)
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t not in self.table:
+                # made outside the dispatcher during the step (a lifted constant): lives from its first use
+                sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
+                self.created.append(sid)
+                self.track_release(t, sid)
+        plain_args = plain_value(args, self.table)
+        plain_kwargs = tuple((k, plain_value(v, self.table)) for k, v in kwargs.items())
+        out = func(*args, **kwargs)
+        if func.namespace == "profiler":
+            return out
+        outputs, fresh = [], False
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if t not in self.table:
+                sid = self.table.add(t, StorageRole.INTERMEDIATE)
+                self.created.append(sid)
+                self.track_release(t, sid)
+                fresh = True
+            outputs.append(self.table.value(t))
+        phase, source, module = self.site()
+        self.ops.append(OpDraft(name=f"{phase.value}_{len(self.ops)}", target=target_name(func), phase=phase,
+                                args=plain_args, kwargs=plain_kwargs, outputs=tuple(outputs), source=source,
+                                module=module, is_view=bool(outputs) and not fresh))
+        return out
+
+
+def _zero_like_scalar(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 0
