@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.joint import build_fake
+from tracer.capture.joint import _where, build_fake
 from tracer.capture.model_input import ModelSource
 from tracer.capture.optimizer import make_standard_optimizer
 from tracer.capture.recorder import StepRecorder
@@ -128,8 +128,10 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         _register_preexisting(table, recorder, model, batch, opt)
         loss = run_step(record=True)
     except Exception as exc:
-        raise ModelRunError(f"running the step on fake tensors failed: {type(exc).__name__}: {exc}",
-                            hint="see --verbose") from exc
+        raise ModelRunError(f"{_where(exc)}: running the step op by op on fake tensors failed too: "
+                            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                            hint="for transformers models try use_cache=False, attn_implementation='sdpa' or a "
+                                 "static rope_type; --verbose shows the full traceback") from exc
     loss_sid = table.lookup(loss)
     if loss_sid is not None:
         table.update(loss_sid, persistent=True, name="loss")
