@@ -20,7 +20,8 @@ import tracer
 from tracer.passes.analysis import Analysis
 from tracer.passes.attribution import CATEGORIES
 from tracer.reports.layer_graph import DOT_INSTALL_HINT, build_layer_graph, dot_to_svg, layer_graph_dot
-from tracer.reports.line_table import build_line_table, format_flops, line_table_html, short_path
+from tracer.reports.line_table import build_line_table, line_table_html, short_path
+from tracer.reports.units import format_flops
 from tracer.reports.policy_view import policy_result, recompute_flops_by_line
 from tracer.reports.timeline import timeline_svg
 from tracer.reports.units import format_bytes

@@ -31,7 +31,7 @@ from tracer.passes.analysis import Analysis
 from tracer.passes.attribution import layer_of
 from tracer.passes.flops import op_flops
 from tracer.reports.policy_view import policy_graph, policy_result, recompute_flops_by_line
-from tracer.reports.units import format_bytes
+from tracer.reports.units import format_bytes, format_flops
 from tracer.stepgraph import SourceLoc
 
 
@@ -116,15 +116,6 @@ def _ranges(indices: list[int]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- renderers
-
-def format_flops(flops: int) -> str:
-    value = float(flops)
-    for unit in ("", "k", "M", "G", "T", "P"):
-        if abs(value) < 1000 or unit == "P":
-            return f"{value:,.0f} FLOP" if unit == "" else f"{value:,.2f} {unit}FLOP"
-        value /= 1000
-    raise AssertionError("unreachable")
-
 
 def render_line_table(table: LineTable, *, top: int | None = None) -> str:
     rows = table.rows if top is None else table.rows[:top]

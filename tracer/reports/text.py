@@ -6,7 +6,7 @@ import re
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
 from tracer.passes.attribution import CATEGORIES, LayerBytes
-from tracer.reports.units import format_bytes
+from tracer.reports.units import format_bytes, format_flops
 
 
 def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10) -> str:
@@ -84,15 +84,6 @@ def render_policy_table(analysis: Analysis) -> str:
     lines += ["", "not modelled:"] + [f"  {name}: {text}" for name, text in NOT_MODELLED.items()
                                      if any(label.split("@")[0] == name for label in analysis.policies)]
     return "\n".join(lines) + "\n"
-
-
-def format_flops(flops: int) -> str:
-    value = float(flops)
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(value) < 1000 or unit == "P":
-            return f"{value:,.0f} FLOP" if unit == "" else f"{value:,.2f} {unit}FLOP"
-        value /= 1000
-    raise AssertionError("unreachable")
 
 
 def _unknown_note(result: PolicyAnalysis) -> str:

@@ -1,4 +1,4 @@
-"""Byte formatting and parsing shared by every renderer and the CLI."""
+"""Byte and FLOP formatting, and byte parsing, shared by every renderer and the CLI."""
 from __future__ import annotations
 
 import re
@@ -13,6 +13,15 @@ def format_bytes(nbytes: int) -> str:
         if abs(value) < 1024 or unit == "TiB":
             return f"{value:,.0f} B" if unit == "B" else f"{value:,.2f} {unit}"
         value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_flops(flops: int) -> str:
+    value = float(flops)
+    for unit in ("", "k", "M", "G", "T", "P"):
+        if abs(value) < 1000 or unit == "P":
+            return f"{value:,.0f} FLOP" if unit == "" else f"{value:,.2f} {unit}FLOP"
+        value /= 1000
     raise AssertionError("unreachable")
 
 
