@@ -46,3 +46,22 @@ def test_policies_need_a_graph():
     with pytest.raises(CaptureError, match="need a captured graph"):
         capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent_branch.py")),
                       CaptureOptions(batch=2, seq=16), (PolicySpec(name="full"),))
+
+
+def test_strict_export_is_tried_when_non_strict_export_fails(monkeypatch):
+    """The rung between non-strict export and the dispatch fallback; non-strict is made to fail here."""
+    import tracer.capture as capture
+    real_export_joint = capture.export_joint
+
+    def non_strict_fails(source, batch, seq, precision, *, strict=False):
+        if not strict:
+            error = CaptureError("non-strict export failed (simulated)")
+            error.export_failed = True
+            raise error
+        return real_export_joint(source, batch, seq, precision, strict=True)
+
+    monkeypatch.setattr(capture, "export_joint", non_strict_fails)
+    graphs = capture_steps(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=16),
+                           (PolicySpec(name="eager"), PolicySpec(name="full")))
+    assert graphs["eager"].config.capture_path == "export-joint (strict)"
+    assert any(op.recomputed for op in graphs["full"].ops)

@@ -3,8 +3,8 @@
 This package is the only code that touches torch.export, fx and fake tensors. `capture_steps` builds the
 model under FakeTensorMode (no real memory), exports it, takes the joint forward+backward graph,
 converts it to ops over storages per recompute policy, then records the optimizer step on fake tensors.
-The capture ladder: export (non-strict) -> when that fails, the whole step run op by op on fake
-tensors (`dispatch.py`: eager memory and attribution, no recompute policies); the report's capture path
+The capture ladder: export (non-strict) -> export (strict) -> when both fail, the whole step run op by op
+on fake tensors (`dispatch.py`: eager memory and attribution, no recompute policies); the report's capture path
 and notes say which rung was used and why.
 """
 from __future__ import annotations
@@ -57,12 +57,19 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
 def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     if options.capture == "dispatch":
         return _dispatch_steps(source, options, specs, reason="--capture dispatch")
-    try:
-        cap = export_joint(source, options.batch, options.seq, options.precision)
-    except CaptureError as exc:
+    cap, failures = None, []
+    for strict in (False, True):                        # the ladder: non-strict export, strict export, dispatch
+        try:
+            cap = export_joint(source, options.batch, options.seq, options.precision, strict=strict)
+            break
+        except CaptureError as exc:
+            failures.append(exc)
+            if not getattr(exc, "export_failed", False):
+                break                                   # the forward itself cannot run on fake tensors
+    if cap is None:
         if options.capture == "export":
-            raise
-        return _dispatch_steps(source, options, specs, reason=str(exc))
+            raise failures[0]
+        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
     try:
         out = {}
         for spec in specs:
@@ -116,7 +123,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
-                        zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path="export-joint",
+                        zero_grad_set_to_none=options.zero_grad_set_to_none,
+                        capture_path="export-joint (strict)" if cap.strict else "export-joint",
                         policy=spec.label, notes=_capture_notes(cap))
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,

@@ -36,6 +36,7 @@ class JointCapture:
     buffer_by_fqn: dict[str, torch.Tensor]
     exit_stack: contextlib.ExitStack
     seen: "ForwardObservations"
+    strict: bool = False                  # which torch.export mode produced the graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     return model, args
 
 
-def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> JointCapture:
+def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False) -> JointCapture:
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -105,10 +106,13 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> J
         with _keep_user_frames(), warnings.catch_warnings():
             # tensors assigned to module attributes are reported by tracer itself (ForwardObservations)
             warnings.filterwarnings("ignore", message="The tensor attributes")
-            ep = torch.export.export(traced, args, strict=False)
+            ep = torch.export.export(traced, args, strict=strict)
     except Exception as exc:
-        raise CaptureError(f"torch.export failed on {source.name}: {_export_message(exc)}",
-                           hint="see --verbose; data-dependent Python control flow and .item() cannot be exported") from exc
+        error = CaptureError(f"torch.export{' (strict)' if strict else ''} failed on {source.name}: "
+                             f"{_export_message(exc)}",
+                             hint="see --verbose; data-dependent Python control flow and .item() cannot be exported")
+        error.export_failed = True          # the forward itself ran: another export mode may still work
+        raise error from exc
     gm = ep.module()
     _strip_export_asserts(gm)
     stack = contextlib.ExitStack()
@@ -123,7 +127,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str) -> J
                            hint="see --verbose") from exc
     params = dict(traced.named_parameters(remove_duplicate=False))
     buffers = dict(traced.named_buffers(remove_duplicate=False))
-    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
+    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode, strict=strict,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen)
 
 
