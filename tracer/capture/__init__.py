@@ -38,6 +38,7 @@ class CaptureOptions:
     step: str = "steady"             # steady (optimizer state exists) | first (state created lazily)
     zero_grad_set_to_none: bool = True
     capture: str = "auto"            # auto (export, else the dispatch fallback) | export | dispatch
+    target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -60,7 +61,8 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     cap, failures = None, []
     for strict in (False, True):                        # the ladder: non-strict export, strict export, dispatch
         try:
-            cap = export_joint(source, options.batch, options.seq, options.precision, strict=strict)
+            cap = export_joint(source, options.batch, options.seq, options.precision, strict=strict,
+                               target=options.target)
             break
         except CaptureError as exc:
             failures.append(exc)

@@ -94,10 +94,14 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     return model, args
 
 
-def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False) -> JointCapture:
+def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
+                 target: str = "cpu") -> JointCapture:
+    """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py)."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from tracer.capture.target import cuda_capture, parse_target
+    device = parse_target(target)
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
     traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
@@ -118,7 +122,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     stack = contextlib.ExitStack()
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
     try:
-        with autocast:
+        with autocast, cuda_capture(device, precision):
             jd = aot_export_joint_with_descriptors(stack, gm, args)
     except Exception as exc:
         stack.close()
