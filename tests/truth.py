@@ -165,6 +165,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     if optimizer is not None:
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         tracker.track_existing(state, "optimizer_state")
+        del state                                          # an optimizer may replace (and free) its state in step()
     start = tracker.current
     real_get_rng_state = torch.get_rng_state
 
