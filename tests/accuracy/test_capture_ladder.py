@@ -53,12 +53,12 @@ def test_strict_export_is_tried_when_non_strict_export_fails(monkeypatch):
     import tracer.capture as capture
     real_export_joint = capture.export_joint
 
-    def non_strict_fails(source, batch, seq, precision, *, strict=False):
+    def non_strict_fails(source, batch, seq, precision, *, strict=False, target="cpu"):
         if not strict:
             error = CaptureError("non-strict export failed (simulated)")
             error.export_failed = True
             raise error
-        return real_export_joint(source, batch, seq, precision, strict=True)
+        return real_export_joint(source, batch, seq, precision, strict=True, target=target)
 
     monkeypatch.setattr(capture, "export_joint", non_strict_fails)
     graphs = capture_steps(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=16),

@@ -13,8 +13,8 @@ on CPU fakes; `cuda_capture(target, precision)` wraps the joint-graph capture an
 * autocast: under `--precision bf16` the CPU autocast policy is replaced by CUDA's op lists
   (`CUDA_AUTOCAST_POLICY`, upstream `autocast_mode.h`): e.g. exp, log, pow, rsqrt, sum, softmax run in
   fp32 on CUDA but in the input dtype on CPU, and einsum casts its inputs itself. Python kernels are
-  registered on the AutocastCPU dispatch key for the capture only; ops that only CPU autocast lists are
-  passed through unchanged. The autocast weight-cast cache is not modelled (a weight used twice in one
+  registered on the AutocastCPU dispatch key for the capture only; ops on CPU's lists but not CUDA's are
+  passed through uncast. The autocast weight-cast cache is not modelled (a weight used twice in one
   forward is cast twice).
 * nothing else in the graph: dropout masks are already bool (`native_dropout`), as in CUDA eager.
 
@@ -26,6 +26,8 @@ cuBLASLt handle's workspace, both taken from the caching allocator on the first 
 snapshots hold exactly two 8,519,680 B blocks allocated before the step.
 
 `choose_sdpa_backend` and the table functions are pure; only `cuda_capture` touches torch's dispatcher.
+Not handled: the dispatch fallback capture (no export) ignores the target; the cuDNN-first SDPA order of
+builds with cuDNN > 9.15 on sm90/sm100 (pass `priority`); fp16 autocast; CUDA-only fused optimizer kernels.
 """
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def parse_target(text: str, gpu: str | None = None) -> Target:
     return Target("cuda", GPUS[name])
 
 
-# ---------------------------------------------------------------------------------------------- memory outside the graph
+# ---------------------------------------------------------------------------------------------- memory outside
 
 @dataclasses.dataclass(frozen=True)
 class DeviceAllocation:
@@ -130,10 +132,11 @@ def device_allocations(target: Target, *, cublas_config: str | None = None) -> t
     if not target.is_cuda:
         return ()
     nbytes = cublas_workspace_bytes(target.gpu, cublas_config)
+    config = cublas_config or (CUBLAS_SM90_CONFIG if target.gpu.sm[0] >= 9 else CUBLAS_DEFAULT_CONFIG)
     return (DeviceAllocation(
         "cuBLAS/cuBLASLt workspaces", nbytes, CUBLAS_WORKSPACES_PER_STREAM,
-        f"CUBLAS_WORKSPACE_CONFIG {cublas_config or (CUBLAS_SM90_CONFIG if target.gpu.sm[0] >= 9 else CUBLAS_DEFAULT_CONFIG)}"
-        " (PyTorch default, CublasHandlePool.cpp), one per handle on the default stream"),)
+        f"CUBLAS_WORKSPACE_CONFIG {config} (PyTorch's default: CublasHandlePool.cpp), one per handle on the "
+        "default stream"),)
 
 
 # ---------------------------------------------------------------------------------------------- SDPA backend rules
@@ -273,7 +276,8 @@ _BANNED = ("binary_cross_entropy",)
 
 CUDA_AUTOCAST_POLICY: dict[str, str] = {
     **dict.fromkeys(_LOWER, "lower_precision_fp"), **dict.fromkeys(_FP32, "fp32"),
-    **dict.fromkeys(_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"), **dict.fromkeys(_FP32_APPEND_DTYPE, "fp32_append_dtype"),
+    **dict.fromkeys(_FP32_SET_OPT_DTYPE, "fp32_set_opt_dtype"),
+    **dict.fromkeys(_FP32_APPEND_DTYPE, "fp32_append_dtype"),
     **dict.fromkeys(_PROMOTE, "promote"), **dict.fromkeys(_BANNED, "banned"),
 }
 

@@ -37,6 +37,7 @@ import pickle
 from tracer.errors import UsageError
 from tracer.passes.allocator import MIB, round_size, simulate_allocator
 from tracer.passes.analysis import Analysis
+from tracer.passes.device import step_requests
 from tracer.passes.liveness import BEFORE_STEP
 from tracer.reports.policy_view import policy_graph, policy_result
 from tracer.stepgraph import OpNode
@@ -60,10 +61,7 @@ def predicted_snapshot(analysis: Analysis, policy: str = "eager") -> dict:
         if iv.free_op is not None:
             frees_at.setdefault(iv.free_op, []).append(iv)
 
-    requests = [("alloc", iv.storage_id, iv.nbytes) for iv in before]
-    for i in range(n):
-        requests += [("alloc", iv.storage_id, iv.nbytes) for iv in allocs_at.get(i, ())]
-        requests += [("free", iv.storage_id, 0) for iv in frees_at.get(i, ())]
+    requests = step_requests(result.liveness)              # the same stream as the device prediction
     replay = simulate_allocator(requests)
     addresses = iter(replay.alloc_addresses)
     address = {sid: next(addresses) for action, sid, _ in requests if action == "alloc"}

@@ -1,0 +1,128 @@
+"""Device memory of one predicted step: what `memory_allocated()`, `memory_reserved()` and a memory snapshot
+of a CUDA run would show, from one policy's liveness plus the allocations the step graph does not hold.
+
+Contract:
+    step_requests(liveness, extra_nbytes=(), steps=1) -> tuple[(action, block_id, requested_bytes), ...]
+        the caching allocator's request stream ("alloc" / "free"), for `simulate_allocator`.
+    predict_device_memory(result, *, extra=(), config=AllocatorConfig(), warm_steps=2, capacity_bytes=None)
+        -> DeviceMemory (frozen).
+
+Conventions:
+  * requested bytes are storage bytes, as in a snapshot's trace and `requested_bytes`; `extra` are
+    (label, requested bytes) allocations made before everything else and never freed (the cuBLAS
+    workspaces of `tracer.capture.target.device_allocations`), so they add to before, every phase peak
+    and the peak.
+  * the request stream: extras, then the storages that exist before the step (storage-id order), then op
+    by op the storages the op allocates (storage-id order) and then those freed after it, the order
+    `tracer.reports.memviz` writes its trace in. So the requested peak of the stream is the liveness peak.
+  * allocated bytes (512 B rounding, unsplit large blocks) and reserved bytes come from replaying the
+    stream through `tracer.passes.allocator.simulate_allocator`. A steady step runs against a warm
+    cache, so the step is replayed `warm_steps` times: each later copy frees, instead of a pre-step
+    storage, the storage the previous copy made to replace it (pre-step storages freed in the step are
+    paired, in free order, with same-size storages the step creates and keeps: Adam's new moments when
+    the optimizer replaces them); other kept storages of a copy (the loss) are freed when the next begins.
+    Reserved memory only grows (no `empty_cache`), so its peak is the end of the last copy; the
+    allocated peak is the maximum over all copies (they differ only by where blocks land).
+Not modelled: the layout the real warm-up steps leave (parameters allocated at model build, optimizer
+state created inside the first step), several streams, record_stream delays.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tracer.passes.allocator import AllocatorConfig, OomReport, simulate_allocator
+from tracer.passes.liveness import BEFORE_STEP, Liveness
+
+_EXTRA_BASE = -1                      # extras get block ids -1, -2, ... (storage ids are >= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    policy: str
+    extra: tuple[tuple[str, int], ...]    # (label, requested bytes) allocated before the step, never freed
+    peak_bytes: int                       # requested: the liveness peak + extras
+    peak_phase: str
+    peak_op_index: int
+    phases: dict[str, int]                # phase -> requested peak + extras
+    before_bytes: int                     # live before the step, extras included
+    allocated_peak_bytes: int             # block sizes (memory_allocated), from the allocator model
+    reserved_peak_bytes: int              # segment sizes (memory_reserved)
+    segment_count: int
+    warm_steps: int
+    config: AllocatorConfig
+    oom: OomReport | None                 # first request that does not fit capacity_bytes, if given
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.extra)
+
+
+def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
+                  steps: int = 1) -> tuple[tuple[str, int, int], ...]:
+    """The allocator request stream of `steps` consecutive copies of the step (see the module docstring)."""
+    intervals = [iv for iv in liveness.intervals if iv.alloc_op is not None and iv.nbytes > 0]
+    n_ops = len(liveness.live_during)
+    stride = max((iv.storage_id for iv in liveness.intervals), default=0) + 1
+    allocs_at: dict[int, list] = {}
+    frees_at: dict[int, list] = {}
+    for iv in intervals:
+        if iv.alloc_op != BEFORE_STEP:
+            allocs_at.setdefault(iv.alloc_op, []).append(iv)
+        if iv.free_op is not None:
+            frees_at.setdefault(iv.free_op, []).append(iv)
+    pre = [iv for iv in intervals if iv.alloc_op == BEFORE_STEP]
+    kept_pre = {iv.storage_id for iv in pre if iv.free_op is None}
+    replacement = _replacements(pre, intervals)
+    leftovers = [iv for iv in intervals if iv.alloc_op != BEFORE_STEP and iv.free_op is None
+                 and iv.storage_id not in replacement.values()]
+
+    events: list[tuple[str, int, int]] = [("alloc", _EXTRA_BASE - i, n) for i, n in enumerate(extra_nbytes)]
+    events += [("alloc", iv.storage_id, iv.nbytes) for iv in pre]
+    pre_ids = {iv.storage_id: iv.storage_id for iv in pre}           # pre-step storage -> its block now
+    for copy in range(steps):
+        def block(iv) -> int | None:
+            if iv.alloc_op == BEFORE_STEP:
+                return pre_ids.get(iv.storage_id)
+            return iv.storage_id + copy * stride
+        if copy:
+            events += [("free", iv.storage_id + (copy - 1) * stride, 0) for iv in leftovers]
+        for i in range(n_ops):
+            events += [("alloc", block(iv), iv.nbytes) for iv in allocs_at.get(i, ())]
+            events += [("free", block(iv), 0) for iv in frees_at.get(i, ()) if block(iv) is not None]
+        pre_ids = {sid: replacement[sid] + copy * stride if sid in replacement else b
+                   for sid, b in pre_ids.items() if sid in replacement or sid in kept_pre}
+    return tuple(events)
+
+
+def _replacements(pre, intervals) -> dict[int, int]:
+    """pre-step storage freed in the step -> the same-size storage the step makes and keeps (in order)."""
+    freed = sorted((iv for iv in pre if iv.free_op is not None), key=lambda iv: (iv.free_op, iv.storage_id))
+    kept = sorted((iv for iv in intervals if iv.alloc_op != BEFORE_STEP and iv.free_op is None),
+                  key=lambda iv: (iv.alloc_op, iv.storage_id))
+    out: dict[int, int] = {}
+    used: set[int] = set()
+    for old in freed:
+        new = next((iv for iv in kept if iv.nbytes == old.nbytes and iv.storage_id not in used), None)
+        if new is not None:
+            used.add(new.storage_id)
+            out[old.storage_id] = new.storage_id
+    return out
+
+
+def predict_device_memory(result, *, extra: Sequence[tuple[str, int]] = (), config: AllocatorConfig = AllocatorConfig(),
+                          warm_steps: int = 2, capacity_bytes: int | None = None) -> DeviceMemory:
+    """Device memory of policy `result` (a PolicyAnalysis) with `extra` allocations; see the module docstring."""
+    if warm_steps < 1:
+        raise ValueError("warm_steps must be at least 1")
+    extra = tuple((str(label), int(nbytes)) for label, nbytes in extra)
+    extra_bytes = sum(n for _, n in extra)
+    replay = simulate_allocator(step_requests(result.liveness, [n for _, n in extra], warm_steps), config,
+                                capacity_bytes=capacity_bytes)
+    return DeviceMemory(
+        policy=result.policy, extra=extra, peak_bytes=result.peak_bytes + extra_bytes, peak_phase=result.peak_phase,
+        peak_op_index=result.peak_op.index,
+        phases={name: peak.peak_bytes + extra_bytes for name, peak in result.phases.items()},
+        before_bytes=result.start_bytes + extra_bytes, allocated_peak_bytes=replay.allocated_peak_bytes,
+        reserved_peak_bytes=replay.reserved_peak_bytes, segment_count=replay.segment_count, warm_steps=warm_steps,
+        config=config, oom=replay.oom)
