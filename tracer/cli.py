@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="number of source lines to show (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    from tracer.target_cli import add_target_arguments
+    add_target_arguments(p)   # --target --gpu --alloc-conf --cublas-workspace-config --compare --tolerance --compare-json
     return p
 
 
@@ -160,6 +162,7 @@ def _run(args) -> int:
 
     import tracer
     from tracer.capture import CaptureOptions, capture_steps, load_model_source
+    from tracer.target_cli import capture_target, run_target_outputs
     from tracer.errors import UsageError
     from tracer.passes.analysis import analyze_graphs
     from tracer.reports.json_report import report_json
@@ -172,7 +175,7 @@ def _run(args) -> int:
                                hf_attn=args.hf_attn)
     options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
                              foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none",
-                             capture=args.capture)
+                             capture=args.capture, target=capture_target(args))
     specs = policy_specs(args)
     progress(f"capturing {args.model} (batch {args.batch}, seq {args.seq}) under fake tensors ...")
     graphs = capture_steps(source, options, specs, on_policy=lambda label: progress(f"simulating {label} ..."))
@@ -187,8 +190,9 @@ def _run(args) -> int:
         from tracer.checks import save_baseline
         save_baseline(analysis, args.save_baseline, top=args.top)
     _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
+    code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))
     progress.done()
-    return int(ExitCode.OK)
+    return code
 
 
 BUDGET_SWEEP = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)

@@ -104,6 +104,7 @@ class StepConfig:
     zero_grad_set_to_none: bool
     capture_path: str
     policy: str = "eager"
+    target: str = "cpu"               # cpu | cuda | cuda:<gpu>: which device's kernels and autocast lists
     notes: tuple[str, ...] = ()       # what the capture saw and how it is simulated, for the report
 
 

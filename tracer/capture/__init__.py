@@ -93,7 +93,9 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
-                        policy="eager", notes=(f"export failed: {reason}",) + notes)
+                        policy="eager", target="cpu", notes=(f"export failed: {reason}",) + notes
+                        + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
+                            "applied",) if options.target != "cpu" else ()))
     graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
                       storages=table.freeze(), parameter_count=n_params)
     return {spec.label: graph for spec in specs}
@@ -127,7 +129,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path="export-joint (strict)" if cap.strict else "export-joint",
-                        policy=spec.label, notes=_capture_notes(cap))
+                        policy=spec.label, target=options.target, notes=_capture_notes(cap))
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.joint import JointCapture
-from tracer.capture.source import loc_from_stack_trace, module_from_stack, user_frames
+from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
@@ -223,7 +223,7 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
             sid = sid_by_param_id.get(id(owner))
             if sid is None:
                 role = StorageRole.PARAMETER if kind == "ParamAOTInput" else StorageRole.BUFFER
-                sid = table.add(val, role, preexisting=True, persistent=True, name=desc.target)
+                sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(desc.target))
                 sid_by_param_id[id(owner)] = sid
                 table.alias(owner, sid)
             values[node] = table.value(val, sid)
@@ -312,7 +312,7 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     owners: dict[int, tuple[str, torch.Tensor]] = {}
     for fqn, out in grad_outputs:
         param = cap.param_by_fqn[fqn]
-        owners.setdefault(id(param), (fqn, param))
+        owners.setdefault(id(param), (normalize_module_path(fqn), param))
         ready = len(ops) - 1 if compiled else _end_of_autograd_node(ops, node_pos[out])
         grads.setdefault(id(param), []).append((ready, values[out]))
     inserts: list[tuple[int, OpDraft]] = []

@@ -127,6 +127,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
                 run_step(record=False)
         _register_preexisting(table, recorder, model, batch, opt)
         loss = run_step(record=True)
+        recorder.stop_tracking()
     except Exception as exc:
         raise ModelRunError(f"{_where(exc)}: running the step op by op on fake tensors failed too: "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
@@ -155,10 +156,11 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
 
 
 def _register_preexisting(table: StorageTable, recorder: StepRecorder, model, batch, opt) -> None:
+    """What lives before the step; persistent unless the recorder sees it released during the step."""
     for fqn, p in model.named_parameters():
         table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
         if p.grad is not None:
-            sid = table.add(p.grad, StorageRole.GRADIENT, preexisting=True, name=f"{fqn}.grad")
+            sid = table.add(p.grad, StorageRole.GRADIENT, preexisting=True, persistent=True, name=f"{fqn}.grad")
             recorder.track_release(p.grad, sid)
     for fqn, b in model.named_buffers():
         if b not in table:
@@ -170,11 +172,13 @@ def _register_preexisting(table: StorageTable, recorder: StepRecorder, model, ba
         for state in opt.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value not in table:
-                    sid = table.add(value, StorageRole.OPTIMIZER_STATE, preexisting=True, name=str(key))
+                    sid = table.add(value, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True,
+                                    name=str(key))
                     recorder.track_release(value, sid)
     for m in model.modules():
         for attr, value in vars(m).items():
             if isinstance(value, torch.Tensor) and attr not in m._parameters and attr not in m._buffers \
                     and value not in table:
-                sid = table.add(value, StorageRole.INTERMEDIATE, preexisting=True, name=f"module attribute {attr}")
+                sid = table.add(value, StorageRole.INTERMEDIATE, preexisting=True, persistent=True,
+                                name=f"module attribute {attr}")
                 recorder.track_release(value, sid)

@@ -8,7 +8,6 @@ warm-up step first, so the state exists before the recorded step.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
@@ -53,14 +52,12 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
     recorder = StepRecorder(table, ops_offset)
-    state_releases = []
     for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
             sid = table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
             # an optimizer that replaces a state tensor (state["m"] = new_m) frees the old one in the step
-            storage = tensor.untyped_storage()
-            state_releases.append(weakref.finalize(storage, recorder._released, sid, storage._cdata))
-    tensor = storage = None
+            recorder.track_release(tensor, sid)
+    tensor = None
     with fake_mode:
         for p, g in zip(params, _set_fake_grads(params)):
             table.alias(g, grad_sid_by_param[id(p)])
@@ -73,8 +70,7 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
                 opt.zero_grad(set_to_none=set_to_none)
             else:
                 model.zero_grad(set_to_none=set_to_none)
-        for release in state_releases:      # state still held after the step outlives it
-            release.detach()
+        recorder.stop_tracking()            # whatever is still held after the step outlives it
     except Exception as exc:
         raise ModelRunError(f"optimizer.step() raised {type(exc).__name__}: {exc}",
                             hint="the optimizer runs on fake tensors; avoid .item()/.tolist() on its state") from exc

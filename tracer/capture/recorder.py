@@ -36,10 +36,17 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[OpDraft] = []
         self.created: list[int] = []
         self.scalar_reads: list[SourceLoc | None] = []
+        self._finalizers: list[weakref.finalize] = []
 
     def track_release(self, t: torch.Tensor, sid: int) -> None:
         storage = t.untyped_storage()
-        weakref.finalize(storage, self._released, sid, storage._cdata)
+        self._finalizers.append(weakref.finalize(storage, self._released, sid, storage._cdata))
+
+    def stop_tracking(self) -> None:
+        """The recorded stretch is over: what dies later (the optimizer, the model) was alive at its end."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
 
     def _released(self, sid: int, key: int) -> None:
         self.table.update(sid, released_after_op=self.ops_offset + len(self.ops) - 1)
