@@ -1,0 +1,124 @@
+"""Benchmark: tracer vs torch.export alone vs MemTracker under FakeTensorMode, one table, several models.
+
+    python benchmarks/bench_policies.py [--models llama-88m,llama-7b,llama-70b] [--seq 4096] [--batch 1]
+
+Rows per model, each measured in a fresh subprocess (so its peak RSS is its own), wall seconds from
+before the first import of the model to the answer:
+  export        torch.export.export(strict=False) of the model built under FakeTensorMode
+  memtracker    torch.distributed._tools.mem_tracker.MemTracker around one fake step (forward+loss,
+                backward, AdamW foreach step, zero_grad) after an untracked warm-up step, all under
+                FakeTensorMode; `step s` is the tracked step alone, the wall column includes building the
+                model and the warm-up
+  tracer eager  tracer.analyze(policies=("eager",))
+  tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full"))
+  depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
+The ratios are against `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
+be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
+at seq 4096, all four policies, under 60 s and 3 GiB RSS; llama-88m end to end no slower than
+MemTracker's fake-tensor run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+_CHILD = r"""
+import json, resource, sys, time
+mode, model, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+t0 = time.perf_counter()
+import torch
+extra = {}
+POLICIES = ("eager", "compiled", "selective", "full")
+if mode == "tracer-eager":
+    import tracer
+    extra["peak_bytes"] = tracer.analyze(model, batch=batch, seq=seq).policies["eager"].peak_bytes
+elif mode == "tracer-all":
+    import tracer
+    analysis = tracer.analyze(model, batch=batch, seq=seq, policies=POLICIES)
+    extra["peak_bytes"] = analysis.policies["eager"].peak_bytes
+elif mode == "depth-all":
+    from tracer.planning import analyze_by_depth
+    report = analyze_by_depth(model, batch=batch, seq=seq, policies=POLICIES)
+    extra["peak_bytes"] = report.policies["eager"].peak_bytes
+elif mode == "export":
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from tracer.capture.model_input import load_model_source
+    source = load_model_source(model)
+    with FakeTensorMode():
+        m = source.build_model()
+        args = source.example_batch(batch, seq)
+    torch.export.export(m, args, strict=False)
+elif mode == "memtracker":
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from tracer.capture.model_input import load_model_source
+    source = load_model_source(model)
+    with FakeTensorMode():
+        m = source.build_model()
+        args = source.example_batch(batch, seq)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+        m(*args).backward()                       # warm-up: the optimizer state exists, as in a steady step
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tracker = MemTracker()
+        tracker.track_external(m, opt)
+        t_step = time.perf_counter()
+        with tracker:
+            loss = m(*args)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        extra["step_s"] = time.perf_counter() - t_step
+        peak = tracker.get_tracker_snapshot("peak")
+        extra["peak_bytes"] = max(v["Total"] for v in peak.values())
+wall = time.perf_counter() - t0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
+"""
+
+MODES = ("export", "memtracker", "tracer-eager", "tracer-all", "depth-all")
+
+
+def run(mode: str, model: str, batch: int, seq: int) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, model, str(batch), str(seq)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def render(model: str, batch: int, seq: int, rows: dict[str, dict]) -> str:
+    gib = 2**30
+    base = rows.get("memtracker", {})
+    out = [f"{model}  batch {batch}  seq {seq}",
+           f"  {'':14s} {'wall s':>8s} {'RSS GiB':>8s} {'x time':>7s} {'x RSS':>6s} {'step s':>7s} {'eager peak GiB':>15s}"]
+    for mode in MODES:
+        r = rows[mode]
+        if "error" in r:
+            out.append(f"  {mode:14s} failed: {r['error']}")
+            continue
+        x_time = f"{r['wall_s'] / base['wall_s']:.2f}" if "wall_s" in base else "-"
+        x_rss = f"{r['rss_bytes'] / base['rss_bytes']:.2f}" if "rss_bytes" in base else "-"
+        step = f"{r['step_s']:.1f}" if "step_s" in r else ""
+        peak = f"{r['peak_bytes'] / gib:,.2f}" if "peak_bytes" in r else ""
+        out.append(f"  {mode:14s} {r['wall_s']:8.1f} {r['rss_bytes'] / gib:8.2f} {x_time:>7s} {x_rss:>6s} {step:>7s} {peak:>15s}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="llama-88m,llama-7b,llama-70b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    args = p.parse_args()
+    for model in args.models.split(","):
+        rows = {mode: run(mode, model, args.batch, args.seq) for mode in args.modes.split(",")}
+        rows = {mode: rows.get(mode, {"error": "not run"}) for mode in MODES}
+        print(render(model, args.batch, args.seq, rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()

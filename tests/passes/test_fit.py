@@ -1,0 +1,99 @@
+"""--fit: per-op peak polynomials (tracer/passes/fit.py) and the driver that checks them with full analyses
+(tracer/planning.py). The driver tests run llama-debug; the pass tests use plain numbers."""
+from fractions import Fraction
+
+import pytest
+
+import tracer
+from tracer.errors import UsageError
+from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
+from tracer.planning import fit_budget
+
+
+def _rows(polys, sizes):
+    return [[sum(c * x**k for k, c in enumerate(p)) for p in polys] for x in sizes]
+
+
+def test_interpolation_recovers_each_candidate_exactly():
+    polys = [(1000, 30, 2), (5000, 10, 0), (7, 0, 1)]
+    model = fit_peak_model([2, 5, 9], _rows(polys, [2, 5, 9]), degree=2)
+    assert set(model.coefficients) == {tuple(Fraction(c) for c in p) for p in polys}
+    for x in (1, 3, 100, 10_000):
+        assert model.peak_bytes(x) == max(sum(c * x**k for k, c in enumerate(p)) for p in polys)
+
+
+def test_largest_fitting_size_is_exact_at_the_boundary():
+    model = PeakModel(degree=1, coefficients=((Fraction(100), Fraction(7)), (Fraction(150), Fraction(3))))
+    assert [model.peak_bytes(x) for x in (1, 11, 12, 13)] == [153, 183, 186, 191]
+    assert largest_fitting_size(model, 186) == 12            # equality fits
+    assert largest_fitting_size(model, 190) == 12
+    assert largest_fitting_size(model, 185) == 11
+    assert largest_fitting_size(model, 152) == 0              # not even size 1
+    assert largest_fitting_size(model, 186, multiple=5) == 10
+
+
+def test_extra_sizes_check_the_fit():
+    rows = _rows([(10, 4)], [1, 2, 3])
+    fit_peak_model([1, 2, 3], rows, degree=1)
+    rows[2][0] += 1
+    with pytest.raises(FitError, match="size 3"):
+        fit_peak_model([1, 2, 3], rows, degree=1)
+
+
+def test_a_graph_that_changes_with_the_size_is_refused():
+    with pytest.raises(FitError, match="different number of ops"):
+        fit_peak_model([1, 2], [[1, 2, 3], [1, 2]], degree=1)
+    with pytest.raises(FitError, match="distinct sizes"):
+        fit_peak_model([4, 4], [[1], [2]], degree=1)
+
+
+def test_a_peak_that_never_grows_is_refused():
+    with pytest.raises(FitError, match="does not grow"):
+        largest_fitting_size(PeakModel(degree=1, coefficients=((Fraction(5), Fraction(0)),)), 10)
+
+
+class _CountingAnalyze:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, model, **kwargs):
+        self.calls.append((kwargs["batch"], kwargs["seq"], kwargs["policies"]))
+        return tracer.analyze(model, **kwargs)
+
+
+def test_largest_batch_fits_and_the_next_does_not():
+    seq, policies = 64, ("eager", "full")
+    budget = tracer.analyze("llama-debug", batch=5, seq=seq).policies["eager"].peak_bytes + 1000
+    counting = _CountingAnalyze()
+    report = fit_budget("llama-debug", budget, seq=seq, policies=policies, analyze=counting)
+    assert report.results["eager"].largest == 5
+    assert report.results["full"].largest > 5                  # checkpointing fits a larger batch
+    for policy, result in report.results.items():
+        assert result.per_op and result.corrections == 0
+        assert result.predicted_peak_bytes == result.peak_bytes  # the per-op model is exact
+        assert result.peak_bytes <= budget < result.next_peak_bytes
+    at, after = (tracer.analyze("llama-debug", batch=b, seq=seq).policies["eager"].peak_bytes for b in (5, 6))
+    assert (at, after) == (report.results["eager"].peak_bytes, report.results["eager"].next_peak_bytes)
+    # three samples (both policies each), then one analysis per size to check
+    assert len(counting.calls) == 3 + len({s for r in report.results.values() for s in (r.largest, r.next_size)})
+
+
+def test_largest_sequence_at_a_fixed_batch():
+    budget = tracer.analyze("llama-debug", batch=2, seq=200).policies["eager"].peak_bytes
+    report = fit_budget("llama-debug", budget, seq=256, batch=2, policies=("eager",))
+    result = report.results["eager"]
+    assert report.dimension == "seq" and report.sample_sizes == (64, 128, 256)
+    assert result.largest == 200 and result.peak_bytes == budget < result.next_peak_bytes
+
+
+def test_nothing_fits():
+    report = fit_budget("llama-debug", "1MiB", seq=64, policies=("eager",))
+    result = report.results["eager"]
+    assert result.largest == 0 and result.peak_bytes is None and result.next_peak_bytes > 2**20
+
+
+def test_budget_strings_are_parsed_and_checked():
+    with pytest.raises(UsageError, match="cannot read"):
+        fit_budget("llama-debug", "eighty gigs", seq=64)
+    with pytest.raises(UsageError, match="too short"):
+        fit_budget("llama-debug", "1GiB", seq=2, batch=1)

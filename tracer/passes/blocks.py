@@ -1,0 +1,34 @@
+"""The repeated blocks of a captured step: module paths `prefix.N` that forward runs for several N.
+
+`repeated_blocks(graph)` returns the block paths in forward order for the most frequent prefix with at
+least two blocks (`blocks.0`, `blocks.1`, ...; `model.layers.0`, ...), or [] when nothing repeats.
+`block_of(module, blocks)` is the block a module path lies in ("" when none).
+"""
+from __future__ import annotations
+
+import collections
+import re
+
+from tracer.stepgraph import Phase, StepGraph
+
+BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def repeated_blocks(graph: StepGraph) -> list[str]:
+    seen: dict[str, None] = {}
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD and (match := BLOCK_RE.match(op.module)):
+            seen.setdefault(match.group(1))
+    prefixes = collections.Counter(b.rsplit(".", 1)[0] for b in seen)
+    if not prefixes or prefixes.most_common(1)[0][1] < 2:
+        return []
+    top = prefixes.most_common(1)[0][0]
+    return [b for b in seen if b.rsplit(".", 1)[0] == top]
+
+
+def block_of(module: str, blocks: list[str] | set[str]) -> str:
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and (path := ".".join(parts[:i + 1])) in blocks:
+            return path
+    return ""

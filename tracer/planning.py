@@ -1,0 +1,258 @@
+"""Planning questions answered with a few analyses: the largest batch or sequence that fits a memory
+budget, per policy (`fit_budget`); per-rank memory under data parallelism (`shard_policies`); and a deep
+model from three shallow copies of it (`analyze_by_depth`).
+
+`fit_budget` analyses the step at three small sizes (all policies from one capture per size), recovers
+each op's live bytes as a polynomial of the size (tracer/passes/fit.py: degree 1 in the batch, 2 in the
+sequence), solves for the largest size under the budget, then checks every answer with full analyses at
+that size and the next one (`peak_bytes` fits, `next_peak_bytes` does not). If a check disagrees (only
+possible when the graph changes with the size and the phase-peak fallback was used) the size is moved one
+step at a time and re-checked; `corrections` counts those steps.
+
+`analyze_by_depth` builds the model with its repeated block list (the longest `nn.ModuleList` or
+`nn.Sequential` of one module type) cut to 3, 4 and 5 blocks, analyses each, and extrapolates every
+policy to the full depth (tracer/passes/depth.py, which checks that the shallow steps differ only by
+identical blocks and raises DepthError otherwise). A model whose forward needs all its blocks (indexes
+them by a config count, say) cannot be cut: DepthError, analyse it in full.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tracer.errors import TracerError, UsageError
+from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
+from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
+from tracer.policies import POLICIES
+
+MAX_CORRECTIONS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class FitResult:
+    policy: str
+    largest: int                     # the largest batch (or seq) that fits; 0 when size 1 does not
+    peak_bytes: int | None           # full analysis at `largest` (None when largest is 0)
+    next_size: int                   # largest + multiple
+    next_peak_bytes: int             # full analysis at next_size: over the budget
+    predicted_peak_bytes: int | None # the peak model at `largest`
+    per_op: bool                     # exact per-op model (False: from phase peaks)
+    corrections: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FitReport:
+    budget_bytes: int
+    dimension: str                   # "batch" (at `seq`) or "seq" (at `batch`)
+    batch: int | None
+    seq: int
+    sample_sizes: tuple[int, ...]
+    results: dict[str, FitResult]
+    analyses_run: int
+
+
+def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = None,
+               policies: tuple[str, ...] = POLICIES, multiple: int = 1, analyze: Callable | None = None,
+               **options) -> FitReport:
+    """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
+    is at most `budget` (bytes, or a size string such as "80GiB"), for each policy. `options` go to
+    `tracer.analyze` (precision, optimizer, ...). Raises UsageError for a bad budget or size."""
+    if analyze is None:
+        import tracer
+        analyze = tracer.analyze
+    budget_bytes = _budget_bytes(budget)
+    dimension = "batch" if batch is None else "seq"
+    degree = 1 if dimension == "batch" else 2
+    samples = _sample_sizes(dimension, seq, multiple)
+    runner = _Runner(analyze, model, dimension, batch, seq, policies, options)
+    rows: dict[str, list] = {}
+    phase_rows: dict[str, list] = {}
+    for size in samples:
+        for label, (live_during, phases) in runner.profiles(size, policies).items():
+            rows.setdefault(label, []).append(live_during)
+            phase_rows.setdefault(label, []).append(phases)
+    models = {}
+    for label in rows:
+        try:
+            models[label] = fit_peak_model(samples, rows[label], degree), True
+        except FitError:
+            common = set.intersection(*(set(p) for p in phase_rows[label]))
+            table = [[p[name] for name in sorted(common)] for p in phase_rows[label]]
+            models[label] = fit_peak_model(samples, table, degree), False
+    step = max(1, multiple)
+    largest = {label: largest_fitting_size(m, budget_bytes, multiple=step) for label, (m, _) in models.items()}
+    runner.prefetch([(size, label) for label, n in largest.items() for size in (n, n + step) if size])
+    results = {label: _check(runner, label, peak_model, per_op, budget_bytes, largest[label], step)
+               for label, (peak_model, per_op) in models.items()}
+    return FitReport(budget_bytes=budget_bytes, dimension=dimension, batch=batch, seq=seq,
+                     sample_sizes=tuple(samples), results=results, analyses_run=runner.runs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthReport:
+    model: str
+    block_list: str                  # module path of the cut block list, e.g. "blocks"
+    depth: int                       # blocks in the full model
+    sample_depths: tuple[int, ...]
+    policies: dict[str, DepthEstimate]
+
+
+def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, ...] = ("eager",),
+                     sample_depths: tuple[int, ...] = (3, 4, 5), **options) -> DepthReport:
+    """The step of `model` at its full depth, extrapolated from analyses of the model cut to
+    `sample_depths` blocks. `options` are `tracer.analyze`'s. Raises DepthError when the model cannot be
+    cut or the cut steps are not the same step with fewer identical blocks."""
+    from tracer.capture import load_model_source
+    load_options = {k: options.pop(k) for k in ("hf_config", "config_json", "hf_attn") if k in options}
+    source = load_model_source(model, **load_options)
+    seen: dict = {}
+    samples = {}
+    for k in sorted(sample_depths):
+        try:
+            samples[k] = _analyze_source(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
+                                         **options)
+        except DepthError:
+            raise
+        except TracerError as exc:
+            raise DepthError(f"{model} cut to {k} blocks cannot be analysed: {exc}",
+                             hint="its forward may need every block; analyse it in full") from exc
+        if seen["depth"] <= max(sample_depths):
+            raise DepthError(f"{model} has {seen['depth']} blocks in {seen['path']}: analyse it in full")
+    estimates = {label: extrapolate_depth({k: a.policies[label] for k, a in samples.items()}, seen["depth"])
+                 for label in samples[min(samples)].policies}
+    return DepthReport(model=model, block_list=seen["path"], depth=seen["depth"],
+                       sample_depths=tuple(sorted(samples)), policies=estimates)
+
+
+def shard_policies(analysis, strategy: str, world_size: int, **options) -> dict:
+    """`tracer.passes.sharding.shard_memory` for every policy of an `Analysis`."""
+    from tracer.passes.sharding import shard_memory
+    return {label: shard_memory(policy, strategy, world_size, **options)
+            for label, policy in analysis.policies.items()}
+
+
+def _check(runner: "_Runner", label: str, peak_model: PeakModel, per_op: bool, budget_bytes: int, largest: int,
+           step: int) -> FitResult:
+    """Full analyses at `largest` and the next size; move one step at a time until the first fits and the
+    second does not."""
+    predicted = peak_model.peak_bytes(largest) if largest else None
+    corrections = 0
+    while True:
+        at = runner.peak(largest, label) if largest else None
+        after = runner.peak(largest + step, label)
+        if at is not None and at > budget_bytes:
+            largest -= step
+        elif after <= budget_bytes:
+            largest += step
+        else:
+            return FitResult(policy=label, largest=largest, peak_bytes=at, next_size=largest + step,
+                             next_peak_bytes=after, predicted_peak_bytes=predicted, per_op=per_op,
+                             corrections=corrections)
+        corrections += 1
+        if corrections > MAX_CORRECTIONS:
+            raise FitError(f"{label}: the peak model is off by more than {MAX_CORRECTIONS} sizes",
+                           hint="the step's structure changes with the size; bisect with full analyses")
+
+
+class _Runner:
+    """Runs `analyze` once per size (all requested policies together) and keeps only the numbers needed."""
+
+    def __init__(self, analyze, model, dimension, batch, seq, policies, options):
+        self.analyze, self.model, self.dimension = analyze, model, dimension
+        self.batch, self.seq, self.policies, self.options = batch, seq, policies, options
+        self.peaks: dict[tuple[int, str], int] = {}
+        self.runs = 0
+
+    def profiles(self, size: int, labels) -> dict[str, tuple]:
+        analysis = self._run(size, labels)
+        return {label: (policy.liveness.live_during, {name: p.peak_bytes for name, p in policy.phases.items()})
+                for label, policy in analysis.policies.items()}
+
+    def prefetch(self, requests) -> None:
+        """One analysis per distinct size for the (size, policy) pairs not analysed yet."""
+        by_size: dict[int, list[str]] = {}
+        for size, label in requests:
+            if (size, label) not in self.peaks and label not in by_size.get(size, []):
+                by_size.setdefault(size, []).append(label)
+        for size, labels in sorted(by_size.items()):
+            self._run(size, labels)
+
+    def peak(self, size: int, label: str) -> int:
+        if (size, label) not in self.peaks:
+            self._run(size, (label,))
+        return self.peaks[(size, label)]
+
+    def _run(self, size: int, labels):
+        """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`)."""
+        kwargs = {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
+        names = tuple(dict.fromkeys(label.split("@")[0] for label in labels))
+        analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
+        self.runs += 1
+        for label, policy in analysis.policies.items():
+            self.peaks[(size, label)] = policy.peak_bytes
+        return analysis
+
+
+def _budget_bytes(budget: int | str) -> int:
+    from tracer.reports.units import parse_bytes
+    if isinstance(budget, str):
+        try:
+            budget = parse_bytes(budget)
+        except ValueError as exc:
+            raise UsageError(f"--fit: {exc}") from exc
+    if budget <= 0:
+        raise UsageError(f"the memory budget must be positive, not {budget}")
+    return budget
+
+
+def _sample_sizes(dimension: str, seq: int, multiple: int) -> list[int]:
+    step = max(1, multiple)
+    if dimension == "batch":
+        return [step, 2 * step, 3 * step]
+    sizes = sorted({max(step, seq // 4 // step * step), max(step, seq // 2 // step * step), seq})
+    if len(sizes) < 3:
+        raise UsageError(f"--fit at a fixed batch samples seq/4, seq/2 and seq: --seq {seq} is too short",
+                         hint="give a --seq of at least 4 (times the multiple)")
+    return sizes
+
+
+def _cut_source(source, depth: int, seen: dict):
+    """`source` whose build_model() keeps the first `depth` blocks of the repeated block list; records the
+    list's path and full length in `seen`."""
+    def build_model():
+        model = source.build_model()
+        path, blocks = _block_list(model)
+        seen.update(path=path, depth=len(blocks))
+        if depth < len(blocks):
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, type(blocks)(list(blocks)[:depth]))
+        return model
+    return dataclasses.replace(source, build_model=build_model)
+
+
+def _block_list(model) -> tuple[str, object]:
+    from torch import nn
+    best = None
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 \
+                and len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
+            best = (path, module)
+    if best is None:
+        raise DepthError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks")
+    return best
+
+
+def _analyze_source(source, *, batch: int, seq: int, policies: tuple[str, ...], memory_budget: float | None = None,
+                    blocks: str | None = None, checkpoint_every: int = 1, save_policy: str = "matmul-attention",
+                    save_ops: tuple[str, ...] = (), **capture_options):
+    """`tracer.analyze` for a `ModelSource` rather than a name."""
+    from tracer.capture import CaptureOptions, capture_steps
+    from tracer.passes.analysis import analyze_graphs
+    from tracer.policies import PolicySpec, save_predicate
+
+    specs = tuple(PolicySpec(name=name, memory_budget=memory_budget if name == "compiled" else None, blocks=blocks,
+                             checkpoint_every=checkpoint_every, save=save_policy, save_ops=tuple(save_ops))
+                  for name in policies)
+    for spec in specs:
+        save_predicate(spec)
+    return analyze_graphs(capture_steps(source, CaptureOptions(batch=batch, seq=seq, **capture_options), specs))
