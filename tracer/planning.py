@@ -6,8 +6,9 @@ model from three shallow copies of it (`analyze_by_depth`).
 each op's live bytes as a polynomial of the size (tracer/passes/fit.py: degree 1 in the batch, 2 in the
 sequence), solves for the largest size under the budget, then checks every answer with full analyses at
 that size and the next one (`peak_bytes` fits, `next_peak_bytes` does not). If a check disagrees (only
-possible when the graph changes with the size and the phase-peak fallback was used) the size is moved one
-step at a time and re-checked; `corrections` counts those steps.
+possible when the graph changes with the size, as the compiled partition under a memory budget does, and
+the phase-peak fallback was used) full analyses search from the guess (doubling away from it, then
+bisection); `corrections` counts those extra analyses.
 
 `analyze_by_depth` builds the model with its repeated block list (the longest `nn.ModuleList` or
 `nn.Sequential` of one module type) cut to 3, 4 and 5 blocks, analyses each, and extrapolates every
@@ -25,7 +26,7 @@ from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
 from tracer.policies import POLICIES
 
-MAX_CORRECTIONS = 8
+MAX_CORRECTIONS = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +79,7 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
         except FitError:
             common = set.intersection(*(set(p) for p in phase_rows[label]))
             table = [[p[name] for name in sorted(common)] for p in phase_rows[label]]
-            models[label] = fit_peak_model(samples, table, degree), False
+            models[label] = fit_peak_model(samples, table, degree, check=False), False
     step = max(1, multiple)
     largest = {label: largest_fitting_size(m, budget_bytes, multiple=step) for label, (m, _) in models.items()}
     runner.prefetch([(size, label) for label, n in largest.items() for size in (n, n + step) if size])
@@ -133,25 +134,29 @@ def shard_policies(analysis, strategy: str, world_size: int, **options) -> dict:
 
 def _check(runner: "_Runner", label: str, peak_model: PeakModel, per_op: bool, budget_bytes: int, largest: int,
            step: int) -> FitResult:
-    """Full analyses at `largest` and the next size; move one step at a time until the first fits and the
-    second does not."""
+    """Full analyses at `largest` and the next size. If they disagree with the model, search with full
+    analyses (doubling away from the guess, then bisection) until one size fits and the next does not."""
     predicted = peak_model.peak_bytes(largest) if largest else None
+    fits = lambda size: size == 0 or runner.peak(size, label) <= budget_bytes    # noqa: E731
     corrections = 0
-    while True:
-        at = runner.peak(largest, label) if largest else None
-        after = runner.peak(largest + step, label)
-        if at is not None and at > budget_bytes:
-            largest -= step
-        elif after <= budget_bytes:
-            largest += step
-        else:
-            return FitResult(policy=label, largest=largest, peak_bytes=at, next_size=largest + step,
-                             next_peak_bytes=after, predicted_peak_bytes=predicted, per_op=per_op,
-                             corrections=corrections)
+    low, high = largest, largest + step            # want: fits(low) and not fits(high)
+    distance = step
+    while not fits(low):                           # the guess is too large: step down, doubling
+        high, low = low, max(0, low - distance)
+        distance, corrections = distance * 2, corrections + 1
+    while fits(high):                              # too small: step up, doubling
+        low, high = high, high + distance
+        distance, corrections = distance * 2, corrections + 1
+    while high - low > step:
+        mid = low + (high - low) // (2 * step) * step
+        low, high = (mid, high) if fits(mid) else (low, mid)
         corrections += 1
-        if corrections > MAX_CORRECTIONS:
-            raise FitError(f"{label}: the peak model is off by more than {MAX_CORRECTIONS} sizes",
-                           hint="the step's structure changes with the size; bisect with full analyses")
+    if corrections > MAX_CORRECTIONS:
+        raise FitError(f"{label}: the peak model needed {corrections} full analyses to correct",
+                       hint="the step's structure changes with the size")
+    return FitResult(policy=label, largest=low, peak_bytes=runner.peak(low, label) if low else None,
+                     next_size=high, next_peak_bytes=runner.peak(high, label), predicted_peak_bytes=predicted,
+                     per_op=per_op, corrections=corrections)
 
 
 class _Runner:

@@ -97,3 +97,25 @@ def test_budget_strings_are_parsed_and_checked():
         fit_budget("llama-debug", "eighty gigs", seq=64)
     with pytest.raises(UsageError, match="too short"):
         fit_budget("llama-debug", "1GiB", seq=2, batch=1)
+
+
+class _FakePolicy:
+    """What fit_budget reads from a PolicyAnalysis: live bytes per op, phase peaks, the peak."""
+
+    def __init__(self, live_during):
+        self.liveness = type("L", (), {"live_during": tuple(live_during)})()
+        self.peak_bytes = max(live_during)
+        self.phases = {"backward": type("P", (), {"peak_bytes": self.peak_bytes})()}
+
+
+def test_a_graph_that_changes_with_the_size_is_searched_with_full_analyses():
+    """Ops appear with the size (as the compiled partition under a memory budget does): the phase-peak
+    fit is only a guess, and full analyses move it to the true boundary. True peak: 1000 + 10 b^2."""
+    def analyze(model, *, batch, seq, policies):
+        live = [1000 + 10 * batch * batch] + [5] * batch
+        return type("A", (), {"policies": {p: _FakePolicy(live) for p in policies}})()
+
+    report = fit_budget("fake", 1000 + 10 * 20**2, seq=8, policies=("eager",), analyze=analyze)
+    result = report.results["eager"]
+    assert not result.per_op and result.corrections > 0
+    assert (result.largest, result.peak_bytes, result.next_peak_bytes) == (20, 5000, 1000 + 10 * 21**2)
