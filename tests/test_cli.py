@@ -111,3 +111,11 @@ def test_export_failure_falls_back_and_says_so(capsys):
     assert main([os.path.join(FIXTURES, "data_dependent.py"), "--seq", "4", "--quiet"]) == ExitCode.OK
     out = capsys.readouterr().out
     assert "capture: dispatch" in out and "export failed" in out and "data_dependent.py:13" in out
+
+
+def test_fit_and_shard(capsys):
+    assert main(["llama-debug", "--seq", "64", "--fit", "3MiB", "--quiet"]) == ExitCode.OK
+    assert "largest batch that fits" in capsys.readouterr().out
+    assert main(["llama-debug", "--seq", "64", "--shard", "zero3", "--quiet"]) == ExitCode.USAGE
+    assert main(["llama-debug", "--seq", "64", "--shard", "zero3", "--world-size", "2", "--quiet"]) == ExitCode.OK
+    assert "zero3 on 2 ranks" in capsys.readouterr().out

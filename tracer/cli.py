@@ -54,6 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-ops", metavar="OPS",
                    help="selective: comma-separated aten ops whose outputs are kept, e.g. "
                         "mm,_scaled_dot_product_flash_attention (overrides --save-policy)")
+    p.add_argument("--fit", metavar="SIZE", help="largest batch at --seq (with an explicit --batch: largest --seq) "
+                                                 "whose peak fits SIZE, per policy; checked by full analyses")
+    p.add_argument("--shard", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
+                   help="per-rank memory under data parallelism / ZeRO / FSDP2 (--batch is per rank)")
+    p.add_argument("--world-size", type=int, metavar="N", help="--shard: number of ranks")
+    p.add_argument("--no-reshard-after-forward", action="store_true", help="--shard fsdp: keep gathered blocks")
+    p.add_argument("--by-depth", action="store_true",
+                   help="analyse the model cut to 3, 4, 5 blocks and extrapolate to its depth (exact; refused when "
+                        "blocks differ) - fast for very deep models")
     p.add_argument("--json", metavar="PATH", help="write the versioned JSON report to PATH")
     p.add_argument("--report", metavar="DIR", help="write DIR/report.html (self-contained) and its plots, tables, "
                                                    "layer graph and predicted snapshot")
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = _run_snapshot
     else:
         args = build_parser().parse_args(argv)
+        args.batch_given = any(a == "--batch" or a.startswith("--batch=") for a in argv)
         runner = _run
     try:
         return runner(args)
@@ -117,6 +127,26 @@ def _run_snapshot(args) -> int:
     sys.stdout.write(render_snapshot(reading, top=args.top))
     if args.json:
         _write_json(args.json, snapshot_json(reading, top=args.top))
+    return int(ExitCode.OK)
+
+
+def _plan(args, specs) -> int:
+    from tracer.checks.options import analyze_kwargs
+    from tracer.planning import analyze_by_depth, fit_budget
+    from tracer.reports.planning_text import render_depth, render_fit
+
+    options = {k: v for k, v in analyze_kwargs(vars(args)).items() if k not in ("batch", "seq")}
+    names = tuple(dict.fromkeys(spec.name for spec in specs))
+    budget = next((spec.memory_budget for spec in specs if spec.memory_budget is not None), None)
+    policy_options = dict(memory_budget=budget, blocks=args.blocks, checkpoint_every=args.checkpoint_every,
+                          save_policy=args.save_policy, save_ops=specs[0].save_ops)
+    if args.fit:
+        report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
+                            policies=names, **options, **policy_options)
+        sys.stdout.write(render_fit(report))
+    else:
+        sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
+                                                       **options, **policy_options)))
     return int(ExitCode.OK)
 
 
@@ -177,6 +207,8 @@ def _run(args) -> int:
                              foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none",
                              capture=args.capture, target=capture_target(args))
     specs = policy_specs(args)
+    if args.fit or args.by_depth:
+        return _plan(args, specs)
     progress(f"capturing {args.model} (batch {args.batch}, seq {args.seq}) under fake tensors ...")
     graphs = capture_steps(source, options, specs, on_policy=lambda label: progress(f"simulating {label} ..."))
     progress("analysing ...")
@@ -190,6 +222,15 @@ def _run(args) -> int:
         from tracer.checks import save_baseline
         save_baseline(analysis, args.save_baseline, top=args.top)
     _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
+    if args.shard:
+        from tracer.planning import shard_policies
+        from tracer.reports.planning_text import render_sharding
+        if not args.world_size or args.world_size < 1:
+            raise UsageError("--shard needs --world-size N (a positive integer)")
+        sharded = shard_policies(analysis, args.shard, args.world_size,
+                                 reshard_after_forward=not args.no_reshard_after_forward)
+        sys.stdout.write("\n" + render_sharding(sharded, single_device_peaks={
+            k: p.peak_bytes for k, p in analysis.policies.items()}))
     code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))
     progress.done()
     return code
