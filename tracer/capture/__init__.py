@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from tracer.capture.convert import OpDraft, Schedule, convert_step
+from tracer.capture.convert import OpDraft, convert_step
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
 from tracer.errors import CaptureError
 from tracer.capture.joint import export_joint

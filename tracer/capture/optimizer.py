@@ -16,7 +16,7 @@ from tracer.capture.convert import OpDraft
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
-from tracer.stepgraph import Phase, StorageRole
+from tracer.stepgraph import StorageRole
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tracer.passes.allocator import AllocatorConfig, OomReport, simulate_allocator
-from tracer.passes.liveness import BEFORE_STEP, Liveness
+from tracer.passes.liveness import BEFORE_STEP, Liveness, intervals_by_op
 
 _EXTRA_BASE = -1                      # extras get block ids -1, -2, ... (storage ids are >= 0)
 
@@ -64,13 +64,7 @@ def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
     intervals = [iv for iv in liveness.intervals if iv.alloc_op is not None and iv.nbytes > 0]
     n_ops = len(liveness.live_during)
     stride = max((iv.storage_id for iv in liveness.intervals), default=0) + 1
-    allocs_at: dict[int, list] = {}
-    frees_at: dict[int, list] = {}
-    for iv in intervals:
-        if iv.alloc_op != BEFORE_STEP:
-            allocs_at.setdefault(iv.alloc_op, []).append(iv)
-        if iv.free_op is not None:
-            frees_at.setdefault(iv.free_op, []).append(iv)
+    allocs_at, frees_at = intervals_by_op(intervals)
     pre = [iv for iv in intervals if iv.alloc_op == BEFORE_STEP]
     kept_pre = {iv.storage_id for iv in pre if iv.free_op is None}
     replacement = _replacements(pre, intervals)

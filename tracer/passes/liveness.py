@@ -115,3 +115,15 @@ def _interval(storage, first: int | None, last: int | None) -> Interval:
         if storage.held_until_op is not None:
             free = max(free, storage.held_until_op)
     return Interval(storage.storage_id, 0 if storage.fused else storage.nbytes, alloc_op=alloc, free_op=free)
+
+
+def intervals_by_op(intervals) -> tuple[dict[int, list[Interval]], dict[int, list[Interval]]]:
+    """op index -> intervals allocated by it, and op index -> intervals freed after it (for event streams)."""
+    allocs_at: dict[int, list[Interval]] = {}
+    frees_at: dict[int, list[Interval]] = {}
+    for iv in intervals:
+        if iv.alloc_op != BEFORE_STEP:
+            allocs_at.setdefault(iv.alloc_op, []).append(iv)
+        if iv.free_op is not None:
+            frees_at.setdefault(iv.free_op, []).append(iv)
+    return allocs_at, frees_at

@@ -46,7 +46,7 @@ def render_comparison(cmp: SnapshotComparison, *, top: int | None = None) -> str
     out += ["", "  live at each side's peak, by the phase that allocated it:"]
     out += [_row(q, None) for q in cmp.by_origin]
     rows = cmp.lines if top is None else cmp.lines[:top]
-    out += ["", f"  largest differences by line at the peak (predicted - measured):",
+    out += ["", "  largest differences by line at the peak (predicted - measured):",
             f"  {'predicted':>12} {'measured':>12} {'difference':>12}  line"]
     for r in rows:
         code = f"  {r.code}" if r.code else ""

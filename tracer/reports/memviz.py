@@ -38,7 +38,7 @@ from tracer.errors import UsageError
 from tracer.passes.allocator import MIB, round_size, simulate_allocator
 from tracer.passes.analysis import Analysis
 from tracer.passes.device import step_requests
-from tracer.passes.liveness import BEFORE_STEP
+from tracer.passes.liveness import BEFORE_STEP, intervals_by_op
 from tracer.reports.policy_view import policy_graph, policy_result
 from tracer.stepgraph import OpNode
 
@@ -53,13 +53,7 @@ def predicted_snapshot(analysis: Analysis, policy: str = "eager") -> dict:
     n = len(result.liveness.live_during)
     intervals = [iv for iv in result.liveness.intervals if iv.alloc_op is not None and iv.nbytes > 0]
     before = [iv for iv in intervals if iv.alloc_op == BEFORE_STEP]
-    allocs_at: dict[int, list] = {}
-    frees_at: dict[int, list] = {}
-    for iv in intervals:
-        if iv.alloc_op != BEFORE_STEP:
-            allocs_at.setdefault(iv.alloc_op, []).append(iv)
-        if iv.free_op is not None:
-            frees_at.setdefault(iv.free_op, []).append(iv)
+    allocs_at, frees_at = intervals_by_op(intervals)
 
     requests = step_requests(result.liveness)              # the same stream as the device prediction
     replay = simulate_allocator(requests)
