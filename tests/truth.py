@@ -159,7 +159,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
             if isinstance(v, torch.Tensor) and k not in m._parameters and k not in m._buffers]
     tracker.track_existing(kept, "module attribute")      # tensors a previous step left on module attributes
     del kept                                               # (holding them here would keep them alive)
-    tracker.track_existing([t for t in batch if isinstance(t, torch.Tensor)], "input")
+    tracker.track_existing(_batch_tensors(batch), "input")
     tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
     if optimizer is not None:
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -184,6 +184,14 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
                        start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines,
                        forward_end_bytes=forward_end)
+
+
+def _batch_tensors(batch: tuple) -> list[torch.Tensor]:
+    """The batch's tensors, also those a dataclass batch holds in its fields (`Batch(tokens, targets)`)."""
+    items = []
+    for item in batch:
+        items += [getattr(item, f.name) for f in dataclasses.fields(item)] if dataclasses.is_dataclass(item) else [item]
+    return [t for t in items if isinstance(t, torch.Tensor)]
 
 
 def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none) -> int:

@@ -14,6 +14,7 @@ import warnings
 
 from tracer.capture.convert import OpDraft, convert_step
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
+from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
 from tracer.errors import CaptureError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
@@ -68,6 +69,12 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
             failures.append(exc)
             if not getattr(exc, "export_failed", False):
                 break                                   # the forward itself cannot run on fake tensors
+    if cap is None and options.capture == "auto" and getattr(failures[-1], "export_failed", False):
+        try:                                            # the rung after strict export: torch.compile's joint
+            cap = compile_rung.dynamo_joint(source, options.batch, options.seq, options.precision,
+                                            target=options.target)
+        except CaptureError as exc:
+            failures.append(exc)
     if cap is None:
         if options.capture == "export":
             raise failures[0]
@@ -128,7 +135,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
-                        capture_path="export-joint (strict)" if cap.strict else "export-joint",
+                        capture_path=getattr(cap, "path", "export-joint (strict)" if cap.strict else "export-joint"),
                         policy=spec.label, target=options.target, notes=_capture_notes(cap))
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
