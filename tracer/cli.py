@@ -34,10 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
     p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)")
-    p.add_argument("--capture", choices=("auto", "export", "dispatch"), default="auto",
-                   help="auto: torch.export's joint graph, falling back to running the step op by op on fake "
-                        "tensors when export fails (eager policy only); export: no fallback; dispatch: the "
-                        "fallback directly (default auto)")
+    p.add_argument("--capture", choices=("auto", "export", "compile", "dispatch"), default="auto",
+                   help="auto: the joint graph, traced from the module, else through torch.export, else through "
+                        "torch.compile, falling back to running the step op by op on fake tensors (eager policy "
+                        "only); export: the first two, no fallback; compile: torch.compile's joint only; "
+                        "dispatch: the fallback directly (default auto)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "

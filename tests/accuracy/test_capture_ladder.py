@@ -49,11 +49,12 @@ def test_policies_need_a_graph():
 
 
 def test_strict_export_is_tried_when_non_strict_export_fails(monkeypatch):
-    """The rung between non-strict export and the dispatch fallback; non-strict is made to fail here."""
+    """The rung between non-strict export and the dispatch fallback; the direct trace and non-strict export
+    are made to fail here."""
     import tracer.capture as capture
     real_export_joint = capture.export_joint
 
-    def non_strict_fails(source, batch, seq, precision, *, strict=False, target="cpu"):
+    def non_strict_fails(source, batch, seq, precision, *, strict=False, target="cpu", direct=False):
         if not strict:
             error = CaptureError("non-strict export failed (simulated)")
             error.export_failed = True

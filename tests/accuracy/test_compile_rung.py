@@ -136,3 +136,11 @@ def test_a_model_export_rejects_is_captured_by_the_compile_rung():
     predicted = analyze_graphs(graphs).policies
     _assert_matches(predicted["eager"], _measure(source, options))
     assert predicted["compiled"].peak_bytes <= predicted["eager"].peak_bytes
+    notes = " ".join(graphs["eager"].config.notes)      # the report says why the earlier rungs were skipped
+    assert "torch.export failed" in notes and "the next capture path was used" in notes
+
+
+def test_capture_compile_asks_for_the_compile_rung_alone():
+    graph = capture_steps(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=16, capture="compile"),
+                          (PolicySpec(name="eager"),))["eager"]
+    assert graph.config.capture_path == CAPTURE_PATH and not graph.config.notes

@@ -1,11 +1,13 @@
 """Capture one training step (forward, loss, backward, optimizer step, zero_grad) as a `StepGraph`.
 
 This package is the only code that touches torch.export, fx and fake tensors. `capture_steps` builds the
-model under FakeTensorMode (no real memory), exports it, takes the joint forward+backward graph,
-converts it to ops over storages per recompute policy, then records the optimizer step on fake tensors.
-The capture ladder: export (non-strict) -> export (strict) -> when both fail, the whole step run op by op
-on fake tensors (`dispatch.py`: eager memory and attribution, no recompute policies); the report's capture path
-and notes say which rung was used and why.
+model under FakeTensorMode (no real memory), takes the joint forward+backward graph, converts it to ops
+over storages per recompute policy, then records the optimizer step on fake tensors (once, spliced into
+every policy). The capture ladder: the joint traced from the module directly (`aot-joint`, one trace;
+models that run torch.utils.checkpoint skip it) -> torch.export non-strict, then strict, then AOT on the
+exported module (`export-joint`) -> torch.compile's joint graph (`compile-joint`, dynamo_joint.py) ->
+when all fail, the whole step run op by op on fake tensors (`dispatch.py`: eager memory and attribution,
+no recompute policies); the report's capture path and notes say which rung was used and why.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
 from tracer.capture.pylocals import local_holds
-from tracer.capture.optimizer import OPTIMIZERS, capture_optimizer_step
+from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
@@ -38,7 +40,7 @@ class CaptureOptions:
     foreach: bool = True
     step: str = "steady"             # steady (optimizer state exists) | first (state created lazily)
     zero_grad_set_to_none: bool = True
-    capture: str = "auto"            # auto (export, else the dispatch fallback) | export | dispatch
+    capture: str = "auto"            # auto (every graph rung, then dispatch) | export | compile | dispatch
     target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
 
 
@@ -60,34 +62,47 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     if options.capture == "dispatch":
         return _dispatch_steps(source, options, specs, reason="--capture dispatch")
     cap, failures = None, []
-    for strict in (False, True):                        # the ladder: non-strict export, strict export, dispatch
+    for rung in _ladder(options.capture):
         try:
-            cap = export_joint(source, options.batch, options.seq, options.precision, strict=strict,
-                               target=options.target)
+            cap = rung(source, options)
             break
         except CaptureError as exc:
             failures.append(exc)
             if not getattr(exc, "export_failed", False):
                 break                                   # the forward itself cannot run on fake tensors
-    if cap is None and options.capture == "auto" and getattr(failures[-1], "export_failed", False):
-        try:                                            # the rung after strict export: torch.compile's joint
-            cap = compile_rung.dynamo_joint(source, options.batch, options.seq, options.precision,
-                                            target=options.target)
-        except CaptureError as exc:
-            failures.append(exc)
     if cap is None:
-        if options.capture == "export":
+        if options.capture != "auto":
             raise failures[0]
         return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
+    cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures)
     try:
-        out = {}
+        out, recordings = {}, []
         for spec in specs:
             if on_policy is not None:
                 on_policy(spec.label)
-            out[spec.label] = _step_for_policy(cap, source, options, spec)
+            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings)
         return out
     finally:
         cap.exit_stack.close()
+
+
+def _ladder(capture: str) -> list:
+    """The graph rungs to try in order: the module traced directly (one trace), non-strict export, strict
+    export, torch.compile's joint graph. `auto` falls back to the dispatch run after them."""
+    def direct(source, o):
+        return export_joint(source, o.batch, o.seq, o.precision, target=o.target, direct=True)
+
+    def non_strict(source, o):
+        return export_joint(source, o.batch, o.seq, o.precision, target=o.target)
+
+    def strict(source, o):
+        return export_joint(source, o.batch, o.seq, o.precision, strict=True, target=o.target)
+
+    def compiled(source, o):
+        return compile_rung.dynamo_joint(source, o.batch, o.seq, o.precision, target=o.target)
+
+    return {"auto": [direct, non_strict, strict, compiled], "export": [direct, non_strict, strict],
+            "compile": [compiled]}[capture]
 
 
 def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
@@ -108,17 +123,20 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
     return {spec.label: graph for spec in specs}
 
 
-def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec) -> StepGraph:
+def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec,
+                     recordings: list) -> StepGraph:
+    """`recordings`: the optimizer step, recorded by the first policy and spliced into every one."""
     schedule = policy_schedule(cap, spec)
     table = StorageTable()
     steady = options.step == "steady"
     grads_preexisting = steady and not options.zero_grad_set_to_none
     part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
-    opt_ops = capture_optimizer_step(
-        cap.model, part.grad_sid_by_param, table, cap.fake_mode,
-        make_optimizer=source.make_optimizer, optimizer_name=options.optimizer, foreach=options.foreach,
-        steady=steady, set_to_none=options.zero_grad_set_to_none, grads_preexisting=grads_preexisting,
-        ops_offset=len(part.ops))
+    if not recordings:
+        recordings.append(record_optimizer_step(
+            cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
+            optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
+            set_to_none=options.zero_grad_set_to_none))
+    opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(part.ops))
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
@@ -135,7 +153,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
-                        capture_path=getattr(cap, "path", "export-joint (strict)" if cap.strict else "export-joint"),
+                        capture_path=cap.path,
                         policy=spec.label, target=options.target, notes=_capture_notes(cap))
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
@@ -144,7 +162,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 def _capture_notes(cap) -> tuple[str, ...]:
     seen = cap.seen
-    notes = list(seen.checkpoint_notes)
+    notes = list(getattr(cap, "fallback_notes", ())) + list(seen.checkpoint_notes)
     if seen.checkpointed_modules:
         notes.append("the forward checkpoints " + ", ".join(m or "(root)" for m in seen.checkpointed_modules)
                      + ": simulated as eager non-reentrant torch.utils.checkpoint")

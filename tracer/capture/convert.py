@@ -82,13 +82,17 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         tangent = _add_placeholders(cap, schedule.joint, descs, table, values)
         _convert_nodes(schedule.joint, table, values, node_pos, ops, tangent, partitioned=False)
         out = _output_args(schedule.joint)
-        loss_node, grad_outputs = out[0], _grad_outputs(out, _output_node(schedule.joint).meta.get("desc") or [])
+        out_descs = _output_node(schedule.joint).meta.get("desc") or []
+        loss_node, grad_outputs = out[_loss_index(out_descs)], _grad_outputs(out, out_descs)
+        _write_into_buffers(out, out_descs, table, values)
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
         _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD,
                        fake_mode=cap.fake_mode, fuse=schedule.compiled)
         fw_out = _output_args(schedule.forward)
-        loss_node = fw_out[0]
+        out_descs = _output_node(schedule.joint).meta.get("desc") or []   # the forward's outputs come first
+        loss_node = fw_out[_loss_index(out_descs)]
+        _write_into_buffers(fw_out[:schedule.num_forward_outputs], out_descs, table, values)
         tangent = (None, None)
         saved_inputs = []
         for node in schedule.backward.graph.find_nodes(op="placeholder"):
@@ -117,6 +121,20 @@ def _output_node(gm: fx.GraphModule) -> fx.Node:
 
 def _output_args(gm: fx.GraphModule) -> list:
     return list(_output_node(gm).args[0])
+
+
+def _loss_index(descs: list) -> int:
+    """The loss is the module's output 0; the buffers a forward updates (BatchNorm's running stats) come
+    before it in the joint's outputs."""
+    return next((i for i, d in enumerate(descs) if type(d).__name__ == "PlainAOTOutput" and d.idx == 0), 0)
+
+
+def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) -> None:
+    """A buffer the forward updates (`running_mean`) is written in place in eager: the graph's new value of
+    it is never a storage of its own."""
+    for out, desc in zip(outs, descs):
+        if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue):
+            table.update(values[out].storage_id, fused=True, name=f"{desc.mutated_input.target} (updated in place)")
 
 
 def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:

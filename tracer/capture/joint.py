@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import linecache
 import warnings
 import weakref
 from typing import Any
@@ -37,6 +39,8 @@ class JointCapture:
     exit_stack: contextlib.ExitStack
     seen: "ForwardObservations"
     strict: bool = False                  # which torch.export mode produced the graph
+    path: str = "export-joint"            # the capture path, as the report names it
+    fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,17 +99,39 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
-                 target: str = "cpu") -> JointCapture:
-    """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py)."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+                 target: str = "cpu", direct: bool = False) -> JointCapture:
+    """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py).
+    `direct`: trace the joint graph from the module itself, with tracer's own source metadata
+    (`_SourceMetaMode`), instead of exporting first: one trace instead of two. Models whose forward runs
+    torch.utils.checkpoint are always exported (export drops the checkpoint; the policies re-apply it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from tracer.capture.target import cuda_capture, parse_target
+    from tracer.capture.target import parse_target
     device = parse_target(target)
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
     traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
     seen = _observe_forward(traced, args, fake_mode, source)
+    direct = direct and not seen.checkpointed_modules and not seen.checkpoint_notes
+    module = traced if direct else _export_module(traced, args, source, strict)
+    stack = contextlib.ExitStack()
+    try:
+        jd = _aot_joint(stack, module, args, precision, device, source_meta=direct)
+    except Exception as exc:
+        stack.close()
+        error = CaptureError(f"building the joint forward+backward graph of {source.name} failed: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                             hint="see --verbose")
+        error.export_failed = direct          # the exporting rungs may still capture it
+        raise error from exc
+    params = dict(traced.named_parameters(remove_duplicate=False))
+    buffers = dict(traced.named_buffers(remove_duplicate=False))
+    path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
+    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode, strict=strict,
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path)
+
+
+def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool) -> torch.fx.GraphModule:
     try:
         with _keep_user_frames(), warnings.catch_warnings():
             # tensors assigned to module attributes are reported by tracer itself (ForwardObservations)
@@ -119,20 +145,143 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
         raise error from exc
     gm = ep.module()
     _strip_export_asserts(gm)
-    stack = contextlib.ExitStack()
+    return gm
+
+
+def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, precision: str, device, *,
+               source_meta: bool):
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    from tracer.capture.target import cuda_capture
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+    meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
+    _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
+    linecache.checkcache()
+    tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
+    attributes = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
     try:
-        with autocast, cuda_capture(device, precision):
-            jd = aot_export_joint_with_descriptors(stack, gm, args)
-    except Exception as exc:
-        stack.close()
-        raise CaptureError(f"building the joint forward+backward graph of {source.name} failed: "
-                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                           hint="see --verbose") from exc
-    params = dict(traced.named_parameters(remove_duplicate=False))
-    buffers = dict(traced.named_buffers(remove_duplicate=False))
-    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode, strict=strict,
-                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen)
+        # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
+        with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True):
+            return aot_export_joint_with_descriptors(stack, module, args)
+    finally:
+        for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
+            for attr, _ in list(_tensor_attributes(m)):
+                setattr(m, attr, attributes.get(id(m), {}).get(attr))
+
+
+@contextlib.contextmanager
+def _tied_parameters_once(module: nn.Module):
+    """AOT lifts every name of a tied parameter (`lm_head.weight is embed.weight`) as an input of its own,
+    so each use gets a gradient of its own; export lifts the tensor once and autograd sums the uses, as
+    eager does. Lift each tensor once, and bind its other names to the same input when AOT
+    reparametrizes the module."""
+    from torch.nn.utils import stateless
+    reparametrize = stateless._reparametrize_module
+    names_of: dict[int, list[str]] = {}
+    slots: set[tuple[int, str]] = set()        # (owner module, attribute): a shared module is one slot
+    for name, p in nn.Module.named_parameters(module, remove_duplicate=False):
+        owner_path, _, attr = name.rpartition(".")
+        slot = (id(module.get_submodule(owner_path)), attr)
+        if slot not in slots:
+            slots.add(slot)
+            names_of.setdefault(id(p), []).append(name)
+    first_name = {names[0]: names[1:] for names in names_of.values() if len(names) > 1}
+
+    def named_parameters(prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return nn.Module.named_parameters(module, prefix, recurse, remove_duplicate=True)
+
+    def reparametrize_tied(mod, parameters_and_buffers, *args, **kwargs):
+        if mod is module:
+            parameters_and_buffers = dict(parameters_and_buffers)
+            for name, others in first_name.items():
+                if name in parameters_and_buffers:
+                    parameters_and_buffers.update((other, parameters_and_buffers[name]) for other in others)
+        return reparametrize(mod, parameters_and_buffers, *args, **kwargs)
+
+    module.named_parameters = named_parameters
+    stateless._reparametrize_module = reparametrize_tied
+    try:
+        yield
+    finally:
+        del module.named_parameters
+        stateless._reparametrize_module = reparametrize
+
+
+class _SourceMetaMode(torch.overrides.TorchFunctionMode):
+    """While the joint graph is traced from the module itself: sets fx's current node meta to the user's
+    stack (`stack_trace`, user frames only, outer to inner) and the module path (`nn_module_stack`) for
+    every torch call of the forward, as export's interpreter does; the autograd nodes keep that stack
+    (anomaly mode), so backward nodes get it too."""
+
+    def __init__(self, root: nn.Module):
+        super().__init__()
+        self._root = root
+        self._modules: list[tuple[str, tuple[str, str]]] = []
+        self._handles: list = []
+        self._preserve = None
+
+    def __enter__(self):
+        import torch.fx.traceback as fx_traceback
+        for path, m in self._root.named_modules(remove_duplicate=False):
+            entry = (path or "L__self__", (path, f"{type(m).__module__}.{type(m).__qualname__}"))
+            self._handles.append(m.register_forward_pre_hook(lambda *_, e=entry: self._enter_module(e)))
+            self._handles.append(m.register_forward_hook(lambda *_: self._exit_module(), always_call=True))
+        self._preserve = fx_traceback.preserve_node_meta()
+        self._preserve.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        self._preserve.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter_module(self, entry) -> None:     # hooks return None: a value would replace args/outputs
+        self._modules.append(entry)
+
+    def _exit_module(self) -> None:
+        self._modules.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        import torch.fx.traceback as fx_traceback
+        meta = fx_traceback.current_meta
+        saved = {key: meta[key] for key in ("stack_trace", "nn_module_stack") if key in meta}
+        meta["stack_trace"] = _user_stack_trace()
+        meta["nn_module_stack"] = dict(self._modules)
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            for key in ("stack_trace", "nn_module_stack"):
+                meta.pop(key, None)
+            meta.update(saved)
+
+
+def _user_stack_trace() -> str:
+    """The Python stack's user frames, outer to inner, in the format of fx's `stack_trace`."""
+    import sys
+    frames = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if _is_user_file(code.co_filename):
+            # by file name, not code object: equal code objects of two files compare equal
+            frames.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return _format_frames(tuple(frames))
+
+
+@functools.lru_cache(maxsize=4096)
+def _format_frames(frames: tuple) -> str:
+    return "".join(f'  File "{file}", line {line}, in {function}\n'
+                   f'    {linecache.getline(file, line).strip()}\n' for file, line, function in reversed(frames))
+
+
+@functools.lru_cache(maxsize=None)
+def _is_user_file(path: str) -> bool:
+    from tracer.capture.source import is_user_file
+    return is_user_file(path)
 
 
 def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource) -> ForwardObservations:

@@ -4,10 +4,13 @@ The optimizer is the user's own object (or a standard one from --optimizer), run
 parameters and fake gradients, so foreach temporaries, lazily created state (first step) and every
 Python-level free are seen as they happen: each aten op is recorded as an op, each new storage gets a
 `weakref.finalize` that records the op after which it was released. Steady state runs one untracked
-warm-up step first, so the state exists before the recorded step.
+warm-up step first, so the state exists before the recorded step. The step is recorded once per capture
+(`record_optimizer_step`) and spliced into each policy's step graph (`splice_optimizer_step`): it does
+not depend on how the forward and backward were scheduled.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -16,7 +19,7 @@ from tracer.capture.convert import OpDraft
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
-from tracer.stepgraph import StorageRole
+from tracer.stepgraph import StorageRole, TensorValue
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 
@@ -31,12 +34,21 @@ def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
-def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, int], table: StorageTable,
-                           fake_mode, *, make_optimizer: Callable | None, optimizer_name: str, foreach: bool,
-                           steady: bool, set_to_none: bool, grads_preexisting: bool,
-                           ops_offset: int) -> list[OpDraft]:
-    """Run step() + zero_grad() under the recorder; returns the optimizer-phase ops (indices from ops_offset)."""
-    params = [p for p in model.parameters() if id(p) in grad_sid_by_param]
+@dataclasses.dataclass
+class OptimizerRecording:
+    """step() + zero_grad() recorded once, over a table of its own: op indices from 0; the parameters'
+    and gradients' entries stand for the storages a step graph gives them (`splice_optimizer_step`)."""
+    ops: list[OpDraft]
+    table: StorageTable
+    param_sids: dict[int, int]                 # id(parameter) -> its entry in `table`
+    grad_sids: dict[int, int]                  # id(parameter) -> the entry of its gradient in `table`
+
+
+def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
+                          make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
+                          set_to_none: bool) -> OptimizerRecording:
+    """Run step() + zero_grad() under the recorder, for the parameters whose ids are `params_with_grad`."""
+    params = [p for p in model.parameters() if id(p) in params_with_grad]
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     try:
         with fake_mode:
@@ -51,17 +63,23 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
-    recorder = StepRecorder(table, ops_offset)
+    table = StorageTable()
+    param_sids = {}
+    for fqn, p in model.named_parameters():
+        if p not in table:
+            param_sids[id(p)] = table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
+    recorder = StepRecorder(table, 0)
     for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
             sid = table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
             # an optimizer that replaces a state tensor (state["m"] = new_m) frees the old one in the step
             recorder.track_release(tensor, sid)
     tensor = None
+    grad_sids = {}
     with fake_mode:
         for p, g in zip(params, _set_fake_grads(params)):
-            table.alias(g, grad_sid_by_param[id(p)])
-            recorder.track_release(g, grad_sid_by_param[id(p)])
+            grad_sids[id(p)] = table.add(g, StorageRole.GRADIENT)
+            recorder.track_release(g, grad_sids[id(p)])
         del g
     try:
         with fake_mode, recorder:
@@ -81,7 +99,44 @@ def capture_optimizer_step(model: torch.nn.Module, grad_sid_by_param: dict[int, 
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)        # still referenced after the step (e.g. kept by the optimizer)
-    return recorder.ops
+    return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids)
+
+
+def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module, grad_sid_by_param: dict[int, int],
+                          table: StorageTable, *, ops_offset: int) -> list[OpDraft]:
+    """The recorded optimizer ops over `table`, after the step graph's `ops_offset` ops: parameters and
+    gradients become the graph's own storages (a gradient freed by zero_grad is freed there), every other
+    storage (state, temporaries) is copied in."""
+    if set(grad_sid_by_param) != set(recording.grad_sids):
+        raise ModelRunError("the optimizer was recorded for another set of parameters with gradients")
+    sid_map = {}
+    for param in model.parameters():
+        if id(param) in recording.param_sids and param in table:
+            sid_map[recording.param_sids[id(param)]] = table.lookup(param)
+    for param_id, grad_sid in recording.grad_sids.items():
+        sid_map[grad_sid] = grad_sid_by_param[param_id]
+        released = recording.table.get(grad_sid).released_after_op
+        if released is not None:
+            table.update(grad_sid_by_param[param_id], released_after_op=released + ops_offset)
+    for sid in range(len(recording.table)):
+        if sid not in sid_map:
+            fields = dataclasses.asdict(recording.table.get(sid))
+            if fields["released_after_op"] is not None:
+                fields["released_after_op"] += ops_offset
+            sid_map[sid] = table.add(None, **fields)
+    return [dataclasses.replace(op, name=f"{op.phase.value}_{ops_offset + i}", args=_remap(op.args, sid_map),
+                                kwargs=_remap(op.kwargs, sid_map), outputs=_remap(op.outputs, sid_map))
+            for i, op in enumerate(recording.ops)]
+
+
+def _remap(value, sid_map: dict[int, int]):
+    if isinstance(value, TensorValue):
+        return dataclasses.replace(value, storage_id=sid_map[value.storage_id])
+    if isinstance(value, tuple):
+        return tuple(_remap(v, sid_map) for v in value)
+    if isinstance(value, list):
+        return [_remap(v, sid_map) for v in value]
+    return value
 
 
 def _set_fake_grads(params) -> list[torch.Tensor]:

@@ -68,6 +68,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         return Schedule(joint=cap.joint)
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._guards import TracingContext, tracing
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     joint = copy.deepcopy(cap.joint)
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
@@ -92,7 +93,9 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     else:
         raise UsageError(f"unknown policy {spec.name!r}", hint="valid: eager, compiled, selective, full")
     config = {} if budget is None else {"activation_memory_budget": budget}
-    with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config):
+    # lazy graph modules: the partitions are read, never run, so their Python code is never generated
+    with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
+            _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
                     compiled=spec.name == "compiled")

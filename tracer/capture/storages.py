@@ -39,6 +39,9 @@ class StorageTable:
         self._entries: list[_Entry] = []
         self._by_key: dict[int, int] = {}
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, t: torch.Tensor) -> bool:
         return storage_key(t) in self._by_key
 

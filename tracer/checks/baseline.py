@@ -17,7 +17,8 @@ versions) plus a `baseline` section:
 
 Comparison contract:
   * The config (model, batch, seq, precision, optimizer, step, zero_grad_set_to_none, capture_path) must
-    match; otherwise UsageError naming each setting that differs. Different tracer or torch versions are
+    match; otherwise UsageError naming each setting that differs. Capture paths that build the joint
+    graph (aot-joint, export-joint, compile-joint) count as one: they give the same graph. Different tracer or torch versions are
     allowed and reported in `notes` (torch controls some of the numbers).
   * Gated numbers are the `numbers` above. One regresses when `current > baseline * (1 + tolerance)`
     (from a baseline of 0, any growth regresses); it improves when `current < baseline * (1 - tolerance)`.
@@ -260,6 +261,9 @@ def _model_dir(graph) -> str | None:
 
 def _refuse_config_mismatch(old: dict, new: dict) -> None:
     def norm(key, value):
+        if key == "capture_path" and isinstance(value, str):
+            # every graph front end gives the same joint graph; only the dispatch fallback models less
+            return value if value.startswith("dispatch") else "joint graph"
         return os.path.normpath(value) if key == "model" and isinstance(value, str) and value.endswith(".py") else value
 
     differ = [f"{key} (baseline {old.get(key)!r}, now {new.get(key)!r})"

@@ -1,0 +1,84 @@
+"""The direct trace (the joint graph traced from the module with tracer's own source metadata) gives the
+same step as exporting first, op for op: same ops, modules, lines, storages and liveness."""
+import os
+
+import pytest
+import torch
+
+import tracer.capture as capture
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+from tracer.passes.analysis import analyze_graphs
+from tracer.stepgraph import StorageRole
+from truth import measure_step
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+
+
+def _capture(model, options, policies, *, direct):
+    real = capture.export_joint
+
+    def front_end(*args, direct=False, _use=direct, **kwargs):
+        return real(*args, direct=_use, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capture, "export_joint", front_end)
+        return capture_steps(load_model_source(model), options, tuple(PolicySpec(name=p) for p in policies))
+
+
+def _signature(graph):
+    ops = [(op.target, op.phase, op.module, op.recomputed, op.source and (op.source.file, op.source.line),
+            tuple(getattr(v, "storage_id", None) for v in op.outputs)) for op in graph.ops]
+    storages = [(s.nbytes, s.role, s.released_after_op, s.held_until_op, s.persistent, s.fused)
+                for s in graph.storages]
+    return ops, storages
+
+
+@pytest.mark.parametrize("model,precision", [
+    ("llama-debug", "fp32"),                                    # tied embedding and head
+    ("llama-debug", "bf16"),
+    ("gpt2-debug", "fp32"),
+    (os.path.join(FIXTURES, "attribute_cache.py"), "fp32"),     # a tensor kept on a module attribute
+])
+def test_the_direct_trace_equals_the_exported_one(model, precision):
+    options = CaptureOptions(batch=2, seq=32, precision=precision)
+    policies = ("eager", "compiled", "full")
+    direct = _capture(model, options, policies, direct=True)
+    exported = _capture(model, options, policies, direct=False)
+    assert direct["eager"].config.capture_path == "aot-joint"
+    assert exported["eager"].config.capture_path == "export-joint"
+    for policy in policies:
+        assert _signature(direct[policy]) == _signature(exported[policy]), policy
+
+
+def test_a_checkpointing_model_is_exported():
+    """Export drops torch.utils.checkpoint and the policies re-apply it; a direct trace would trace the
+    checkpoint itself, so such models take the export path."""
+    graphs = capture_steps(load_model_source(os.path.join(FIXTURES, "user_checkpoint.py")),
+                           CaptureOptions(batch=2, seq=16), (PolicySpec(name="eager"),))
+    assert graphs["eager"].config.capture_path == "export-joint"
+
+
+def test_batchnorm_buffers_and_a_module_under_two_names():
+    """The running stats come before the loss in the joint's outputs and are updated in place; the head
+    reachable as `head` and `head2` is one set of parameters. Parameters, optimizer state and the
+    optimizer phase equal a real step exactly. (Forward and backward are not compared: CPU eager
+    batch norm on a transposed input holds 32 KiB more than the graph's functional batch norm.)"""
+    model = os.path.join(FIXTURES, "batchnorm_shared_head.py")
+    source = load_model_source(model)
+    options = CaptureOptions(batch=4, seq=16)
+    graph = capture_steps(source, options, (PolicySpec(name="eager"),))["eager"]
+    predicted = analyze_graphs({"eager": graph}).policies["eager"]
+    loss = graph.storages[graph.loss_storage_id]
+    assert loss.nbytes == 4 and loss.shape == ()
+    updated = [s for s in graph.storages if "updated in place" in s.name]
+    assert sorted(s.name for s in updated) == ["bn.num_batches_tracked (updated in place)",
+                                               "bn.running_mean (updated in place)",
+                                               "bn.running_var (updated in place)"]
+    assert all(s.fused for s in updated)
+    params = [s for s in graph.storages if s.role is StorageRole.PARAMETER]
+    assert len(params) == 6 and graph.parameter_count == 64 * 128 + 128 + 2 * 128 + 128 * 10 + 10
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(4, 16), torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True))
+    assert predicted.start_bytes == measured.start_bytes
+    assert predicted.phases["optimizer"].peak_bytes == measured.phase_peaks["optimizer"]
