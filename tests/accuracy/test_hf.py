@@ -18,13 +18,18 @@ CONFIGS = {
     "hf:qwen2": DECODER,
     "hf:bert": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
                 "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
+    "hf:t5": ("num_layers=2", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=512", "dropout_rate=0"),
 }
+# T5 also with eager attention: it runs dropout on the attention probabilities, which autograd saves twice over
+CASES = [(name, "sdpa") for name in sorted(CONFIGS)] + [("hf:t5", "eager")]
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_eager_step_of_a_transformers_model(name):
-    """Dropout is 0: CPU eager dropout saves a float mask where the graph (and CUDA) saves a bool one."""
-    source = load_model_source(name, hf_config=CONFIGS[name])
+@pytest.mark.parametrize("name, attn", CASES)
+def test_eager_step_of_a_transformers_model(name, attn):
+    """Dropout is 0: CPU eager dropout saves a float mask where the graph (and CUDA) saves a bool one.
+    Dropout with p=0 returns its input in eager, where torch's traced decomposition copies it; T5 saves both
+    sides of its dropouts (relu -> dropout -> wo, softmax -> dropout -> matmul), so it checks the copy is gone."""
+    source = load_model_source(name, hf_config=CONFIGS[name], hf_attn=attn)
     graphs = capture_steps(source, CaptureOptions(batch=2, seq=32), (PolicySpec(name="eager"),))
     predicted = analyze_graphs(graphs).policies["eager"]
     torch.manual_seed(0)
@@ -32,6 +37,7 @@ def test_eager_step_of_a_transformers_model(name):
     measured = measure_step(model, source.example_batch(2, 32),
                             torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
     assert predicted.saved.total_bytes == measured.saved_bytes
+    assert predicted.start_bytes == measured.start_bytes
     assert predicted.peak_phase == measured.peak_phase
     for phase in ("forward", "backward", "optimizer"):
         p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
