@@ -22,3 +22,24 @@ def test_saved_bytes_equal_eager_autograd(model, seq, precision):
                             steady=False)
     assert predicted.saved.total_bytes == measured.saved_bytes
 
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["aot-joint", "export-joint"])
+def test_dropout_with_p_zero_saves_no_copy(direct, monkeypatch):
+    """Torch's traced decomposition of dropout(p=0) copies its input; eager returns the input itself
+    (tracer/capture/eager_kernels.py). Checked on both graph front ends."""
+    import os
+
+    import tracer.capture as capture
+    real = capture.export_joint
+    monkeypatch.setattr(capture, "export_joint", lambda *a, direct=False, **k: real(*a, direct=direct_, **k))
+    direct_ = direct
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dropout_zero.py")
+    graph = capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, optimizer="none"))
+    assert graph.config.capture_path == ("aot-joint" if direct else "export-joint")
+    predicted = analyze_graph(graph).policies["eager"]
+    source = load_model_source(model)
+    torch.manual_seed(0)
+    measured = measure_step(source.build_model(), source.example_batch(2, 16), None, steady=False)
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert not any(op.target == "aten.clone.default" for op in graph.ops)

@@ -11,7 +11,9 @@ no recompute policies); the report's capture path and notes say which rung was u
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import warnings
 
 from tracer.capture.convert import OpDraft, convert_step
@@ -52,10 +54,25 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
                   on_policy=None) -> dict[str, StepGraph]:
     """Export once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
         return _capture_steps(source, options, specs, on_policy)
+
+
+@contextlib.contextmanager
+def _gc_skips_the_heap_so_far():
+    """Full garbage collections during a capture walk every object of torch's imported modules (about 12%
+    of an 88m capture); the objects that exist now are moved out of their reach for the capture. Frees
+    the capture observes are reference-count driven, so they do not depend on when collections run."""
+    if gc.get_freeze_count():
+        yield                               # the caller froze the heap itself
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:

@@ -153,6 +153,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
+    from tracer.capture.eager_kernels import dropout_as_in_eager
     from tracer.capture.target import cuda_capture
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
@@ -162,7 +163,8 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     attributes = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
-        with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True):
+        with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
+                dropout_as_in_eager():
             return aot_export_joint_with_descriptors(stack, module, args)
     finally:
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
@@ -286,14 +288,31 @@ def _is_user_file(path: str) -> bool:
 
 def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource) -> ForwardObservations:
     """Run forward once under fake tensors: user errors point at the user's line, not at export; and the
-    run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes)."""
+    run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes). The
+    lines that made kept tensors take a second run, made only when there are any."""
     names = {id(m): path for path, m in module.named_modules()}
-    before = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
     checkpointed: list[str] = []
     notes: list[str] = []
-    producer_line = _ProducerLines()
+    changed = _run_forward(module, args, fake_mode, source, _record_checkpoints(names, checkpointed, notes))
+    if changed:
+        producer_line = _ProducerLines()
+        changed = _run_forward(module, args, fake_mode, source, producer_line)
+    kept = []
+    for m, attr, t in changed:
+        storage = t.untyped_storage()
+        kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=attr,
+                                  nbytes=storage.nbytes(), shape=tuple(t.shape), dtype=t.dtype,
+                                  source=producer_line.lines.get(storage._cdata)))
+    return ForwardObservations(tuple(dict.fromkeys(normalize_module_path(c) for c in checkpointed)),
+                               tuple(dict.fromkeys(notes)), tuple(kept))
+
+
+def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource, context) -> list:
+    """One fake forward under `context`; returns (module, attribute, tensor) for each tensor it stored on
+    a module attribute, and leaves the model as it was."""
+    before = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
     try:
-        with _record_checkpoints(names, checkpointed, notes), fake_mode, producer_line:
+        with fake_mode, context:           # a dispatch-mode context must sit above the fake mode
             out = module(*args)
     except Exception as exc:
         if "DataDependent" in type(exc).__name__:
@@ -306,17 +325,13 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
         raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",
                             hint="return the loss from forward, or define loss_fn(output, target) in the model file")
-    kept = []
+    changed = []
     for m in module.modules():
-        for attr, t in _tensor_attributes(m):
+        for attr, t in list(_tensor_attributes(m)):
             if before.get(id(m), {}).get(attr) is not t:
-                storage = t.untyped_storage()
-                kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=attr,
-                                          nbytes=storage.nbytes(), shape=tuple(t.shape), dtype=t.dtype,
-                                          source=producer_line.lines.get(storage._cdata)))
+                changed.append((m, attr, t))
                 setattr(m, attr, before.get(id(m), {}).get(attr))    # leave the model as it was
-    return ForwardObservations(tuple(dict.fromkeys(normalize_module_path(c) for c in checkpointed)),
-                               tuple(dict.fromkeys(notes)), tuple(kept))
+    return changed
 
 
 def _tensor_attributes(m: nn.Module):

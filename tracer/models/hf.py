@@ -4,10 +4,9 @@
 from the library's default config class, or from a local `config.json` (`--config-json`, whose
 `model_type` names the architecture, e.g. for `hf:meta-llama/Llama-3.2-1B`), with `--hf-config key=value`
 overrides. The loss comes from the model's own `labels` path; `attn_implementation` is selectable
-(sdpa or eager) since it changes what is saved. While the forward is traced, the mask code and dropout with
-p=0 are made to run as eager runs them (`_masks_as_in_eager`, `_dropout_as_in_eager`). Not handled: a graph
-exported first (the export-joint rung) keeps `aten.dropout`, which AOT decomposes after this forward has
-returned, so there dropout with p=0 is still a copy. `transformers` is an optional extra: it is imported only here,
+(sdpa or eager) since it changes what is saved. While the forward is traced, the mask code is made to run
+as eager runs it (`_masks_as_in_eager`; dropout with p=0 is handled for every model by the capture, see
+tracer/capture/eager_kernels.py). `transformers` is an optional extra: it is imported only here,
 inside the functions that need it, with a clear error when it is missing.
 """
 from __future__ import annotations
@@ -54,7 +53,7 @@ class LossFromLabels(nn.Module):
         self.task = task
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with _masks_as_in_eager(), _dropout_as_in_eager():
+        with _masks_as_in_eager():
             if self.task == "masked":
                 return self.model(input_ids=input_ids, labels=labels).loss
             return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
@@ -69,46 +68,24 @@ def _masks_as_in_eager():
 
     saved = masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices
 
+    def check_without_reading(packed_sequence_mask) -> bool:
+        (packed_sequence_mask[:, -1] == 0).all()    # eager's check, whose value a fake tensor cannot give
+        return True
+
     def unpacked(position_ids):
-        saved[1](position_ids)          # the same small temporaries eager makes, then "not packed", as the
-        return None                     # example batch's positions are plain 0..s-1 (eager reads the values)
+        is_tracing = masking.is_tracing
+        masking.is_tracing = check_without_reading
+        try:
+            saved[1](position_ids)      # the same small temporaries eager makes, then "not packed", as the
+        finally:                        # example batch's positions are plain 0..s-1 (eager reads the values)
+            masking.is_tracing = is_tracing
+        return None
 
     masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = (lambda: False), unpacked
     try:
         yield
     finally:
         masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = saved
-
-
-@contextlib.contextmanager
-def _dropout_as_in_eager():
-    """`dropout(x, p=0)` (or not training) returns `x` itself in eager (ATen's C++ kernel, CPU and CUDA), but
-    tracing runs torch's Python decomposition of aten.dropout (torch/_decomp/decompositions.py), which returns
-    `x.clone()`: a copy eager never makes. Where autograd saves both sides (T5's relu -> dropout -> wo saves
-    the relu output and the copy), the prediction saved one extra tensor per dropout. While tracing, dropout
-    with p=0 or not training returns its input, as eager does; p > 0 keeps torch's decomposition. Eager runs
-    of the forward never reach these Python kernels (no Python dispatcher), so they are unchanged. It swaps
-    the op's Python kernels for the duration, so it acts only where the forward itself is traced."""
-    if torch.compiler.is_compiling():     # torch.compile's graph is decomposed later, outside this forward
-        yield
-        return
-    from torch._C import DispatchKey
-    op = torch.ops.aten.dropout.default
-    keys = [k for k in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd) if k in op.py_kernels]
-    saved = {k: op.py_kernels[k] for k in keys}
-
-    def as_in_eager(decomposed):
-        def dropout(input, p, train):
-            return input if not train or p == 0 else decomposed(input, p, train)
-        return dropout
-
-    op.py_kernels.update({k: as_in_eager(saved[k]) for k in keys})
-    op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        op.py_kernels.update(saved)
-        op._dispatch_cache.clear()
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict:
