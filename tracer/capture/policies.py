@@ -70,7 +70,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    joint = copy.deepcopy(cap.joint)
+    joint = _lazy_copy(cap.joint)
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
     static = [i for i, p in enumerate(placeholders)
               if type(p.meta.get("desc")).__name__ in ("ParamAOTInput", "BufferAOTInput")]
@@ -99,6 +99,14 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
                     compiled=spec.name == "compiled")
+
+
+def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of the joint to tag and partition (the partitioners edit it): new nodes with their own meta
+    dicts, and a lazy graph module, whose Python code is never generated since it never runs."""
+    from torch.fx._lazy_graph_module import _make_graph_module, _use_lazy_graph_module
+    with _use_lazy_graph_module(True):
+        return _make_graph_module(joint, copy.deepcopy(joint.graph))
 
 
 def _tag_regions(joint: torch.fx.GraphModule, regions: list[str], keep, first_id: int = 0) -> None:
