@@ -88,10 +88,11 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
             if not getattr(exc, "export_failed", False):
                 break                                   # the forward itself cannot run on fake tensors
     if cap is None:
-        if options.capture != "auto":
-            raise failures[0]
+        if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
+            raise next((e for e in failures if not getattr(e, "direct", False)), failures[0])
         return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
-    cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures)
+    cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
+                               if not getattr(e, "quiet", False))
     try:
         out, recordings = {}, []
         for spec in specs:

@@ -62,6 +62,9 @@ class ForwardObservations:
     kept_attributes: tuple[KeptAttribute, ...]
 
 
+_NOTHING_SEEN = ForwardObservations(checkpointed_modules=(), checkpoint_notes=(), kept_attributes=())
+
+
 class _LossWrapper(nn.Module):
     def __init__(self, model: nn.Module, loss_fn):
         super().__init__()
@@ -102,8 +105,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
                  target: str = "cpu", direct: bool = False) -> JointCapture:
     """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py).
     `direct`: trace the joint graph from the module itself, with tracer's own source metadata
-    (`_SourceMetaMode`), instead of exporting first: one trace instead of two. Models whose forward runs
-    torch.utils.checkpoint are always exported (export drops the checkpoint; the policies re-apply it)."""
+    (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and no separate fake run of
+    the forward. Models whose forward runs torch.utils.checkpoint or keeps tensors on module attributes
+    are left to the export rungs (`_trace_directly`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracer.capture.target import parse_target
@@ -111,24 +115,62 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
     traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
-    seen = _observe_forward(traced, args, fake_mode, source)
-    direct = direct and not seen.checkpointed_modules and not seen.checkpoint_notes
-    module = traced if direct else _export_module(traced, args, source, strict)
     stack = contextlib.ExitStack()
-    try:
-        jd = _aot_joint(stack, module, args, precision, device, source_meta=direct)
-    except Exception as exc:
-        stack.close()
-        error = CaptureError(f"building the joint forward+backward graph of {source.name} failed: "
-                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                             hint="see --verbose")
-        error.export_failed = direct          # the exporting rungs may still capture it
-        raise error from exc
+    if direct:
+        jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
+    else:
+        seen = _observe_forward(traced, args, fake_mode, source)
+        module = _export_module(traced, args, source, strict)
+        try:
+            jd, _ = _aot_joint(stack, module, args, precision, device, source_meta=False)
+        except Exception as exc:
+            stack.close()
+            raise CaptureError(f"building the joint forward+backward graph of {source.name} failed: "
+                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                               hint="see --verbose") from exc
     params = dict(traced.named_parameters(remove_duplicate=False))
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode, strict=strict,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path)
+
+
+def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
+                    source: ModelSource):
+    """The joint graph traced from the module itself, for a forward that runs no torch.utils.checkpoint,
+    keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
+    run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
+    observe the forward first, take the model (and give its errors with the user's line)."""
+    names = {id(m): path for path, m in traced.named_modules()}
+    checkpointed: list[str] = []
+    notes: list[str] = []
+    try:
+        with _record_checkpoints(names, checkpointed, notes):
+            jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
+    except Exception as exc:
+        stack.close()
+        error = CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
+                             f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                             hint="see --verbose")
+        error.export_failed = True          # the exporting rungs may still capture it
+        error.direct = True
+        raise error from exc
+    if checkpointed or notes or kept_tensors or not _returns_scalar_loss(jd.graph_module):
+        stack.close()
+        error = CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module or returns "
+                             "no scalar loss: it is exported, which observes the forward first")
+        error.export_failed, error.quiet = True, True
+        raise error
+    return jd
+
+
+def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:
+    output = next(iter(joint.graph.find_nodes(op="output")))
+    for node, desc in zip(output.args[0], output.meta.get("desc") or []):
+        if type(desc).__name__ == "PlainAOTOutput" and desc.idx == 0:
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            return isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()
+    return False
 
 
 def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool) -> torch.fx.GraphModule:
@@ -165,11 +207,14 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
                 dropout_as_in_eager():
-            return aot_export_joint_with_descriptors(stack, module, args)
+            jd = aot_export_joint_with_descriptors(stack, module, args)
     finally:
+        kept_tensors = 0
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
-            for attr, _ in list(_tensor_attributes(m)):
+            for attr, t in list(_tensor_attributes(m)):
+                kept_tensors += attributes.get(id(m), {}).get(attr) is not t
                 setattr(m, attr, attributes.get(id(m), {}).get(attr))
+    return jd, kept_tensors
 
 
 @contextlib.contextmanager
