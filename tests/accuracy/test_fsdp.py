@@ -9,13 +9,17 @@ frees unsharded parameters with `untyped_storage().resize_()`, which no dispatch
 sees.
 
 The prediction is `shard_memory(analysis, "fsdp", 2, backend="gloo")` on the single-process analysis of
-the same step. Measured: the step peak and every phase peak equal to the byte on both ranks, for
+the same step. Measured: the forward peak equal to the byte on both ranks, and the backward and
+optimizer peaks equal on the rank whose collectives released their buffers in time, for
 reshard_after_forward True and False and for a step whose peak falls inside a reduce-scatter. Two details
 of the real engine make that so and are modelled in tracer/passes/sharding.py: gloo's reduce-scatter
 works on a copy of its input (one unit's padded gradients; NCCL does not copy), and FSDP2 frees the
 previous unit's all-gather output and the unit's last gradient only when a local variable of
-`wait_for_unshard` / `foreach_reduce` goes out of scope. The assertion allows 1% on the step peak
-because gloo's worker thread drops its reference to a collective's tensors on its own schedule.
+`wait_for_unshard` / `foreach_reduce` goes out of scope. Not modelled, and not deterministic: gloo's
+worker thread drops its reference to a collective's tensors on its own schedule, so in some runs one rank
+holds a buffer longer (b1 s16 reshard: rank 0 +76,160 B and +115,200 B in backward in 3 of 4 runs, rank
+1 +131,328 B in the optimizer phase once); the assertion allows at most one unit's gathered bytes above
+the prediction on any rank.
 """
 import gc
 import json
@@ -172,9 +176,15 @@ def _predict(batch: int, seq: int, reshard: bool):
 def test_fsdp2_per_rank_peak_matches_a_real_fully_shard_step(measured, case):
     batch, seq, reshard = CASES[case]
     predicted = _predict(batch, seq, reshard)
+    held = max(unit.padded_bytes for unit in predicted.units)     # one unit's collective buffer
+    late = {"backward": [], "optimizer": []}
     for rank in range(WORLD_SIZE):
         phases = measured[rank][case]["phase_peaks"]
-        peak = max(phases[p] for p in ("forward", "backward", "optimizer"))
-        assert abs(predicted.peak_bytes - peak) <= 0.01 * peak, (rank, predicted.peak_bytes, phases)
         assert predicted.phases["forward"] == phases["forward"], (rank, predicted.phases, phases)
-        assert predicted.peak_phase == max(phases, key=phases.get)
+        for phase, seen in late.items():
+            assert predicted.phases[phase] <= phases[phase] <= predicted.phases[phase] + held, \
+                (rank, phase, predicted.phases, phases, held)
+            seen.append(phases[phase])
+    # the rank whose gloo thread let go of each collective's tensors in time matches to the byte
+    for phase, seen in late.items():
+        assert min(seen) == predicted.phases[phase], (phase, predicted.phases, seen)
