@@ -12,7 +12,8 @@ before the first import of the model to the answer:
   tracer eager  tracer.analyze(policies=("eager",))
   tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full"))
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
-The ratios are against `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
+With `--repeat N` each row is the run with the median wall time of N. The ratios are against
+`memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
 be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
 at seq 4096, all four policies, under 60 s and 3 GiB RSS; llama-88m end to end no slower than
 MemTracker's fake-tensor run.
@@ -81,6 +82,13 @@ print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 MODES = ("export", "memtracker", "tracer-eager", "tracer-all", "depth-all")
 
 
+def run_median(mode: str, model: str, batch: int, seq: int, repeat: int) -> dict:
+    """The run with the median wall time of `repeat` runs."""
+    runs = [run(mode, model, batch, seq) for _ in range(repeat)]
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["wall_s"])
+    return ok[len(ok) // 2] if ok else runs[0]
+
+
 def run(mode: str, model: str, batch: int, seq: int) -> dict:
     proc = subprocess.run([sys.executable, "-c", _CHILD, mode, model, str(batch), str(seq)],
                           capture_output=True, text=True)
@@ -113,9 +121,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--repeat", type=int, default=1, help="runs per row; the median wall time is shown")
     args = p.parse_args()
     for model in args.models.split(","):
-        rows = {mode: run(mode, model, args.batch, args.seq) for mode in args.modes.split(",")}
+        rows = {mode: run_median(mode, model, args.batch, args.seq, args.repeat) for mode in args.modes.split(",")}
         rows = {mode: rows.get(mode, {"error": "not run"}) for mode in MODES}
         print(render(model, args.batch, args.seq, rows), flush=True)
 
