@@ -104,3 +104,20 @@ def test_forward_flops_per_token_of_llama_88m():
     matmul_params = n_layers * (2 * d * d + 2 * d * kv_dim + 3 * d * d_ff) + d * vocab
     attention = n_layers * 2 * (2 * seq * d) // 2
     assert _matmul_attention_flops(forward) == batch * seq * (2 * matmul_params + attention)
+
+
+def test_a_model_without_repeated_blocks_is_checkpointed_whole():
+    """No repeated blocks: `full` checkpoints the whole forward as one region, as
+    checkpoint(model, ...) around the forward (loss included) does; the report notes it."""
+    model = os.path.join(FIXTURES, "dropout_zero.py")
+    predicted = _predict(model, PolicySpec(name="full"), 2, 64)
+    assert any("checkpointed as one region" in n for n in predicted.graph.config.notes)
+    source = load_model_source(model)
+    torch.manual_seed(0)
+    real = Checkpointed(source.build_model())
+    measured = measure_step(real, source.example_batch(2, 64), torch.optim.AdamW(real.parameters(), lr=1e-3,
+                                                                                 foreach=True))
+    assert predicted.start_bytes == measured.start_bytes
+    for phase in ("forward", "backward", "optimizer"):
+        assert predicted.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert predicted.saved.total_bytes == measured.saved_bytes

@@ -172,7 +172,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
-                        policy=spec.label, target=options.target, notes=_capture_notes(cap))
+                        policy=spec.label, target=options.target, notes=_capture_notes(cap) + schedule.notes)
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)
@@ -248,6 +248,14 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
             for value in d.outputs:
                 held = table.get(value.storage_id).held_until_op
                 table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
+    # the checkpoint frame (and the RNG state in it) lives while any backward node of the region still holds
+    # a saved tensor: until the region's last backward op (a forward op's backward shares its seq_nr)
+    region_of_seq = {d.seq_nr: d.checkpoint_region for d in ops
+                     if d.phase is Phase.FORWARD and d.checkpoint_region is not None and d.seq_nr is not None}
+    backward_end: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
+            backward_end[region_of_seq[d.seq_nr]] = i
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
@@ -260,7 +268,7 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
                         name=f"checkpoint RNG state, region {region}")
         ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
-        table.update(sid, held_until_op=recompute_end.get(region, first_backward))
+        table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
 
 
 def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:

@@ -45,6 +45,7 @@ class Schedule:
     backward: fx.GraphModule | None = None
     num_forward_outputs: int = 1
     compiled: bool = False            # one compiled autograd node: grads ready when the backward returns
+    notes: tuple[str, ...] = ()       # how the policy was applied, for the report
 
 
 @dataclasses.dataclass

@@ -10,7 +10,8 @@
     checkpointing returns them as ordinary tensors); then `default_partition` materialises the
     recomputation in the backward graph, as eager non-reentrant checkpointing does.
 Blocks are module paths `prefix.N` repeated in forward (the most frequent prefix with >= 2 indices), or
-those matching `--blocks` (a glob such as `layers.*`).
+those matching `--blocks` (a glob such as `layers.*`); a model with no repeated blocks is checkpointed
+as one region (the whole forward), and the report says so.
 Inductor's fusion is modelled in tracer.capture.convert; CUDA-graph pools are not.
 """
 from __future__ import annotations
@@ -64,6 +65,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     """Partition for the policy. Modules the user's forward already checkpoints are checkpointed in every
     policy (as torch.compile and eager both honour them); `full`/`selective` then tag their own blocks."""
     user_regions = list(cap.seen.checkpointed_modules)
+    notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_regions:
         return Schedule(joint=cap.joint)
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -82,9 +84,13 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         partition, budget = min_cut_rematerialization_partition, spec.memory_budget
     elif spec.name in ("full", "selective"):
         blocks = find_blocks(joint, spec.blocks)
+        if not blocks and spec.blocks is not None:
+            raise UsageError(f"no module matches --blocks {spec.blocks!r}",
+                             hint="give a glob over module paths, e.g. --blocks 'layers.*'")
         if not blocks:
-            raise UsageError("no repeated blocks found to checkpoint",
-                             hint="name them with --blocks 'layers.*' (a glob over module paths)")
+            blocks = [""]       # nothing repeats: the whole forward is one checkpointed region
+            notes = ("no repeated blocks: the whole forward is checkpointed as one region (its inputs are kept, "
+                     "everything else is recomputed in backward); name blocks with --blocks",)
         keep = save_predicate(spec) if spec.name == "selective" else (lambda target: False)
         _tag_regions(joint, blocks[::spec.checkpoint_every], keep, first_id=len(user_regions))
         partition, budget = default_partition, None
@@ -98,7 +104,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
-                    compiled=spec.name == "compiled")
+                    compiled=spec.name == "compiled", notes=notes)
 
 
 def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:

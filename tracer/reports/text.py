@@ -62,11 +62,20 @@ NOT_MODELLED = {
 }
 
 
+def _table_notes(analysis: Analysis) -> list[str]:
+    """The capture's notes once, then each policy's own notes under its label."""
+    common = analysis.graph.config.notes
+    lines = [f"note: {n}" for n in common]
+    for label, result in analysis.policies.items():
+        lines += [f"note ({label}): {n}" for n in result.graph.config.notes if n not in common]
+    return lines
+
+
 def render_policy_table(analysis: Analysis) -> str:
     eager = analysis.policies.get("eager")
     cfg = analysis.graph.config
     lines = [f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
-             f"  {cfg.step} step  (capture: {cfg.capture_path})", *(f"note: {n}" for n in cfg.notes), "",
+             f"  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"]
     for label, result in analysis.policies.items():
