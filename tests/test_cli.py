@@ -119,3 +119,10 @@ def test_fit_and_shard(capsys):
     assert main(["llama-debug", "--seq", "64", "--shard", "zero3", "--quiet"]) == ExitCode.USAGE
     assert main(["llama-debug", "--seq", "64", "--shard", "zero3", "--world-size", "2", "--quiet"]) == ExitCode.OK
     assert "zero3 on 2 ranks" in capsys.readouterr().out
+
+
+def test_outputs_go_to_folders_that_do_not_exist_yet(tmp_path):
+    out = tmp_path / "new" / "deeper"
+    assert main(["llama-debug", "--seq", "8", "--quiet", "--plot", str(out / "step.svg"),
+                 "--json", str(out / "json" / "step.json")]) == ExitCode.OK
+    assert (out / "step.svg").stat().st_size > 0 and (out / "json" / "step.json").stat().st_size > 0

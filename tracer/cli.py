@@ -109,10 +109,27 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_given = any(a == "--batch" or a.startswith("--batch=") for a in argv)
         runner = _run
     try:
+        _make_output_folders(args)
         return runner(args)
     except TracerError as exc:
         _print_error(exc, args.verbose)
         return int(exc.exit_code)
+
+
+_OUTPUT_FILES = ("json", "plot", "graph", "snapshot", "save_baseline", "compare_json")
+
+
+def _make_output_folders(args) -> None:
+    """Output paths may name folders that do not exist yet (`--plot out/step.png`): create them."""
+    import os
+
+    from tracer.errors import UsageError
+    folders = [os.path.dirname(getattr(args, name, None) or "") for name in _OUTPUT_FILES]
+    for folder in filter(None, folders):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create the output folder {folder}: {exc.strerror}") from exc
 
 
 def _run_snapshot(args) -> int:
