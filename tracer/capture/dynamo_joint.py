@@ -48,11 +48,6 @@ CAPTURE_PATH = "compile-joint"
 
 
 @dataclasses.dataclass
-class CompileJointCapture(JointCapture):
-    """A `JointCapture` taken through torch.compile; read downstream like any other."""
-    path: str = CAPTURE_PATH
-
-
 @dataclasses.dataclass
 class _Recorded:
     """What the backend saw: dynamo's graph inputs and AOTAutograd's joint graph."""
@@ -61,7 +56,7 @@ class _Recorded:
 
 
 def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
-                 target: str = "cpu") -> CompileJointCapture:
+                 target: str = "cpu") -> JointCapture:
     """Raises CaptureError (with `export_failed` set: the forward ran on fake tensors, dynamo could not
     trace it) naming the model and the user's line; ModelRunError when the forward itself fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -77,9 +72,8 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     _describe_inputs(recorded, params, buffers)
     _drop_checkpoint_tags(recorded.joint)
-    return CompileJointCapture(joint=recorded.joint, model=model, batch=args, fake_mode=fake_mode,
-                               param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=contextlib.ExitStack(),
-                               seen=seen)
+    return JointCapture(path=CAPTURE_PATH, joint=recorded.joint, model=model, batch=args, fake_mode=fake_mode,
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=contextlib.ExitStack(), seen=seen)
 
 
 def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, device, source: ModelSource) -> _Recorded:

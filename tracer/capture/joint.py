@@ -38,7 +38,6 @@ class JointCapture:
     buffer_by_fqn: dict[str, torch.Tensor]
     exit_stack: contextlib.ExitStack
     seen: "ForwardObservations"
-    strict: bool = False                  # which torch.export mode produced the graph
     path: str = "export-joint"            # the capture path, as the report names it
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
 
@@ -131,7 +130,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     params = dict(traced.named_parameters(remove_duplicate=False))
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
-    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode, strict=strict,
+    return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path)
 
 
