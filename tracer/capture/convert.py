@@ -84,7 +84,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         _convert_nodes(schedule.joint, table, values, node_pos, ops, tangent, partitioned=False)
         out = _output_args(schedule.joint)
         out_descs = _output_node(schedule.joint).meta.get("desc") or []
-        loss_node, grad_outputs = out[_loss_index(out_descs)], _grad_outputs(out, out_descs)
+        loss_node, grad_outputs = out[loss_output_index(out_descs)], _grad_outputs(out, out_descs)
         _write_into_buffers(out, out_descs, table, values)
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
@@ -92,7 +92,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
                        fake_mode=cap.fake_mode, fuse=schedule.compiled)
         fw_out = _output_args(schedule.forward)
         out_descs = _output_node(schedule.joint).meta.get("desc") or []   # the forward's outputs come first
-        loss_node = fw_out[_loss_index(out_descs)]
+        loss_node = fw_out[loss_output_index(out_descs)]
         _write_into_buffers(fw_out[:schedule.num_forward_outputs], out_descs, table, values)
         tangent = (None, None)
         saved_inputs = []
@@ -124,7 +124,7 @@ def _output_args(gm: fx.GraphModule) -> list:
     return list(_output_node(gm).args[0])
 
 
-def _loss_index(descs: list) -> int:
+def loss_output_index(descs: list) -> int:
     """The loss is the module's output 0; the buffers a forward updates (BatchNorm's running stats) come
     before it in the joint's outputs."""
     return next((i for i, d in enumerate(descs) if type(d).__name__ == "PlainAOTOutput" and d.idx == 0), 0)

@@ -164,12 +164,11 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
 
 
 def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:
+    from tracer.capture.convert import loss_output_index
     output = next(iter(joint.graph.find_nodes(op="output")))
-    for node, desc in zip(output.args[0], output.meta.get("desc") or []):
-        if type(desc).__name__ == "PlainAOTOutput" and desc.idx == 0:
-            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-            return isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()
-    return False
+    node = output.args[0][loss_output_index(output.meta.get("desc") or [])]
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()
 
 
 def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool) -> torch.fx.GraphModule:
