@@ -9,17 +9,16 @@ frees unsharded parameters with `untyped_storage().resize_()`, which no dispatch
 sees.
 
 The prediction is `shard_memory(analysis, "fsdp", 2, backend="gloo")` on the single-process analysis of
-the same step. Measured: the forward peak equal to the byte on both ranks, and the backward and
-optimizer peaks equal on the rank whose collectives released their buffers in time, for
-reshard_after_forward True and False and for a step whose peak falls inside a reduce-scatter. Two details
-of the real engine make that so and are modelled in tracer/passes/sharding.py: gloo's reduce-scatter
-works on a copy of its input (one unit's padded gradients; NCCL does not copy), and FSDP2 frees the
-previous unit's all-gather output and the unit's last gradient only when a local variable of
+the same step, for reshard_after_forward True and False and for a step whose peak falls inside a
+reduce-scatter. Two details of the real engine are modelled in tracer/passes/sharding.py: gloo's
+reduce-scatter works on a copy of its input (one unit's padded gradients; NCCL does not copy), and FSDP2
+frees the previous unit's all-gather output and the unit's last gradient only when a local variable of
 `wait_for_unshard` / `foreach_reduce` goes out of scope. Not modelled, and not deterministic: gloo's
-worker thread drops its reference to a collective's tensors on its own schedule, so in some runs one rank
-holds a buffer longer (b1 s16 reshard: rank 0 +76,160 B and +115,200 B in backward in 3 of 4 runs, rank
-1 +131,328 B in the optimizer phase once); the assertion allows at most one unit's gathered bytes above
-the prediction on any rank.
+worker thread drops its reference to a collective's tensors on its own schedule. Measured in 8 runs on a
+quiet machine: 47 of 48 (rank, case) backward and optimizer peaks equal the prediction to the byte, one
+optimizer peak is 131,328 B above it; under load, both ranks of the b1 s16 case were +76,160 and
++115,200 B in backward. So the forward peak must be exact on every rank, and the backward and optimizer
+peaks at least the prediction and at most one unit's gathered bytes above it.
 """
 import gc
 import json
@@ -177,14 +176,9 @@ def test_fsdp2_per_rank_peak_matches_a_real_fully_shard_step(measured, case):
     batch, seq, reshard = CASES[case]
     predicted = _predict(batch, seq, reshard)
     held = max(unit.padded_bytes for unit in predicted.units)     # one unit's collective buffer
-    late = {"backward": [], "optimizer": []}
     for rank in range(WORLD_SIZE):
         phases = measured[rank][case]["phase_peaks"]
         assert predicted.phases["forward"] == phases["forward"], (rank, predicted.phases, phases)
-        for phase, seen in late.items():
+        for phase in ("backward", "optimizer"):
             assert predicted.phases[phase] <= phases[phase] <= predicted.phases[phase] + held, \
                 (rank, phase, predicted.phases, phases, held)
-            seen.append(phases[phase])
-    # the rank whose gloo thread let go of each collective's tensors in time matches to the byte
-    for phase, seen in late.items():
-        assert min(seen) == predicted.phases[phase], (phase, predicted.phases, seen)
