@@ -66,3 +66,10 @@ def test_strict_export_is_tried_when_non_strict_export_fails(monkeypatch):
                            (PolicySpec(name="eager"), PolicySpec(name="full")))
     assert graphs["eager"].config.capture_path == "export-joint (strict)"
     assert any(op.recomputed for op in graphs["full"].ops)
+
+
+def test_an_unknown_capture_path_is_a_usage_error():
+    from tracer.errors import UsageError
+    with pytest.raises(UsageError, match="unknown capture path 'bogus'"):
+        capture_steps(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=8, capture="bogus"),
+                      (PolicySpec(name="eager"),))

@@ -19,7 +19,7 @@ import warnings
 from tracer.capture.convert import OpDraft, convert_step
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
-from tracer.errors import CaptureError
+from tracer.errors import CaptureError, UsageError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
@@ -119,8 +119,11 @@ def _ladder(capture: str) -> list:
     def compiled(source, o):
         return compile_rung.dynamo_joint(source, o.batch, o.seq, o.precision, target=o.target)
 
-    return {"auto": [direct, non_strict, strict, compiled], "export": [direct, non_strict, strict],
-            "compile": [compiled]}[capture]
+    rungs = {"auto": [direct, non_strict, strict, compiled], "export": [direct, non_strict, strict],
+             "compile": [compiled]}
+    if capture not in rungs:
+        raise UsageError(f"unknown capture path {capture!r}", hint="valid: auto, export, compile, dispatch")
+    return rungs[capture]
 
 
 def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
