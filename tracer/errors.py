@@ -42,4 +42,12 @@ class ModelRunError(TracerError):
 
 
 class CaptureError(TracerError):
-    """torch.export or the joint-graph capture failed on an op."""
+    """torch.export or the joint-graph capture failed on an op. For the capture ladder: `next_rung_may_work`
+    (the forward itself ran on fake tensors, so another capture path may succeed), `direct` (raised by the
+    direct trace, whose errors say less than the export rungs'), `quiet` (not a failure worth a note: the
+    model is simply left to the next rung)."""
+
+    def __init__(self, message: str, *, hint: str = "", next_rung_may_work: bool = False, direct: bool = False,
+                 quiet: bool = False):
+        super().__init__(message, hint=hint)
+        self.next_rung_may_work, self.direct, self.quiet = next_rung_may_work, direct, quiet

@@ -24,9 +24,7 @@ def _export_fails(monkeypatch, *, but_strict: bool = False):
     def fails(source, batch, seq, precision, *, strict=False, **kwargs):
         if but_strict and strict:
             return real_export_joint(source, batch, seq, precision, strict=True, **kwargs)
-        error = CaptureError("export failed (simulated)")
-        error.export_failed = True
-        raise error
+        raise CaptureError("export failed (simulated)", next_rung_may_work=True)
 
     monkeypatch.setattr(capture, "export_joint", fails)
 

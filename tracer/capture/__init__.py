@@ -53,7 +53,7 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
                   on_policy=None) -> dict[str, StepGraph]:
-    """Export once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
+    """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -85,14 +85,14 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
             break
         except CaptureError as exc:
             failures.append(exc)
-            if not getattr(exc, "export_failed", False):
+            if not exc.next_rung_may_work:
                 break                                   # the forward itself cannot run on fake tensors
     if cap is None:
         if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
-            raise next((e for e in failures if not getattr(e, "direct", False)), failures[0])
+            raise next((e for e in failures if not e.direct), failures[0])
         return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
-                               if not getattr(e, "quiet", False))
+                               if not e.quiet)
     try:
         out, recordings = {}, []
         for spec in specs:

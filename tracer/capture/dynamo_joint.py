@@ -57,7 +57,7 @@ class _Recorded:
 
 def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
                  target: str = "cpu") -> JointCapture:
-    """Raises CaptureError (with `export_failed` set: the forward ran on fake tensors, dynamo could not
+    """Raises CaptureError (with `next_rung_may_work` set: the forward ran on fake tensors, dynamo could not
     trace it) naming the model and the user's line; ModelRunError when the forward itself fails."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -90,11 +90,9 @@ def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, dev
                 cuda_capture(device, precision), fake_mode, autocast, dropout_as_in_eager():
             compiled(*args)
     except Exception as exc:
-        error = CaptureError(f"torch.compile (fullgraph) failed on {source.name}: {_compile_message(exc)}",
-                             hint="see --verbose; graph breaks, data-dependent Python control flow and .item() "
-                                  "cannot be captured")
-        error.export_failed = True            # the forward itself ran on fake tensors
-        raise error from exc
+        raise CaptureError(f"torch.compile (fullgraph) failed on {source.name}: {_compile_message(exc)}",
+                           hint="see --verbose; graph breaks, data-dependent Python control flow and .item() "
+                                "cannot be captured", next_rung_may_work=True) from exc
     finally:
         torch._dynamo.reset()                 # drop compiled code that holds the fake model
     if recorded.joint is None:

@@ -148,18 +148,14 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
-        error = CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
-                             f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                             hint="see --verbose")
-        error.export_failed = True          # the exporting rungs may still capture it
-        error.direct = True
-        raise error from exc
+        raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
+                           f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                           hint="see --verbose", next_rung_may_work=True, direct=True) from exc
     if checkpointed or notes or kept_tensors or not _returns_scalar_loss(jd.graph_module):
         stack.close()
-        error = CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module or returns "
-                             "no scalar loss: it is exported, which observes the forward first")
-        error.export_failed, error.quiet = True, True
-        raise error
+        raise CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module or returns "
+                           "no scalar loss: it is exported, which observes the forward first",
+                           next_rung_may_work=True, quiet=True)
     return jd
 
 
@@ -178,11 +174,10 @@ def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: 
             warnings.filterwarnings("ignore", message="The tensor attributes")
             ep = torch.export.export(traced, args, strict=strict)
     except Exception as exc:
-        error = CaptureError(f"torch.export{' (strict)' if strict else ''} failed on {source.name}: "
-                             f"{_export_message(exc)}",
-                             hint="see --verbose; data-dependent Python control flow and .item() cannot be exported")
-        error.export_failed = True          # the forward itself ran: another export mode may still work
-        raise error from exc
+        # the forward itself ran: another export mode may still work
+        raise CaptureError(f"torch.export{' (strict)' if strict else ''} failed on {source.name}: "
+                           f"{_export_message(exc)}", next_rung_may_work=True,
+                           hint="see --verbose; data-dependent Python control flow and .item() cannot be exported") from exc
     gm = ep.module()
     _strip_export_asserts(gm)
     return gm
