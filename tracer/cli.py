@@ -6,6 +6,7 @@ or invalid model file, unknown zoo name), 3 analysis error (forward raised, expo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,13 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: models: override a config field (repeatable), e.g. --hf-config num_hidden_layers=2")
     p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
-    p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
-                   help="hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)")
-    p.add_argument("--capture", choices=("auto", "export", "compile", "dispatch"), default="auto",
-                   help="auto: the joint graph, traced from the module, else through torch.export, else through "
-                        "torch.compile, falling back to running the step op by op on fake tensors (eager policy "
-                        "only); export: the first two, no fallback; compile: torch.compile's joint only; "
-                        "dispatch: the fallback directly (default auto)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
@@ -81,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
     from tracer.target_cli import add_target_arguments
-    add_target_arguments(p)   # --target --gpu --alloc-conf --cublas-workspace-config --compare --tolerance --compare-json
+    add_target_arguments(p)   # --alloc-conf --cublas-workspace-config --compare --tolerance --compare-json
     return p
 
 
@@ -148,23 +142,22 @@ def _run_snapshot(args) -> int:
     return int(ExitCode.OK)
 
 
-def _plan(args, specs) -> int:
-    from tracer.checks.options import analyze_kwargs
+def _plan(args, options) -> int:
+    """--fit and --by-depth: the same options as the full analysis, sizes varied by the planner."""
     from tracer.planning import analyze_by_depth, fit_budget
     from tracer.reports.planning_text import render_depth, render_fit
 
-    options = {k: v for k, v in analyze_kwargs(vars(args)).items() if k not in ("batch", "seq")}
-    names = tuple(dict.fromkeys(spec.name for spec in specs))
-    budget = next((spec.memory_budget for spec in specs if spec.memory_budget is not None), None)
-    policy_options = dict(memory_budget=budget, blocks=args.blocks, checkpoint_every=args.checkpoint_every,
-                          save_policy=args.save_policy, save_ops=specs[0].save_ops)
+    keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                if f.name not in ("batch", "seq", "policies", "memory_budgets")}
+    budget = next((b for b in options.memory_budgets if b is not None), None)
+    names = options.policies
     if args.fit:
         report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
-                            policies=names, **options, **policy_options)
+                            policies=names, memory_budget=budget, **keywords)
         sys.stdout.write(render_fit(report))
     else:
         sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
-                                                       **options, **policy_options)))
+                                                       memory_budget=budget, **keywords)))
     return int(ExitCode.OK)
 
 
@@ -205,32 +198,49 @@ def _write_json(path: str, data: dict) -> None:
         raise UsageError(f"cannot write --json {path}: {exc.strerror}") from exc
 
 
+def analysis_options(args):
+    """The parsed flags -> the pipeline's AnalysisOptions (every flag that changes the answer)."""
+    from tracer.errors import UsageError
+    from tracer.pipeline import AnalysisOptions
+    from tracer.reports.units import parse_bytes
+
+    if args.batch < 1 or args.seq < 1:
+        raise UsageError("--batch and --seq must be positive integers")
+    device_memory = None
+    if getattr(args, "device_memory", None):
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as exc:
+            raise UsageError(f"--device-memory: {exc}") from exc
+    names, budgets = policy_names_and_budgets(args)
+    options = AnalysisOptions(
+        batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer, foreach=args.foreach,
+        step=args.step, zero_grad_set_to_none=args.zero_grad == "none", policies=names, memory_budgets=budgets,
+        blocks=args.blocks, checkpoint_every=args.checkpoint_every, save_policy=args.save_policy,
+        save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
+        config_json=args.config_json, hf_attn=args.hf_attn, capture=args.capture, target=args.target,
+        gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
+        device_memory_bytes=device_memory)
+    options.policy_specs()                  # an unknown --save-policy fails here, before any capture
+    options.target_label()                  # so does --gpu with --target cpu
+    return options
+
+
 def _run(args) -> int:
     import torch
 
     import tracer
-    from tracer.capture import CaptureOptions, capture_steps, load_model_source
-    from tracer.target_cli import capture_target, run_target_outputs
-    from tracer.errors import UsageError
-    from tracer.passes.analysis import analyze_graphs
+    from tracer.pipeline import run_analysis
+    from tracer.target_cli import run_target_outputs
     from tracer.reports.json_report import report_json
     from tracer.reports.text import render_text
 
-    if args.batch < 1 or args.seq < 1:
-        raise UsageError("--batch and --seq must be positive integers")
-    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
-    source = load_model_source(args.model, hf_config=tuple(args.hf_config), config_json=args.config_json,
-                               hf_attn=args.hf_attn)
-    options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
-                             foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none",
-                             capture=args.capture, target=capture_target(args))
-    specs = policy_specs(args)
+    options = analysis_options(args)
     if args.fit or args.by_depth:
-        return _plan(args, specs)
-    progress(f"capturing {args.model} (batch {args.batch}, seq {args.seq}) under fake tensors ...")
-    graphs = capture_steps(source, options, specs, on_policy=lambda label: progress(f"simulating {label} ..."))
-    progress("analysing ...")
-    analysis = analyze_graphs(graphs)
+        return _plan(args, options)
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    analysis = run_analysis(args.model, options, on_progress=progress)
+    specs = options.policy_specs()
     shown = None if args.policy == "all" or len(specs) > 1 else specs[0].label
     sys.stdout.write(render_text(analysis, policy=shown, top=args.top))
     if args.json:
@@ -241,6 +251,7 @@ def _run(args) -> int:
         save_baseline(analysis, args.save_baseline, top=args.top)
     _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
     if args.shard:
+        from tracer.errors import UsageError
         from tracer.planning import shard_policies
         from tracer.reports.planning_text import render_sharding
         if not args.world_size or args.world_size < 1:
@@ -257,15 +268,11 @@ def _run(args) -> int:
 BUDGET_SWEEP = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
 
 
-def policy_specs(args) -> tuple:
+def policy_names_and_budgets(args) -> tuple[tuple[str, ...], tuple[float | None, ...]]:
+    """--policy and --memory-budget -> (policy names, compiled memory budgets). A budget adds compiled."""
     from tracer.errors import UsageError
-    from tracer.policies import PolicySpec, save_predicate
 
-    if args.checkpoint_every < 1:
-        raise UsageError("--checkpoint-every must be a positive integer")
     names = ("eager", "compiled", "selective", "full") if args.policy == "all" else (args.policy,)
-    common = dict(blocks=args.blocks, checkpoint_every=args.checkpoint_every, save=args.save_policy,
-                  save_ops=tuple(args.save_ops.split(",")) if args.save_ops else ())
     budgets: tuple = (None,)
     if args.memory_budget is not None:
         if args.memory_budget == "sweep":
@@ -279,12 +286,7 @@ def policy_specs(args) -> tuple:
                 raise UsageError("--memory-budget must be between 0 and 1 (a fraction of activation bytes)")
         if "compiled" not in names:
             names = names + ("compiled",)
-    specs = []
-    for name in names:
-        for budget in (budgets if name == "compiled" else (None,)):
-            specs.append(PolicySpec(name=name, memory_budget=budget, **common))
-    save_predicate(specs[0])                    # an unknown --save-policy fails here, before any capture
-    return tuple(specs)
+    return names, budgets
 
 
 def _print_error(exc: TracerError, verbose: bool) -> None:

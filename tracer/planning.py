@@ -247,17 +247,7 @@ def _block_list(model) -> tuple[str, object]:
     return best
 
 
-def _analyze_source(source, *, batch: int, seq: int, policies: tuple[str, ...], memory_budget: float | None = None,
-                    blocks: str | None = None, checkpoint_every: int = 1, save_policy: str = "matmul-attention",
-                    save_ops: tuple[str, ...] = (), **capture_options):
+def _analyze_source(source, *, batch: int, seq: int, policies: tuple[str, ...], **options):
     """`tracer.analyze` for a `ModelSource` rather than a name."""
-    from tracer.capture import CaptureOptions, capture_steps
-    from tracer.passes.analysis import analyze_graphs
-    from tracer.policies import PolicySpec, save_predicate
-
-    specs = tuple(PolicySpec(name=name, memory_budget=memory_budget if name == "compiled" else None, blocks=blocks,
-                             checkpoint_every=checkpoint_every, save=save_policy, save_ops=tuple(save_ops))
-                  for name in policies)
-    for spec in specs:
-        save_predicate(spec)
-    return analyze_graphs(capture_steps(source, CaptureOptions(batch=batch, seq=seq, **capture_options), specs))
+    from tracer.pipeline import options_from_keywords, run_analysis
+    return run_analysis(source, options_from_keywords(batch=batch, seq=seq, policies=policies, **options))

@@ -1,6 +1,6 @@
 """Command-line flags for a CUDA target and for comparing with a real snapshot, for `tracer.cli` to wire in.
 
-    add_target_arguments(parser)          --target cpu|cuda  --gpu NAME  --alloc-conf CONF
+    add_target_arguments(parser)          --alloc-conf CONF (--target and --gpu: tracer.checks.options)
                                           --cublas-workspace-config CONF  --compare PATH  --tolerance T
                                           --compare-json PATH
     capture_target(args) -> str           the `CaptureOptions.target` value ("cpu" or "cuda:<gpu>")
@@ -23,14 +23,6 @@ from tracer.errors import ExitCode, UsageError
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    from tracer.capture.target import DEFAULT_GPU, GPUS
-
-    parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
-                        help="device the step runs on: cpu, or cuda (traced on CPU fake tensors with the CUDA SDPA "
-                             "kernels and autocast lists; adds the cuBLAS workspaces; default cpu)")
-    parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                        help=f"GPU for --target cuda: picks the SDPA backend rules, the cuBLAS workspace size and "
-                             f"the device memory (default {DEFAULT_GPU})")
     parser.add_argument("--alloc-conf", metavar="CONF", default="",
                         help="PYTORCH_CUDA_ALLOC_CONF for the caching-allocator model, e.g. expandable_segments:True")
     parser.add_argument("--cublas-workspace-config", metavar="CONF", default=None,
@@ -51,29 +43,22 @@ def capture_target(args) -> str:
 
 
 def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> int:
-    from tracer.capture.target import device_allocations, parse_target
     from tracer.checks.baseline import parse_tolerance
-    from tracer.passes.allocator import parse_alloc_conf
-    from tracer.passes.device import predict_device_memory
-    from tracer.reports.compare_text import render_comparison, render_device_memory
+    from tracer.reports.compare_text import render_comparison
     from tracer.reports.policy_view import policy_result
 
-    target = parse_target(args.target, getattr(args, "gpu", None))
-    if not target.is_cuda and not args.compare:
+    result = policy_result(analysis, policy)
+    device = getattr(result, "device", None)
+    if device is None and not args.compare:
         return int(ExitCode.OK)
     try:
         tolerance = parse_tolerance(args.tolerance)
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from exc
-    config = parse_alloc_conf(args.alloc_conf)
-    capacity = _capacity(args, target)
-    extra = [(a.name, a.nbytes) for a in device_allocations(target, cublas_config=args.cublas_workspace_config)
-             for _ in range(a.count)]
-    result = policy_result(analysis, policy)
-    device = predict_device_memory(result, extra=extra, config=config, capacity_bytes=capacity)
-    write("\n" + render_device_memory(device, target=target.label))
+    if device is None:
+        raise UsageError("--compare reads a CUDA snapshot: it needs the CUDA target", hint="drop --target cpu")
     if not args.compare:
-        return int(ExitCode.OK)
+        return int(ExitCode.OK)           # the device view is part of the report (reports/text.py)
     comparison = compare(result, device, args.compare, tolerance=tolerance, top=getattr(args, "top", 10))
     write("\n" + render_comparison(comparison))
     if args.compare_json:
@@ -97,14 +82,3 @@ def compare(result, device, path: str, *, tolerance: float, top: int = 10, line_
     reading = summarize_snapshot(data, source=path, top=top)
     return compare_with_snapshot(result, device, reading, measured_allocated_peak_bytes=snapshot_allocated_peak(data),
                                  tolerance=tolerance, top=top, line_aliases=line_aliases)
-
-
-def _capacity(args, target) -> int | None:
-    text = getattr(args, "device_memory", None)
-    if text:
-        from tracer.reports.units import parse_bytes
-        try:
-            return parse_bytes(text)
-        except ValueError as exc:
-            raise UsageError(f"--device-memory: {exc}") from exc
-    return target.gpu.memory_bytes if target.is_cuda and getattr(args, "gpu", None) else None

@@ -63,7 +63,8 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("h200", (9, 0), 141 * 10**9, "Hopper H200 141GB"),
     GpuSpec("b200", (10, 0), 180 * 10**9, "Blackwell B200 180GB"),
 )}
-DEFAULT_GPU = "a100"
+DEFAULT_GPU = "h100"                 # the GPU a prediction is for unless --gpu names another
+DEFAULT_TARGET = "cuda"              # what every command predicts unless --target cpu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,12 +323,14 @@ def _register_cuda_autocast(lib, lower_dtype) -> None:
             continue
         lib.impl(name, _autocast_kernel(op, policy, lower_dtype), "AutocastCPU")
         covered.add(op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else ""))
-    for qualified in torch._C._dispatch_get_all_op_names():        # CPU-only entries: no cast on CUDA
+    # Ops on CPU's lists only are not cast on CUDA: they fall through to their kernel, and a composite
+    # one (cross_entropy_loss) decomposes with autocast still active, so the ops it calls (log_softmax,
+    # on CUDA's fp32 list) are cast as CUDA casts them.
+    for qualified in torch._C._dispatch_get_all_op_names():
         if qualified.startswith("aten::") and qualified not in covered and \
                 torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "AutocastCPU"):
-            op = _overload(qualified.removeprefix("aten::"))
-            if op is not None:
-                lib.impl(qualified.removeprefix("aten::"), _autocast_kernel(op, "pass", lower_dtype), "AutocastCPU")
+            if _overload(qualified.removeprefix("aten::")) is not None:
+                lib.impl(qualified.removeprefix("aten::"), torch.library.fallthrough_kernel, "AutocastCPU")
 
 
 def _overload(name: str):
@@ -341,6 +344,7 @@ def _autocast_kernel(op, policy: str, lower_dtype):
     import torch
 
     key_set = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_position = next((i for i, a in enumerate(op._schema.arguments) if a.name == "dtype"), None)
 
     def eligible(t) -> bool:
         return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
@@ -359,9 +363,13 @@ def _autocast_kernel(op, policy: str, lower_dtype):
             args, kwargs = cast(args, lower_dtype), {k: cast(v, lower_dtype) for k, v in kwargs.items()}
         elif policy == "fp32":
             args, kwargs = cast(args, torch.float32), {k: cast(v, torch.float32) for k, v in kwargs.items()}
-        elif policy == "fp32_set_opt_dtype":
-            if args and eligible(args[0]) and kwargs.get("dtype") is None:
-                kwargs = {**kwargs, "dtype": torch.float32}
+        elif policy == "fp32_set_opt_dtype":        # an explicit dtype (by keyword or position) is kept
+            if args and eligible(args[0]):
+                if dtype_position is not None and len(args) > dtype_position:
+                    if args[dtype_position] is None:
+                        args = args[:dtype_position] + (torch.float32,) + args[dtype_position + 1:]
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
         elif policy == "promote":
             floats = [t.dtype for t in _tensors((args, kwargs)) if eligible(t)]
             if floats:

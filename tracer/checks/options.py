@@ -1,4 +1,5 @@
-"""The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad), defined once.
+"""The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad, target, gpu,
+capture, hf_attn), defined once.
 
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
@@ -11,13 +12,14 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
+from tracer.capture.target import DEFAULT_GPU, DEFAULT_TARGET, GPUS, TARGET_DEVICES
 from tracer.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelOption:
     name: str                            # marker keyword; the flag is --name with '-' for '_'
-    default: int | bool | str
+    default: int | bool | str | None      # None: optional, no value means the documented default
     choices: tuple[str, ...] | None
     help: str
 
@@ -40,6 +42,20 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("zero_grad", "none", ("none", "zeros"),
                 "zero_grad(set_to_none=True) (none, default) or set_to_none=False (zeros): gradients are kept "
                 "between steps and accumulated in place"),
+    ModelOption("target", DEFAULT_TARGET, TARGET_DEVICES,
+                "device the step runs on: cuda (traced on CPU fake tensors with the CUDA SDPA kernels and "
+                "autocast lists, plus the cuBLAS workspaces and the caching allocator's allocated and reserved "
+                f"memory) or cpu (default {DEFAULT_TARGET})"),
+    ModelOption("gpu", None, tuple(sorted(GPUS)),
+                "GPU of the cuda target: picks the SDPA backend rules, the cuBLAS workspace size and the device "
+                f"memory the step is checked against (default {DEFAULT_GPU})"),
+    ModelOption("capture", "auto", ("auto", "export", "compile", "dispatch"),
+                "auto: the joint graph, traced from the module, else through torch.export, else through "
+                "torch.compile, falling back to running the step op by op on fake tensors (eager policy only); "
+                "export: the first two, no fallback; compile: torch.compile's joint only; dispatch: the "
+                "fallback directly (default auto)"),
+    ModelOption("hf_attn", "sdpa", ("sdpa", "eager"),
+                "hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)"),
 )
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
 
@@ -69,7 +85,7 @@ def analyze_kwargs(values: Mapping[str, object]) -> dict:
         elif isinstance(option.default, int):
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
         else:
-            ok = value in option.choices
+            ok = value in option.choices or (option.default is None and value is None)
         if not ok:
             wanted = ("True or False" if isinstance(option.default, bool) else "a positive integer"
                       if isinstance(option.default, int) else "one of " + ", ".join(option.choices))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from tracer.passes.attribution import Attribution, attribute, categorize, layer_of
+from tracer.passes.device import DeviceMemory, DeviceSetup, predict_device_memory
 from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
@@ -41,6 +42,7 @@ class PolicyAnalysis:
     recompute_flops: int
     recompute_flops_by_line: dict[str, int]   # "file:line" -> FLOPs of recomputed ops from that line
     flops_by_layer: dict[str, int]            # layer (attribution.layer_of) -> FLOPs of its ops, all phases
+    device: "DeviceMemory | None" = None      # the CUDA device view (allocated/reserved), for a CUDA target
 
     @property
     def peak_phase(self) -> str:
@@ -65,8 +67,18 @@ def analyze_graph(graph: StepGraph) -> Analysis:
     return analyze_graphs({graph.config.policy: graph})
 
 
-def analyze_graphs(graphs: dict[str, StepGraph]) -> Analysis:
-    return Analysis(policies={label: analyze_policy(graph, label) for label, graph in graphs.items()})
+def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None) -> Analysis:
+    """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py)."""
+    policies = {label: analyze_policy(graph, label) for label, graph in graphs.items()}
+    if device is not None:
+        policies = {label: with_device_view(result, device) for label, result in policies.items()}
+    return Analysis(policies=policies)
+
+
+def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnalysis:
+    view = predict_device_memory(result, extra=device.extra, config=device.config,
+                                 capacity_bytes=device.capacity_bytes)
+    return dataclasses.replace(result, device=view)
 
 
 def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:

@@ -6,6 +6,8 @@ Contract:
         the caching allocator's request stream ("alloc" / "free"), for `simulate_allocator`.
     predict_device_memory(result, *, extra=(), config=AllocatorConfig(), warm_steps=2, capacity_bytes=None)
         -> DeviceMemory (frozen).
+    DeviceSetup: what the device view needs besides the step (extras, allocator settings, capacity);
+        `analyze_graphs(graphs, device=setup)` attaches a DeviceMemory to every policy.
 
 Conventions:
   * requested bytes are storage bytes, as in a snapshot's trace and `requested_bytes`; `extra` are
@@ -52,10 +54,21 @@ class DeviceMemory:
     warm_steps: int
     config: AllocatorConfig
     oom: OomReport | None                 # first request that does not fit capacity_bytes, if given
+    capacity_bytes: int | None = None     # the device memory the step was checked against
 
     @property
     def extra_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self.extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSetup:
+    """The device a CUDA step runs on, as plain numbers: allocations outside the step graph (label, requested
+    bytes), the caching allocator's settings, the device memory (None: unlimited) and its name."""
+    device_label: str
+    extra: tuple[tuple[str, int], ...] = ()
+    config: AllocatorConfig = AllocatorConfig()
+    capacity_bytes: int | None = None
 
 
 def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
@@ -106,17 +119,22 @@ def _replacements(pre, intervals) -> dict[int, int]:
 
 def predict_device_memory(result, *, extra: Sequence[tuple[str, int]] = (), config: AllocatorConfig = AllocatorConfig(),
                           warm_steps: int = 2, capacity_bytes: int | None = None) -> DeviceMemory:
-    """Device memory of policy `result` (a PolicyAnalysis) with `extra` allocations; see the module docstring."""
+    """Device memory of policy `result` (a PolicyAnalysis) with `extra` allocations; see the module docstring.
+    The peaks come from a replay with unlimited memory, so they are whole even when the step does not
+    fit; `capacity_bytes` only decides `oom` (a second replay, run when the reserved peak exceeds it)."""
     if warm_steps < 1:
         raise ValueError("warm_steps must be at least 1")
     extra = tuple((str(label), int(nbytes)) for label, nbytes in extra)
     extra_bytes = sum(n for _, n in extra)
-    replay = simulate_allocator(step_requests(result.liveness, [n for _, n in extra], warm_steps), config,
-                                capacity_bytes=capacity_bytes)
+    requests = step_requests(result.liveness, [n for _, n in extra], warm_steps)
+    replay = simulate_allocator(requests, config)
+    oom = None
+    if capacity_bytes is not None and replay.reserved_peak_bytes > capacity_bytes:
+        oom = simulate_allocator(requests, config, capacity_bytes=capacity_bytes).oom
     return DeviceMemory(
         policy=result.policy, extra=extra, peak_bytes=result.peak_bytes + extra_bytes, peak_phase=result.peak_phase,
         peak_op_index=result.peak_op.index,
         phases={name: peak.peak_bytes + extra_bytes for name, peak in result.phases.items()},
         before_bytes=result.start_bytes + extra_bytes, allocated_peak_bytes=replay.allocated_peak_bytes,
         reserved_peak_bytes=replay.reserved_peak_bytes, segment_count=replay.segment_count, warm_steps=warm_steps,
-        config=config, oom=replay.oom)
+        config=config, oom=oom, capacity_bytes=capacity_bytes)

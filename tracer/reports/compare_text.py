@@ -20,6 +20,9 @@ def render_device_memory(device: DeviceMemory, *, target: str = "cuda") -> str:
              f"(allocator model, cache warmed by {device.warm_steps} step{'s' if device.warm_steps > 1 else ''})"]
     for label, nbytes in _grouped(device.extra):
         lines.append(f"  + {label}: {format_bytes(nbytes)} before the step")
+    if device.capacity_bytes is not None and device.oom is None:
+        lines.append(f"  fits in {format_bytes(device.capacity_bytes)} of device memory "
+                     f"({format_bytes(device.capacity_bytes - device.reserved_peak_bytes)} left at the reserved peak)")
     if device.oom is not None:
         o = device.oom
         lines.append(f"  out of memory at request {o.event_index}: {format_bytes(o.requested_bytes)} asked, "

@@ -3,7 +3,9 @@
 Version 1: {schema_version, tracer_version, torch_version, config, capture_notes, parameter_count,
 policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
 end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
-step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops}}}.
+step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops, device (CUDA target only: requested_peak_bytes,
+allocated_peak_bytes, reserved_peak_bytes, peak_phase, phases_requested_bytes, before_bytes, extra,
+segment_count, capacity_bytes, out_of_memory)}}}.
 """
 from __future__ import annotations
 
@@ -47,6 +49,23 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         "flops_by_phase": dict(result.flops.flops_by_phase),
         "flops_by_layer": dict(result.flops_by_layer),
         "unknown_flop_ops": [{"target": t, "count": n} for t, n in result.flops.unknown_ops],
+        **({"device": device_json(result.device)} if result.device is not None else {}),
+    }
+
+
+def device_json(device) -> dict:
+    """The CUDA device view: requested (a snapshot's bytes), allocated and reserved peaks, extras, OOM."""
+    return {
+        "requested_peak_bytes": device.peak_bytes,
+        "allocated_peak_bytes": device.allocated_peak_bytes,
+        "reserved_peak_bytes": device.reserved_peak_bytes,
+        "peak_phase": device.peak_phase,
+        "phases_requested_bytes": dict(device.phases),
+        "before_bytes": device.before_bytes,
+        "extra": [{"name": name, "bytes": nbytes} for name, nbytes in device.extra],
+        "segment_count": device.segment_count,
+        "capacity_bytes": device.capacity_bytes,
+        "out_of_memory": device.oom is not None,
     }
 
 

@@ -19,8 +19,8 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     graph = result.graph
     cfg = graph.config
     lines = [
-        f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
-        f"  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
+        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+        f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
         f"parameters: {graph.parameter_count:,}",
         *(f"note: {note}" for note in cfg.notes),
         "",
@@ -30,6 +30,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         f"live before the step: {format_bytes(result.start_bytes)}   after: {format_bytes(result.end_bytes)}",
         f"saved for backward: {format_bytes(result.saved.activation_bytes)} of activations"
         + (f" (+ {format_bytes(result.saved.input_bytes)} of inputs)" if result.saved.input_bytes else ""),
+        *_device_lines(result, cfg.target),
         "",
         "bill at the peak:",
     ]
@@ -74,10 +75,12 @@ def _table_notes(analysis: Analysis) -> list[str]:
 def render_policy_table(analysis: Analysis) -> str:
     eager = analysis.policies.get("eager")
     cfg = analysis.graph.config
-    lines = [f"tracer: {cfg.model}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer {cfg.optimizer}"
-             f"  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
+    device = all(r.device is not None for r in analysis.policies.values())
+    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+             f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
-             f"{'recompute':>11} {'step':>11} {'overhead':>8}"]
+             f"{'recompute':>11} {'step':>11} {'overhead':>8}"
+             + (f" {'allocated':>12} {'reserved':>12}" if device else "")]
     for label, result in analysis.policies.items():
         saving = (f"{100.0 * (result.peak_bytes - eager.peak_bytes) / eager.peak_bytes:+8.1f}%"
                   if eager is not None else f"{'':>9}")
@@ -86,13 +89,26 @@ def render_policy_table(analysis: Analysis) -> str:
         lines.append(f"  {label:<16} {format_bytes(result.peak_bytes):>12} {result.peak_phase:<9} "
                      f"{format_bytes(result.saved.activation_bytes):>12} {saving} "
                      f"{format_flops(result.recompute_flops):>11} {format_flops(result.step_flops):>11} "
-                     f"{overhead:7.1f}%")
+                     f"{overhead:7.1f}%" + (_device_columns(result.device) if device else ""))
     unknown = {t for r in analysis.policies.values() for t, _ in r.flops.unknown_ops}
     if unknown:
         lines.append(f"\nops without a FLOP formula (not counted): {', '.join(sorted(unknown))}")
     lines += ["", "not modelled:"] + [f"  {name}: {text}" for name, text in NOT_MODELLED.items()
                                      if any(label.split("@")[0] == name for label in analysis.policies)]
     return "\n".join(lines) + "\n"
+
+
+def _device_lines(result: PolicyAnalysis, target: str) -> list[str]:
+    """The device view of a CUDA step: requested, allocated and reserved peaks and what fits."""
+    if result.device is None:
+        return []
+    from tracer.reports.compare_text import render_device_memory
+    return ["", *render_device_memory(result.device, target=target).rstrip("\n").split("\n")]
+
+
+def _device_columns(device) -> str:
+    mark = " OOM" if device.oom is not None else ""
+    return f" {format_bytes(device.allocated_peak_bytes):>12} {format_bytes(device.reserved_peak_bytes):>12}{mark}"
 
 
 def _unknown_note(result: PolicyAnalysis) -> str:

@@ -1,0 +1,123 @@
+"""The one analysis pipeline: a model argument and an `AnalysisOptions` -> `Analysis`, for every command.
+
+`run_analysis(model, options)` loads the model (zoo name, `hf:<type>`, model file or a `ModelSource`),
+captures the step once for every policy spec, runs the passes and, for a CUDA target, the device view
+of every policy (the caching-allocator model with the cuBLAS workspaces and the GPU's memory).
+`tracer.analyze`, the CLI, `tracer check`, the pytest marker, `--fit` and `--by-depth` all call it, so
+an option added to `AnalysisOptions` reaches every one of them.
+
+The default target is CUDA on `DEFAULT_GPU` (tracer/capture/target.py): people plan GPU training with
+this tool. `target="cpu"` predicts a CPU step (and is what the exactness tests against real CPU steps use).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tracer.capture.target import DEFAULT_TARGET
+
+_CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AnalysisOptions:
+    """Every setting that changes the answer, in one place (the JSON report's `config` records them)."""
+    batch: int = 2
+    seq: int = 1024
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    foreach: bool = True
+    step: str = "steady"
+    zero_grad_set_to_none: bool = True
+    policies: tuple[str, ...] = ("eager",)
+    memory_budgets: tuple[float | None, ...] = (None,)   # compiled: one compiled policy per budget
+    blocks: str | None = None
+    checkpoint_every: int = 1
+    save_policy: str = "matmul-attention"
+    save_ops: tuple[str, ...] = ()
+    hf_config: tuple[str, ...] = ()
+    config_json: str | None = None
+    hf_attn: str = "sdpa"
+    capture: str = "auto"
+    target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
+    gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
+    alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
+    cublas_workspace_config: str | None = None
+    device_memory_bytes: int | None = None # the device's memory (default: the GPU's)
+
+    def policy_specs(self) -> tuple:
+        """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
+        from tracer.errors import UsageError
+        from tracer.policies import POLICIES, PolicySpec, save_predicate
+
+        unknown = [p for p in self.policies if p not in POLICIES]
+        if unknown:
+            raise UsageError(f"unknown policy {unknown[0]!r}", hint=f"valid: {', '.join(POLICIES)}")
+        if self.checkpoint_every < 1:
+            raise UsageError("--checkpoint-every must be a positive integer")
+        specs = tuple(PolicySpec(name=name, memory_budget=budget, blocks=self.blocks,
+                                 checkpoint_every=self.checkpoint_every, save=self.save_policy,
+                                 save_ops=tuple(self.save_ops))
+                      for name in self.policies
+                      for budget in (self.memory_budgets if name == "compiled" else (None,)))
+        for spec in specs:
+            save_predicate(spec)
+        return specs
+
+    def target_label(self) -> str:
+        """"cpu" or "cuda:<gpu>". Raises UsageError (unknown target or GPU, a GPU with a cpu target)."""
+        from tracer.capture.target import parse_target
+        return parse_target(self.target, self.gpu).label
+
+    def capture_options(self):
+        from tracer.capture import CaptureOptions
+        return CaptureOptions(**{name: getattr(self, name) for name in _CAPTURE_FIELDS}, target=self.target_label())
+
+    def device_setup(self):
+        """The device view's setup for a CUDA target, else None."""
+        from tracer.capture.target import device_allocations, parse_target
+        from tracer.passes.allocator import parse_alloc_conf
+        from tracer.passes.device import DeviceSetup
+
+        target = parse_target(self.target, self.gpu)
+        if not target.is_cuda:
+            return None
+        extra = tuple((a.name, a.nbytes) for a in device_allocations(target, cublas_config=self.cublas_workspace_config)
+                      for _ in range(a.count))
+        capacity = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
+        return DeviceSetup(device_label=target.label, extra=extra, config=parse_alloc_conf(self.alloc_conf),
+                           capacity_bytes=capacity)
+
+
+def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None):
+    """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`."""
+    from tracer.capture import capture_steps, load_model_source
+    from tracer.passes.analysis import analyze_graphs
+
+    specs = options.policy_specs()
+    capture = options.capture_options()
+    device = options.device_setup()
+    if isinstance(model, str):
+        source = load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
+                                   hf_attn=options.hf_attn)
+    else:
+        source = model
+    say = on_progress or (lambda message: None)
+    say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
+    graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
+    say("analysing ...")
+    return analyze_graphs(graphs, device=device)
+
+
+def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> AnalysisOptions:
+    """`tracer.analyze`'s keywords -> AnalysisOptions. Raises UsageError naming an unknown keyword."""
+    from tracer.errors import UsageError
+
+    names = {f.name for f in dataclasses.fields(AnalysisOptions)} - {"memory_budgets"}
+    unknown = sorted(set(keywords) - names)
+    if unknown:
+        raise UsageError(f"unknown option {unknown[0]!r}", hint=f"valid: memory_budget, {', '.join(sorted(names))}")
+    for name in ("policies", "save_ops", "hf_config"):
+        if name in keywords:
+            keywords[name] = tuple(keywords[name])
+    return AnalysisOptions(memory_budgets=(memory_budget,), **keywords)
