@@ -3,11 +3,9 @@
     add_target_arguments(parser)          --alloc-conf CONF (--target and --gpu: tracer.checks.options)
                                           --cublas-workspace-config CONF  --compare PATH  --tolerance T
                                           --compare-json PATH
-    capture_target(args) -> str           the `CaptureOptions.target` value ("cpu" or "cuda:<gpu>")
     run_target_outputs(args, analysis, policy, write=sys.stdout.write) -> int
-        with --target cuda: the device view (requested, allocated and reserved peaks, the cuBLAS workspaces,
-        an out-of-memory report against --device-memory or the GPU's memory); with --compare: the
-        comparison with the snapshot. Returns the exit code: ExitCode.BUDGET_EXCEEDED (1) when the
+        with --compare: the comparison of the policy's device view (tracer.pipeline computes it for a CUDA
+        target; a cpu prediction is compared without device extras) with the snapshot. Returns the exit code: ExitCode.BUDGET_EXCEEDED (1) when the
         comparison is beyond --tolerance, else ExitCode.OK.
 Library code does not see argparse: this module only turns flags into calls of tracer.passes and
 tracer.reports. Raises UsageError (exit 2) for a bad flag value or a missing snapshot file.
@@ -36,12 +34,6 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare-json", metavar="PATH", help="--compare: write the comparison as JSON")
 
 
-def capture_target(args) -> str:
-    """The CaptureOptions.target value for these flags. Raises UsageError (--gpu without --target cuda)."""
-    from tracer.capture.target import parse_target
-    return parse_target(args.target, getattr(args, "gpu", None)).label
-
-
 def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> int:
     from tracer.checks.baseline import parse_tolerance
     from tracer.reports.compare_text import render_comparison
@@ -55,8 +47,9 @@ def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> i
         tolerance = parse_tolerance(args.tolerance)
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from exc
-    if device is None:
-        raise UsageError("--compare reads a CUDA snapshot: it needs the CUDA target", hint="drop --target cpu")
+    if device is None:                    # a cpu prediction compared with a snapshot: no device extras
+        from tracer.passes.device import predict_device_memory
+        device = predict_device_memory(result)
     if not args.compare:
         return int(ExitCode.OK)           # the device view is part of the report (reports/text.py)
     comparison = compare(result, device, args.compare, tolerance=tolerance, top=getattr(args, "top", 10))

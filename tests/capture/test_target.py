@@ -71,7 +71,7 @@ def test_cudnn_first_priority_and_its_rules():
 
 def test_parse_target_and_cublas_workspaces():
     assert parse_target("cpu").label == "cpu"
-    assert parse_target("cuda").label == "cuda:a100"
+    assert parse_target("cuda").label == "cuda:h100"                      # DEFAULT_GPU
     assert parse_target("cuda", "h100").label == parse_target("cuda:h100").label == "cuda:h100"
     for bad in ("tpu", "cuda:x9000"):
         with pytest.raises(UsageError):

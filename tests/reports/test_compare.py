@@ -153,15 +153,18 @@ def _args(**kw):
 
 
 def test_target_cli_glue(synthetic, tmp_path):
-    from tracer.target_cli import add_target_arguments, capture_target, run_target_outputs
+    from tracer.passes.analysis import Analysis, with_device_view
+    from tracer.passes.device import DeviceSetup
+    from tracer.reports.compare_text import render_device_memory
+    from tracer.target_cli import add_target_arguments, run_target_outputs
 
     parser = argparse.ArgumentParser()
     add_target_arguments(parser)
-    args = parser.parse_args(["--target", "cuda", "--gpu", "h100", "--compare", "x.pickle", "--tolerance", "1%"])
-    assert capture_target(args) == "cuda:h100" and args.compare == "x.pickle" and args.alloc_conf == ""
-    assert capture_target(parser.parse_args([])) == "cpu"
-    with pytest.raises(UsageError):
-        capture_target(parser.parse_args(["--gpu", "a100"]))
+    args = parser.parse_args(["--compare", "x.pickle", "--tolerance", "1%"])
+    assert args.compare == "x.pickle" and args.alloc_conf == "" and args.tolerance == "1%"
+    workspaces = (("cuBLAS/cuBLASLt workspaces", 8_519_680),) * 2
+    on_a100 = Analysis(policies={name: with_device_view(p, DeviceSetup("cuda:a100", extra=workspaces))
+                                 for name, p in synthetic.policies.items()})
 
     path = tmp_path / "step.pickle"
     write_memviz_snapshot(synthetic, path)
@@ -172,12 +175,13 @@ def test_target_cli_glue(synthetic, tmp_path):
                               out.append) == 0
     assert "OK: peak" in out[-1] and json.loads(report.read_text())["ok"] is True
     out.clear()                                             # cuda adds 2 x 8.1 MiB of cuBLAS workspace to a tiny step
-    assert run_target_outputs(_args(compare=str(path)), synthetic, "eager", out.append) == 1
-    assert "cuBLAS/cuBLASLt workspaces (2 x 8.12 MiB)" in out[0] and "FAILED" in out[-1]
+    assert run_target_outputs(_args(compare=str(path)), on_a100, "eager", out.append) == 1
+    assert "cuBLAS/cuBLASLt workspaces (2 x 8.12 MiB)" in out[-1] and "FAILED" in out[-1]
     with pytest.raises(UsageError, match="not found"):
         run_target_outputs(_args(compare=str(tmp_path / "missing.pickle")), synthetic, "eager", out.append)
     with pytest.raises(UsageError, match="tolerance"):
         run_target_outputs(_args(compare=str(path), tolerance="lots"), synthetic, "eager", out.append)
-    out.clear()                                             # an 8 KiB device cannot hold the workspaces
-    run_target_outputs(_args(device_memory="8KiB"), synthetic, "eager", out.append)
-    assert "out of memory" in out[0]
+    tiny = with_device_view(synthetic.policies["eager"], DeviceSetup("cuda:a100", extra=workspaces,
+                                                                      capacity_bytes=8 * 1024))
+    assert "out of memory" in render_device_memory(tiny.device)      # an 8 KiB device cannot hold the workspaces
+    assert tiny.device.allocated_peak_bytes == on_a100.policies["eager"].device.allocated_peak_bytes

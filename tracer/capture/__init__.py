@@ -156,7 +156,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         recordings.append(record_optimizer_step(
             cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
             optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
-            set_to_none=options.zero_grad_set_to_none))
+            set_to_none=options.zero_grad_set_to_none, target=options.target))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(part.ops))
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:

@@ -46,8 +46,19 @@ class OptimizerRecording:
 
 def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                           make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
-                          set_to_none: bool) -> OptimizerRecording:
-    """Run step() + zero_grad() under the recorder, for the parameters whose ids are `params_with_grad`."""
+                          set_to_none: bool, target: str = "cpu") -> OptimizerRecording:
+    """Run step() + zero_grad() under the recorder, for the parameters whose ids are `params_with_grad`.
+    `target` "cuda[:gpu]": an optimizer built without foreach=/fused= takes CUDA's default (foreach)."""
+    from tracer.capture.target import cuda_optimizer_defaults, parse_target
+    with cuda_optimizer_defaults(parse_target(target)):
+        return _record_optimizer_step(model, params_with_grad, fake_mode, make_optimizer=make_optimizer,
+                                      optimizer_name=optimizer_name, foreach=foreach, steady=steady,
+                                      set_to_none=set_to_none)
+
+
+def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
+                           make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
+                           set_to_none: bool) -> OptimizerRecording:
     params = [p for p in model.parameters() if id(p) in params_with_grad]
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     try:

@@ -313,6 +313,32 @@ def cuda_capture(target: Target, precision: str):
         lib._destroy()
 
 
+@contextlib.contextmanager
+def cuda_optimizer_defaults(target: Target):
+    """Within: an optimizer built without `foreach=`/`fused=` picks what it picks on CUDA (foreach: every
+    parameter on a foreach-capable device), although the fake parameters live on CPU, where it would pick
+    the for-loop. `torch.optim.optimizer._default_to_fused_or_foreach` reads the device list and the
+    tensor types at call time; both are widened for the capture only. Nothing changes for a cpu target."""
+    if not target.is_cuda:
+        yield
+        return
+    import torch.optim.optimizer as optimizer_module
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    devices = optimizer_module._get_foreach_kernels_supported_devices
+    types = optimizer_module._foreach_supported_types
+    optimizer_module._get_foreach_kernels_supported_devices = lambda: [*devices(), "cpu"]
+    added = FakeTensor not in types
+    if added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        optimizer_module._get_foreach_kernels_supported_devices = devices
+        if added:
+            types.remove(FakeTensor)
+
+
 def _register_cuda_autocast(lib, lower_dtype) -> None:
     import torch
 
