@@ -4,8 +4,9 @@ Public API:
     analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=True, step="steady",
             zero_grad_set_to_none=True, policies=("eager",), memory_budget=None, blocks=None,
             checkpoint_every=1, save_policy="matmul-attention", save_ops=(), hf_config=(), config_json=None,
-            hf_attn="sdpa", target="cpu", capture="auto") -> Analysis
-`model` is a zoo name (see `tracer.models.ZOO`) or a path to a model file (README, "Model files");
+            hf_attn="sdpa", hf_task=None, target="cpu", capture="auto") -> Analysis
+`model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (README, "Model files"), or
+`hf:<model_type>` (a transformers model built from its config: hf_config, config_json, hf_attn, hf_task);
 `policies` names any of eager, compiled, selective, full (`analysis.policies[name]`; a compiled policy
 with a memory budget is keyed `compiled@<budget>`).
 """
@@ -19,7 +20,7 @@ def analyze(model: str, *, batch: int = 2, seq: int = 1024, precision: str = "fp
             policies: tuple[str, ...] = ("eager",), memory_budget: float | None = None, blocks: str | None = None,
             checkpoint_every: int = 1, save_policy: str = "matmul-attention", save_ops: tuple[str, ...] = (),
             hf_config: tuple[str, ...] = (), config_json: str | None = None, hf_attn: str = "sdpa",
-            target: str = "cpu", capture: str = "auto"):
+            hf_task: str | None = None, target: str = "cpu", capture: str = "auto"):
     from tracer.capture import CaptureOptions, capture_steps, load_model_source
     from tracer.errors import UsageError
     from tracer.passes.analysis import analyze_graphs
@@ -35,5 +36,6 @@ def analyze(model: str, *, batch: int = 2, seq: int = 1024, precision: str = "fp
         save_predicate(spec)
     options = CaptureOptions(batch=batch, seq=seq, precision=precision, optimizer=optimizer, foreach=foreach,
                              step=step, zero_grad_set_to_none=zero_grad_set_to_none, target=target, capture=capture)
-    source = load_model_source(model, hf_config=tuple(hf_config), config_json=config_json, hf_attn=hf_attn)
+    source = load_model_source(model, hf_config=tuple(hf_config), config_json=config_json, hf_attn=hf_attn,
+                               hf_task=hf_task)
     return analyze_graphs(capture_steps(source, options, specs))

@@ -25,8 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         "the peak, its phase, the bill by category, and the lines and layers holding memory at the peak."),
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"zoo name, path to a model file, or hf:<name> (a transformers model built from its config; "
-                        f"gpt2, llama, mistral, qwen2, bert, t5) (default: {DEFAULT_MODEL})")
+                   help=f"zoo name, path to a model file, or hf:<model_type> (a transformers model built from its "
+                        f"default config, no download: hf:llama, hf:roberta, hf:vit, hf:whisper, ...) "
+                        f"(default: {DEFAULT_MODEL})")
     from tracer.checks.options import add_model_arguments
     add_model_arguments(p)
     p.add_argument("--hf-config", action="append", default=[], metavar="KEY=VALUE",
@@ -34,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
     p.add_argument("--hf-attn", choices=("sdpa", "eager"), default="sdpa",
                    help="hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)")
+    from tracer.models.hf import TASKS
+    p.add_argument("--hf-task", choices=tuple(TASKS), metavar="TASK",
+                   help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
+                        f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
+                        f"or sequence-classification, the first the architecture has)")
     p.add_argument("--capture", choices=("auto", "export", "compile", "dispatch"), default="auto",
                    help="auto: the joint graph, traced from the module, else through torch.export, else through "
                         "torch.compile, falling back to running the step op by op on fake tensors (eager policy "
@@ -150,10 +156,11 @@ def _run_snapshot(args) -> int:
 
 def _plan(args, specs) -> int:
     from tracer.checks.options import analyze_kwargs
-    from tracer.planning import analyze_by_depth, fit_budget
+    from tracer.planning import HF_OPTIONS, analyze_by_depth, fit_budget
     from tracer.reports.planning_text import render_depth, render_fit
 
     options = {k: v for k, v in analyze_kwargs(vars(args)).items() if k not in ("batch", "seq")}
+    options.update({k: tuple(v) if k == "hf_config" else v for k, v in vars(args).items() if k in HF_OPTIONS})
     names = tuple(dict.fromkeys(spec.name for spec in specs))
     budget = next((spec.memory_budget for spec in specs if spec.memory_budget is not None), None)
     policy_options = dict(memory_budget=budget, blocks=args.blocks, checkpoint_every=args.checkpoint_every,
@@ -220,7 +227,7 @@ def _run(args) -> int:
         raise UsageError("--batch and --seq must be positive integers")
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     source = load_model_source(args.model, hf_config=tuple(args.hf_config), config_json=args.config_json,
-                               hf_attn=args.hf_attn)
+                               hf_attn=args.hf_attn, hf_task=args.hf_task)
     options = CaptureOptions(batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
                              foreach=args.foreach, step=args.step, zero_grad_set_to_none=args.zero_grad == "none",
                              capture=args.capture, target=capture_target(args))
