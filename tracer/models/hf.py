@@ -200,6 +200,20 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
     return inputs, labels
 
 
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def hf_failure_hint(spec: HFSpec) -> str:
+    """What to say when building or tracing `spec`'s model fails: the code is transformers', not the user's."""
+    config = _make_config(spec)
+    if any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 1 for key in _EXPERT_COUNTS):
+        return (f"{spec.model_class} is a mixture of experts, built as one: transformers runs its experts with "
+                f"torch's grouped_mm, whose fake-tensor kernel takes bf16 weights only, so with fp32 weights "
+                f"tracing fails there; --precision bf16-pure traces it")
+    return (f"{spec.model_class} is transformers' code: try --hf-attn eager or another --capture, or build it "
+            f"in a model file")
+
+
 def _input_names(spec: HFSpec) -> tuple[str, str]:
     return _INPUT_NAMES[TASKS[spec.task].inputs], "labels"
 
