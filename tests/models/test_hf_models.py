@@ -170,3 +170,34 @@ def test_a_mixture_of_experts_in_fp32_fails_saying_why_and_what_traces_it():
     with pytest.raises(ModelRunError, match="grouped_mm") as info:
         _predict("mixtral")
     assert "--precision bf16-pure" in info.value.hint
+
+
+def test_the_command_line_refuses_an_unknown_name_in_one_line(capsys):
+    from tracer.cli import main
+    assert main(["hf:lama", "--seq", "4", "--quiet"]) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip()
+    assert "close names: llama" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("planning", [[], ["--by-depth"], ["--fit", "1GiB"]])
+def test_hf_task_reaches_every_analysis_the_command_line_runs(planning, capsys):
+    """A task vit has no head for is refused wherever the model is built, so the flag got there."""
+    from tracer.cli import main
+    assert main(["hf:vit", "--hf-task", "causal-lm", "--seq", "4", "--quiet", *planning]) == ExitCode.USAGE
+    assert "vit has no causal-lm head" in capsys.readouterr().err
+
+
+def test_hf_task_reaches_analyze():
+    import tracer
+    with pytest.raises(ModelInputError, match="vit has no causal-lm head"):
+        tracer.analyze("hf:vit", hf_task="causal-lm")
+
+
+def test_a_sequence_classifier_is_analysed_by_depth(capsys):
+    """Its inputs are the (2, 16) token ids and one label per sequence: 256 + 16 bytes of int64."""
+    from tracer.cli import main
+    flags = [f"--hf-config={item}" for item in TINY + ("num_hidden_layers=6",)]
+    assert main(["hf:llama", "--hf-task", "sequence-classification", *flags, "--seq", "16", "--by-depth",
+                 "--quiet"]) == ExitCode.OK
+    out = capsys.readouterr().out
+    assert "6 blocks in model.model.layers" in out and "input 272 B" in out
