@@ -26,13 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
         "the peak, its phase, the bill by category, and the lines and layers holding memory at the peak."),
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"zoo name, path to a model file, or hf:<name> (a transformers model built from its config; "
-                        f"gpt2, llama, mistral, qwen2, bert, t5) (default: {DEFAULT_MODEL})")
+                   help=f"zoo name, path to a model file, or hf:<model_type> (a transformers model built from its "
+                        f"default config, no download: hf:llama, hf:roberta, hf:vit, hf:whisper, ...) "
+                        f"(default: {DEFAULT_MODEL})")
     from tracer.checks.options import add_model_arguments
     add_model_arguments(p)
     p.add_argument("--hf-config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: models: override a config field (repeatable), e.g. --hf-config num_hidden_layers=2")
     p.add_argument("--config-json", metavar="PATH", help="hf: models: build from this local config.json (no download)")
+    from tracer.models.hf import TASKS
+    p.add_argument("--hf-task", choices=tuple(TASKS), metavar="TASK",
+                   help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
+                        f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
+                        f"or sequence-classification, the first the architecture has)")
+    from tracer.models.hf import TASKS
+    p.add_argument("--hf-task", choices=tuple(TASKS), metavar="TASK",
+                   help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
+                        f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
+                        f"or sequence-classification, the first the architecture has)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
@@ -218,7 +229,7 @@ def analysis_options(args):
         step=args.step, zero_grad_set_to_none=args.zero_grad == "none", policies=names, memory_budgets=budgets,
         blocks=args.blocks, checkpoint_every=args.checkpoint_every, save_policy=args.save_policy,
         save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
-        config_json=args.config_json, hf_attn=args.hf_attn, capture=args.capture, target=args.target,
+        config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         device_memory_bytes=device_memory)
     options.policy_specs()                  # an unknown --save-policy fails here, before any capture

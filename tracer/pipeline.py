@@ -38,6 +38,7 @@ class AnalysisOptions:
     hf_config: tuple[str, ...] = ()
     config_json: str | None = None
     hf_attn: str = "sdpa"
+    hf_task: str | None = None             # hf: the head (tracer.models.hf.TASKS); None: the architecture's default
     capture: str = "auto"
     target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
     gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
@@ -99,7 +100,7 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     device = options.device_setup()
     if isinstance(model, str):
         source = load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
-                                   hf_attn=options.hf_attn)
+                                   hf_attn=options.hf_attn, hf_task=options.hf_task)
     else:
         source = model
     say = on_progress or (lambda message: None)

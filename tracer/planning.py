@@ -26,6 +26,9 @@ from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
 from tracer.policies import POLICIES
 
+# `tracer.analyze`'s options that choose how an hf: model is built (load_model_source's keywords)
+HF_OPTIONS = ("hf_config", "config_json", "hf_attn", "hf_task")
+
 MAX_CORRECTIONS = 24
 
 
@@ -104,7 +107,7 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
     `sample_depths` blocks. `options` are `tracer.analyze`'s. Raises DepthError when the model cannot be
     cut or the cut steps are not the same step with fewer identical blocks."""
     from tracer.capture import load_model_source
-    load_options = {k: options.pop(k) for k in ("hf_config", "config_json", "hf_attn") if k in options}
+    load_options = {k: options.pop(k) for k in HF_OPTIONS if k in options}
     source = load_model_source(model, **load_options)
     seen: dict = {}
     samples = {}

@@ -19,17 +19,33 @@ CONFIGS = {
     "hf:bert": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
                 "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
     "hf:t5": ("num_layers=2", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16", "vocab_size=512", "dropout_rate=0"),
+    # each builds its own architecture's head (roberta and distilbert used to build BERT)
+    "hf:roberta": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                   "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
+    "hf:distilbert": ("n_layers=2", "dim=64", "hidden_dim=128", "n_heads=4", "vocab_size=512", "dropout=0",
+                      "attention_dropout=0"),
+    "hf:opt": ("num_hidden_layers=2", "hidden_size=64", "ffn_dim=128", "num_attention_heads=4", "vocab_size=512",
+               "word_embed_proj_dim=64", "dropout=0", "attention_dropout=0"),
+    "hf:gpt_neox": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                    "vocab_size=512", "hidden_dropout=0", "attention_dropout=0"),
+    "hf:whisper": ("encoder_layers=2", "decoder_layers=2", "d_model=64", "encoder_attention_heads=4",
+                   "decoder_attention_heads=4", "encoder_ffn_dim=128", "decoder_ffn_dim=128", "vocab_size=512",
+                   "num_mel_bins=16", "max_source_positions=32", "max_target_positions=64", "pad_token_id=0",
+                   "bos_token_id=1", "eos_token_id=2", "decoder_start_token_id=1", "dropout=0", "attention_dropout=0",
+                   "activation_dropout=0"),
 }
-# T5 also with eager attention: it runs dropout on the attention probabilities, which autograd saves twice over
-CASES = [(name, "sdpa") for name in sorted(CONFIGS)] + [("hf:t5", "eager")]
+# T5 also with eager attention: it runs dropout on the attention probabilities, which autograd saves twice over;
+# llama also as a sequence classifier (--hf-task): it pools the last non-pad position
+CASES = ([(name, "sdpa", None) for name in sorted(CONFIGS)] + [("hf:t5", "eager", None)]
+         + [("hf:llama", "sdpa", "sequence-classification")])
 
 
-@pytest.mark.parametrize("name, attn", CASES)
-def test_eager_step_of_a_transformers_model(name, attn):
+@pytest.mark.parametrize("name, attn, task", CASES)
+def test_eager_step_of_a_transformers_model(name, attn, task):
     """Dropout is 0: CPU eager dropout saves a float mask where the graph (and CUDA) saves a bool one.
     Dropout with p=0 returns its input in eager, where torch's traced decomposition copies it; T5 saves both
     sides of its dropouts (relu -> dropout -> wo, softmax -> dropout -> matmul), so it checks the copy is gone."""
-    source = load_model_source(name, hf_config=CONFIGS[name], hf_attn=attn)
+    source = load_model_source(name, hf_config=CONFIGS[name], hf_attn=attn, hf_task=task)
     graphs = capture_steps(source, CaptureOptions(batch=2, seq=32), (PolicySpec(name="eager"),))
     predicted = analyze_graphs(graphs).policies["eager"]
     torch.manual_seed(0)

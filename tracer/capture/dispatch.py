@@ -131,8 +131,9 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     except Exception as exc:
         raise ModelRunError(f"{_where(exc)}: running the step op by op on fake tensors failed too: "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                            hint="for transformers models try use_cache=False, attn_implementation='sdpa' or a "
-                                 "static rope_type; --verbose shows the full traceback") from exc
+                            hint=(source.failure_hint or "for transformers models try use_cache=False, "
+                                  "attn_implementation='sdpa' or a static rope_type") + "; --verbose shows the full "
+                                 "traceback") from exc
     loss_sid = table.lookup(loss)
     if loss_sid is not None:
         table.update(loss_sid, persistent=True, name="loss")

@@ -85,7 +85,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
             args = source.example_batch(batch, seq)
     except Exception as exc:
         raise ModelRunError(f"{_where(exc)}: building the model or its example batch raised "
-                            f"{type(exc).__name__}: {exc}", hint="fix build_model()/example_batch()") from exc
+                            f"{type(exc).__name__}: {exc}",
+                            hint=source.failure_hint or "fix build_model()/example_batch()") from exc
     finally:
         torch.set_default_dtype(default_dtype)
     if not isinstance(model, nn.Module):
@@ -358,7 +359,8 @@ def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource,
                                hint="tracing uses fake tensors without data: replace Python branches on tensor "
                                     "values, .item() and .tolist() with tensor ops such as torch.where") from exc
         raise ModelRunError(f"{_where(exc)}: forward raised {type(exc).__name__}: {exc}",
-                            hint="fix the model's forward (it runs on fake tensors with the example batch)") from exc
+                            hint=source.failure_hint
+                            or "fix the model's forward (it runs on fake tensors with the example batch)") from exc
     if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
         raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",

@@ -29,17 +29,21 @@ class ModelSource:
     example_batch: Callable[[int, int], tuple]
     loss_fn: Callable | None = None
     make_optimizer: Callable | None = None
+    failure_hint: str | None = None             # what to do when building or running it fails, where the code
+                                                # is a library's (hf:), not the user's to fix
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
-                      hf_attn: str = "sdpa") -> ModelSource:
-    """A zoo name, `hf:<name>` (a transformers model built from a config), or a model file path."""
+                      hf_attn: str = "sdpa", hf_task: str | None = None) -> ModelSource:
+    """A zoo name, `hf:<name>` (a transformers model built from a config; `hf_task` picks its head, None: the
+    architecture's default, see tracer/models/hf.py), or a model file path."""
     if model.startswith("hf:"):
-        from tracer.models.hf import build_hf_model, hf_example_batch, hf_spec, parse_overrides
+        from tracer.models.hf import build_hf_model, hf_example_batch, hf_failure_hint, hf_spec, parse_overrides
         spec = hf_spec(model[3:], overrides=parse_overrides(hf_config), config_json=config_json,
-                       attn_implementation=hf_attn)
+                       attn_implementation=hf_attn, task=hf_task)
         return ModelSource(name=model, path=None, build_model=lambda: build_hf_model(spec),
-                           example_batch=lambda batch, seq: hf_example_batch(spec, batch, seq))
+                           example_batch=lambda batch, seq: hf_example_batch(spec, batch, seq),
+                           failure_hint=hf_failure_hint(spec))
     if model in ZOO:
         entry = zoo_entry(model)
         return ModelSource(name=model, path=None, build_model=entry.build_model, example_batch=entry.example_batch)

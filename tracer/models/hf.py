@@ -1,18 +1,37 @@
 """Hugging Face transformers models built from a config, never from downloaded weights.
 
-`hf:<name>` picks an architecture by its short name (gpt2, llama, mistral, qwen2, bert, t5) and builds it
-from the library's default config class, or from a local `config.json` (`--config-json`, whose
-`model_type` names the architecture, e.g. for `hf:meta-llama/Llama-3.2-1B`), with `--hf-config key=value`
-overrides. The loss comes from the model's own `labels` path; `attn_implementation` is selectable
-(sdpa or eager) since it changes what is saved. While the forward is traced, the mask code is made to run
-as eager runs it (`_masks_as_in_eager`; dropout with p=0 is handled for every model by the capture, see
-tracer/capture/eager_kernels.py). `transformers` is an optional extra: it is imported only here,
-inside the functions that need it, with a clear error when it is missing.
+`hf:<model_type>` names an architecture by its transformers `model_type`, matched exactly (case and `-`/`_`
+aside: `hf:gpt-neox` is gpt_neox; a name is never matched by a substring of it, and an unknown one is refused
+with the close names). The config is the library's default for that model_type (`AutoConfig.for_model`), or
+a local `config.json` (`--config-json`, whose `model_type` is used exactly, e.g. for
+`hf:meta-llama/Llama-3.2-1B`), with `--hf-config key=value` overrides on top.
+
+The head is a task (`--hf-task`, `TASKS`): its transformers auto mapping gives the class for the model_type
+(causal-lm: LlamaForCausalLM, masked-lm: RobertaForMaskedLM, ...). Without `--hf-task`, a config.json's
+`architectures` class is built when it is one of these heads; otherwise the first task of `DEFAULT_TASKS` the
+architecture has (seq2seq before masked-lm before causal-lm: t5 is seq2seq, bert and roberta masked LMs,
+whisper speech-seq2seq, vit image-classification). An architecture with none of these heads is refused,
+never replaced by another.
+
+The loss comes from the model's own `labels` path; the example batch is what a training step feeds that head
+(`hf_example_batch`): token ids and labels of the same shape (a separate tensor, as a data collator's copy),
+per-sequence class labels, pixel values at the config's image size (`--seq` unused), or Whisper-style
+log-mel features (num_mel_bins x 2*max_source_positions frames). A training step also needs settings some
+default configs lack (`_training_settings`: no KV cache, a decoder start and pad token); nothing else of the
+config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
+the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
+is handled for every model by the capture, see tracer/capture/eager_kernels.py).
+
+Not handled: heads outside `TASKS` (question answering, object detection, CTC, ...), speech models whose
+input is not Whisper's layout, and models whose code lives on the hub (trust_remote_code): these are refused
+with what to do (a model file can build any of them). `transformers` is an optional extra: it is imported
+only here, inside the functions that need it, with a clear error when it is missing.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
 
@@ -21,42 +40,52 @@ from torch import nn
 
 from tracer.errors import ModelInputError
 
-# model_type -> (config class, model class, task)
-ARCHITECTURES = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "causal"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "causal"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", "causal"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "causal"),
-    "bert": ("BertConfig", "BertForMaskedLM", "masked"),
-    "t5": ("T5Config", "T5ForConditionalGeneration", "seq2seq"),
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    mapping: str            # transformers.models.auto.modeling_auto.<mapping>: model_type -> head class name
+    inputs: str             # "tokens", "image" or "audio": what the model reads
+    labels: str             # "tokens" (one per position) or "sequence" (one per example)
+
+
+TASKS = {
+    "causal-lm": Task("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "tokens", "tokens"),
+    "masked-lm": Task("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "tokens", "tokens"),
+    "seq2seq": Task("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "tokens", "tokens"),
+    "speech-seq2seq": Task("MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "audio", "tokens"),
+    "sequence-classification": Task("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "tokens", "sequence"),
+    "token-classification": Task("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "tokens", "tokens"),
+    "image-classification": Task("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image", "sequence"),
 }
-
-
-# settings a default config lacks for a training step from labels
-_TRAINING_DEFAULTS = {"t5": {"decoder_start_token_id": 0, "pad_token_id": 0}}
+# the default head: the first of these the architecture has (an encoder-decoder is trained as one, an encoder
+# with an LM head as a masked LM, a vision model as a classifier)
+DEFAULT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-classification",
+                 "sequence-classification")
+_INPUT_NAMES = {"tokens": "input_ids", "image": "pixel_values", "audio": "input_features"}
+_SPEC_KEYS_DROPPED = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "auto_map")
 
 
 @dataclasses.dataclass(frozen=True)
 class HFSpec:
     name: str                                  # as given after "hf:"
-    model_type: str
-    config: dict                               # kwargs for the config class
+    model_type: str                            # transformers' model_type, exactly
+    task: str                                  # a key of TASKS
+    model_class: str                           # transformers class name of the head, e.g. "RobertaForMaskedLM"
+    config: dict                               # kwargs for the config class (config.json, then overrides)
     attn_implementation: str = "sdpa"
 
 
 class LossFromLabels(nn.Module):
-    """forward(input_ids, labels) -> the model's own loss (no KV cache)."""
+    """forward(*inputs) -> the model's own loss; `inputs` in the order of `input_names`, labels last."""
 
-    def __init__(self, model: nn.Module, task: str):
+    def __init__(self, model: nn.Module, input_names: tuple[str, ...]):
         super().__init__()
         self.model = model
-        self.task = task
+        self.input_names = input_names
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         with _masks_as_in_eager():
-            if self.task == "masked":
-                return self.model(input_ids=input_ids, labels=labels).loss
-            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+            return self.model(**dict(zip(self.input_names, inputs))).loss
 
 
 @contextlib.contextmanager
@@ -103,53 +132,241 @@ def parse_overrides(items: list[str] | tuple[str, ...]) -> dict:
 
 
 def hf_spec(name: str, *, overrides: dict | None = None, config_json: str | None = None,
-            attn_implementation: str = "sdpa") -> HFSpec:
-    config: dict = {}
-    model_type = name.lower().split("/")[-1]
-    if config_json is not None:
-        try:
-            with open(config_json) as f:
-                config = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelInputError(f"cannot read --config-json {config_json}: {exc}") from exc
-        model_type = config.pop("model_type", None) or model_type
-        for key in ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype"):
-            config.pop(key, None)
-    if model_type not in ARCHITECTURES:
-        known = next((arch for arch in ARCHITECTURES if arch in model_type), None)
-        if known is None or (config_json is None and "/" in name):
-            raise ModelInputError(
-                f"hf:{name}: cannot build it without a download",
-                hint=f"pass --config-json with its config.json (model_type one of {', '.join(ARCHITECTURES)}), "
-                     f"or use a short name: {', '.join('hf:' + a for a in ARCHITECTURES)}")
-        model_type = known
+            attn_implementation: str = "sdpa", task: str | None = None) -> HFSpec:
+    """What `hf:<name>` builds. Raises ModelInputError for an unknown model_type (naming the close ones), a
+    hub name without --config-json, a config.json that contradicts the name, or a task the architecture has
+    no head for."""
     if attn_implementation not in ("sdpa", "eager"):
         raise ModelInputError(f"--hf-attn {attn_implementation!r}: use sdpa or eager")
-    config = {**_TRAINING_DEFAULTS.get(model_type, {}), **config, **(overrides or {})}
-    return HFSpec(name=name, model_type=model_type, config=config,
+    if task is not None and task not in TASKS:
+        raise ModelInputError(f"--hf-task {task!r} is not a task tracer builds", hint=f"valid: {', '.join(TASKS)}")
+    known = _model_types()
+    named_type = _exact_model_type(name, known)
+    config: dict = {}
+    architecture = None
+    if config_json is None:
+        if named_type is None:
+            raise _unknown_name(name, known)
+        model_type = named_type
+    else:
+        config = _read_config_json(config_json)
+        model_type = config.pop("model_type", None)
+        architectures = config.get("architectures") or []
+        architecture = architectures[0] if architectures else None
+        for key in _SPEC_KEYS_DROPPED:
+            config.pop(key, None)
+        if model_type is None:
+            raise ModelInputError(f"--config-json {config_json} has no model_type",
+                                  hint="add the model_type of its architecture, e.g. \"model_type\": \"llama\"")
+        if model_type not in known:
+            raise ModelInputError(f"--config-json {config_json}: model_type {model_type!r} is not an architecture "
+                                  f"transformers {_version()} knows{_close_names(model_type, known)}",
+                                  hint="its code may live on the hub (trust_remote_code): write a model file "
+                                       "whose build_model() builds it")
+        if named_type is not None and named_type != model_type:
+            raise ModelInputError(f"hf:{name} names model_type {named_type!r} but --config-json {config_json} has "
+                                  f"{model_type!r}", hint="name the config's architecture, or pass its hub name")
+    chosen_task, model_class = _choose_head(name, model_type, task, architecture)
+    config = {**config, **(overrides or {})}
+    return HFSpec(name=name, model_type=model_type, task=chosen_task, model_class=model_class, config=config,
                   attn_implementation=attn_implementation)
 
 
 def build_hf_model(spec: HFSpec) -> nn.Module:
     transformers = _import_transformers()
-    config_cls, model_cls, task = ARCHITECTURES[spec.model_type]
-    config = getattr(transformers, config_cls)(**spec.config)
+    config = _make_config(spec)
     config._attn_implementation = spec.attn_implementation
-    model = getattr(transformers, model_cls)(config)
-    return LossFromLabels(model, task)
+    model = getattr(transformers, spec.model_class)(config)
+    return LossFromLabels(model, _input_names(spec))
 
 
-def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    vocab = _vocab_size(spec)
-    input_ids = torch.randint(0, vocab, (batch, seq))
-    return input_ids, torch.randint(0, vocab, (batch, seq))
+def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
+    """The forward's inputs for one training step of `spec`'s head, labels last (see the module docstring)."""
+    task = TASKS[spec.task]
+    config = _make_config(spec)
+    if task.inputs == "tokens":
+        inputs = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
+    elif task.inputs == "image":
+        height, width = _image_size(config, spec)
+        inputs = torch.randn(batch, config.num_channels, height, width)                     # (b, c, h, w)
+    else:
+        inputs = torch.randn(batch, *_audio_shape(config, spec, seq))                       # (b, mels, frames)
+    if task.labels == "sequence":
+        labels = torch.randint(0, config.num_labels, (batch,))                              # (b,)
+    elif spec.task == "token-classification":
+        labels = torch.randint(0, config.num_labels, (batch, seq))                          # (b, s)
+    else:
+        labels = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
+    return inputs, labels
 
 
-def _vocab_size(spec: HFSpec) -> int:
-    if "vocab_size" in spec.config:
-        return int(spec.config["vocab_size"])
-    transformers = _import_transformers()
-    return int(getattr(transformers, ARCHITECTURES[spec.model_type][0])().vocab_size)
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def hf_failure_hint(spec: HFSpec) -> str:
+    """What to say when building or tracing `spec`'s model fails: the code is transformers', not the user's."""
+    config = _make_config(spec)
+    if any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 1 for key in _EXPERT_COUNTS):
+        return (f"{spec.model_class} is a mixture of experts, built as one: transformers runs its experts with "
+                f"torch's grouped_mm, whose fake-tensor kernel takes bf16 weights only, so with fp32 weights "
+                f"tracing fails there; --precision bf16-pure traces it")
+    return (f"{spec.model_class} is transformers' code: try --hf-attn eager or another --capture, or build it "
+            f"in a model file")
+
+
+def _input_names(spec: HFSpec) -> tuple[str, str]:
+    return _INPUT_NAMES[TASKS[spec.task].inputs], "labels"
+
+
+def _make_config(spec: HFSpec):
+    """The config object: model_type's config class from spec.config, plus `_training_settings`."""
+    _import_transformers()
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.for_model(spec.model_type, **spec.config)
+    except (TypeError, ValueError) as exc:
+        raise ModelInputError(f"hf:{spec.name}: the {spec.model_type} config rejects the given fields: {exc}",
+                              hint="check --hf-config / --config-json") from exc
+    for key, value in _training_settings(spec, config).items():
+        setattr(config, key, value)
+    return config
+
+
+def _training_settings(spec: HFSpec, config) -> dict:
+    """Settings a training step from labels needs that a default config may lack: no KV cache; an
+    encoder-decoder needs a decoder start token (to shift the labels right) and a pad token; a decoder's
+    sequence classifier needs a pad token (it pools the last non-pad position). Values the config or the
+    user set are kept."""
+    out = {}
+    if getattr(config, "use_cache", False):
+        out["use_cache"] = False
+    needs_pad = spec.task in ("seq2seq", "speech-seq2seq", "sequence-classification")
+    if needs_pad and getattr(config, "pad_token_id", None) is None:
+        out["pad_token_id"] = 0
+    if spec.task in ("seq2seq", "speech-seq2seq") and getattr(config, "decoder_start_token_id", None) is None:
+        out["decoder_start_token_id"] = out.get("pad_token_id", getattr(config, "pad_token_id", 0))
+    return out
+
+
+def _choose_head(name: str, model_type: str, task: str | None, architecture: str | None) -> tuple[str, str]:
+    """(task, head class name) for model_type: the asked task, else the config.json's architecture, else the
+    first of DEFAULT_TASKS it has."""
+    heads = _heads(model_type)
+    if task is not None:
+        if task not in heads:
+            raise ModelInputError(f"hf:{name}: {model_type} has no {task} head in transformers {_version()}",
+                                  hint=_tasks_hint(model_type, heads))
+        return task, heads[task]
+    if architecture is not None:
+        for candidate, cls in heads.items():
+            if cls == architecture:
+                return candidate, cls
+        raise ModelInputError(f"hf:{name}: the config.json's architecture {architecture} is not a head tracer "
+                              f"builds an example batch for", hint=_tasks_hint(model_type, heads))
+    for candidate in DEFAULT_TASKS:
+        if candidate in heads:
+            return candidate, heads[candidate]
+    raise ModelInputError(f"hf:{name}: {model_type} has none of the heads tracer builds ({', '.join(TASKS)})",
+                          hint=_tasks_hint(model_type, heads))
+
+
+def _heads(model_type: str) -> dict[str, str]:
+    """task -> head class name, for the tasks of TASKS that model_type has and whose inputs tracer makes."""
+    _import_transformers()
+    import transformers
+    from transformers.models.auto import modeling_auto
+    out = {}
+    for task_name, task in TASKS.items():
+        cls = getattr(modeling_auto, task.mapping).get(model_type)
+        if isinstance(cls, (tuple, list)):
+            cls = cls[0]
+        if cls is None or not hasattr(transformers, cls):
+            continue
+        if getattr(getattr(transformers, cls), "main_input_name", None) == _INPUT_NAMES[task.inputs]:
+            out[task_name] = cls
+    return out
+
+
+def _tasks_hint(model_type: str, heads: dict[str, str]) -> str:
+    if heads:
+        return f"pass --hf-task one of {', '.join(heads)}"
+    return "write a model file whose build_model() builds it with its loss"
+
+
+def _vocab_size(config, spec: HFSpec) -> int:
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        raise ModelInputError(f"hf:{spec.name}: the {spec.model_type} config has no vocab_size to draw token ids from",
+                              hint="pass --hf-config vocab_size=N, or write a model file")
+    return int(vocab)
+
+
+def _image_size(config, spec: HFSpec) -> tuple[int, int]:
+    size = getattr(config, "image_size", None)
+    if size is None or getattr(config, "num_channels", None) is None:
+        raise ModelInputError(f"hf:{spec.name}: the {spec.model_type} config has no image_size/num_channels",
+                              hint="write a model file with its example batch")
+    return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _audio_shape(config, spec: HFSpec, seq: int) -> tuple[int, int]:
+    """Whisper's layout: (num_mel_bins, 2 * max_source_positions) log-mel frames (its encoder takes exactly
+    that many), and at most max_target_positions label tokens."""
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if mels is None or positions is None:
+        raise ModelInputError(f"hf:{spec.name}: tracer makes speech batches in Whisper's layout only (num_mel_bins "
+                              f"x 2*max_source_positions); the {spec.model_type} config has no such fields",
+                              hint="write a model file with its example batch")
+    limit = getattr(config, "max_target_positions", None)
+    if limit is not None and seq > limit:
+        raise ModelInputError(f"hf:{spec.name}: --seq {seq} is longer than the decoder's max_target_positions {limit}",
+                              hint=f"use --seq {limit} or less, or --hf-config max_target_positions={seq}")
+    return int(mels), 2 * int(positions)
+
+
+def _read_config_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelInputError(f"cannot read --config-json {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelInputError(f"--config-json {path} is not a JSON object")
+    return config
+
+
+def _exact_model_type(name: str, known: tuple[str, ...]) -> str | None:
+    """The model_type `name` is, exactly, ignoring case and `-` vs `_`; None for anything else (hub names)."""
+    wanted = name.lower()
+    if wanted in known:
+        return wanted
+    matches = [t for t in known if t.replace("-", "_") == wanted.replace("-", "_")]
+    return matches[0] if len(matches) == 1 else None
+
+
+def _unknown_name(name: str, known: tuple[str, ...]) -> ModelInputError:
+    if "/" in name:
+        return ModelInputError(f"hf:{name}: cannot build it without a download",
+                               hint="pass --config-json with its config.json (its model_type names the "
+                                    "architecture), or use a model_type: hf:llama, hf:gpt2, hf:t5, ...")
+    return ModelInputError(f"hf:{name}: no transformers {_version()} model_type is {name!r}"
+                           f"{_close_names(name.lower(), known)}",
+                           hint="use a model_type exactly (hf:llama, hf:gpt_neox, hf:vit, ...), or --config-json")
+
+
+def _close_names(name: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+    return f"; close names: {', '.join(close)}" if close else ""
+
+
+def _model_types() -> tuple[str, ...]:
+    _import_transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    return tuple(CONFIG_MAPPING_NAMES)
+
+
+def _version() -> str:
+    return _import_transformers().__version__
 
 
 def _import_transformers():
