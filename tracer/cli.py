@@ -39,11 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
                         f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
                         f"or sequence-classification, the first the architecture has)")
-    from tracer.models.hf import TASKS
-    p.add_argument("--hf-task", choices=tuple(TASKS), metavar="TASK",
-                   help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
-                        f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
-                        f"or sequence-classification, the first the architecture has)")
     p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
                         "compiled (torch.compile's min-cut partitioner), selective or full activation "
