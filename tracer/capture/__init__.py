@@ -23,13 +23,13 @@ from tracer.errors import CaptureError, UsageError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
+from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.pylocals import local_holds
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
 
-PRECISIONS = ("fp32", "bf16", "bf16-pure")
 __all__ = ["CaptureOptions", "capture_step", "capture_steps", "PolicySpec", "load_model_source", "ModelSource", "OPTIMIZERS", "PRECISIONS"]
 
 
@@ -37,7 +37,7 @@ __all__ = ["CaptureOptions", "capture_step", "capture_steps", "PolicySpec", "loa
 class CaptureOptions:
     batch: int = 2
     seq: int = 1024
-    precision: str = "fp32"          # fp32 | bf16 (autocast around forward+loss) | bf16-pure (bf16 params)
+    precision: str = "fp32"          # capture/precision.py: fp32 | bf16 | bf16-pure | fp16 (autocast + GradScaler)
     optimizer: str = "adamw"         # used when the model file defines no make_optimizer
     foreach: bool = True
     step: str = "steady"             # steady (optimizer state exists) | first (state created lazily)
@@ -156,7 +156,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         recordings.append(record_optimizer_step(
             cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
             optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
-            set_to_none=options.zero_grad_set_to_none, target=options.target))
+            set_to_none=options.zero_grad_set_to_none, target=options.target,
+            grad_scaler=make_grad_scaler(options.precision)))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(part.ops))
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.joint import _where, build_fake
+from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.model_input import ModelSource
 from tracer.capture.optimizer import make_standard_optimizer
 from tracer.capture.recorder import StepRecorder
@@ -81,8 +82,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
 
     fake_mode = FakeTensorMode()
     model, batch = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if options.precision == "bf16" \
-        else contextlib.nullcontext
+    autocast = lambda: autocast_context(options.precision)        # noqa: E731
+    scaler = make_grad_scaler(options.precision)
     with fake_mode:
         opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
                else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
@@ -112,9 +113,13 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             with modules, _NodeStamper(modules), autocast():
                 loss = model(*batch)
             phase["now"] = Phase.BACKWARD
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             phase["now"] = Phase.OPTIMIZER
-            if opt is not None:
+            if opt is not None and scaler is not None:
+                scaler.step(opt)                       # its inf check reads 0: the step is taken
+                scaler.update()
+                opt.zero_grad(set_to_none=options.zero_grad_set_to_none)
+            elif opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=options.zero_grad_set_to_none)
             else:
@@ -126,6 +131,9 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             with StepRecorder(StorageTable(), 0, read_scalars_as_zero=True):   # warm-up: only reads scalars as 0
                 run_step(record=False)
         _register_preexisting(table, recorder, model, batch, opt)
+        if scaler is not None and steady:
+            for tensor, name in ((scaler._scale, "GradScaler scale"), (scaler._growth_tracker, "GradScaler growth tracker")):
+                table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
         loss = run_step(record=True)
         recorder.stop_tracking()
     except Exception as exc:

@@ -39,7 +39,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from tracer.capture.joint import (JointCapture, _LossWrapper, _export_message, _observe_forward, _tensor_attributes,
+from tracer.capture.precision import autocast_context, training_module
+from tracer.capture.joint import (JointCapture, _export_message, _observe_forward, _tensor_attributes,
                                   build_fake)
 from tracer.capture.model_input import ModelSource
 from tracer.errors import CaptureError
@@ -65,7 +66,7 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
     device = parse_target(target)
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
-    traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
+    traced = training_module(model, source.loss_fn, precision)
     seen = _observe_forward(traced, args, fake_mode, source)
     recorded = _compile_once(traced, args, fake_mode, precision, device, source)
     params = dict(traced.named_parameters(remove_duplicate=False))
@@ -82,7 +83,7 @@ def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, dev
     from tracer.capture.eager_kernels import dropout_as_in_eager
     from tracer.capture.target import cuda_capture
     recorded = _Recorded()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    autocast = autocast_context(precision)
     compiled = torch.compile(traced, fullgraph=True, dynamic=False, backend=_backend(recorded, fake_mode))
     torch._dynamo.reset()                     # a cached graph of an earlier capture would skip the backend
     try:

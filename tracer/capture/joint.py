@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from tracer.capture.model_input import ModelSource
+from tracer.capture.precision import autocast_context, training_module
 from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
@@ -62,16 +63,6 @@ class ForwardObservations:
 
 
 _NOTHING_SEEN = ForwardObservations(checkpointed_modules=(), checkpoint_notes=(), kept_attributes=())
-
-
-class _LossWrapper(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn):
-        super().__init__()
-        setattr(self, WRAPPED_ATTR, model)
-        self._loss_fn = loss_fn
-
-    def forward(self, *batch):
-        return self._loss_fn(getattr(self, WRAPPED_ATTR)(*batch[:-1]), batch[-1])
 
 
 def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode) -> tuple[nn.Module, tuple]:
@@ -114,7 +105,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     device = parse_target(target)
     fake_mode = FakeTensorMode()
     model, args = build_fake(source, batch, seq, precision, fake_mode)
-    traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
+    traced = training_module(model, source.loss_fn, precision)
     stack = contextlib.ExitStack()
     if direct:
         jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
@@ -191,7 +182,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
 
     from tracer.capture.eager_kernels import dropout_as_in_eager
     from tracer.capture.target import cuda_capture
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext())
+    autocast = autocast_context(precision)
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
     _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
     linecache.checkcache()

@@ -46,19 +46,21 @@ class OptimizerRecording:
 
 def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                           make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
-                          set_to_none: bool, target: str = "cpu") -> OptimizerRecording:
+                          set_to_none: bool, target: str = "cpu", grad_scaler=None) -> OptimizerRecording:
     """Run step() + zero_grad() under the recorder, for the parameters whose ids are `params_with_grad`.
-    `target` "cuda[:gpu]": an optimizer built without foreach=/fused= takes CUDA's default (foreach)."""
+    `target` "cuda[:gpu]": an optimizer built without foreach=/fused= takes CUDA's default (foreach).
+    `grad_scaler`: a torch.amp.GradScaler (fp16): unscale_, step and update run as `scaler.step` runs them
+    when no gradient overflowed; its scale and growth tracker exist before the step."""
     from tracer.capture.target import cuda_optimizer_defaults, parse_target
     with cuda_optimizer_defaults(parse_target(target)):
         return _record_optimizer_step(model, params_with_grad, fake_mode, make_optimizer=make_optimizer,
                                       optimizer_name=optimizer_name, foreach=foreach, steady=steady,
-                                      set_to_none=set_to_none)
+                                      set_to_none=set_to_none, grad_scaler=grad_scaler)
 
 
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                            make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
-                           set_to_none: bool) -> OptimizerRecording:
+                           set_to_none: bool, grad_scaler) -> OptimizerRecording:
     params = [p for p in model.parameters() if id(p) in params_with_grad]
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     try:
@@ -67,9 +69,11 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                 opt = make_optimizer(model.parameters())
             else:
                 opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
+            if grad_scaler is not None:
+                grad_scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))   # made by the first scale()
             if steady and opt is not None:
                 _set_fake_grads(params)
-                opt.step()
+                _optimizer_step(opt, grad_scaler)
                 opt.zero_grad(set_to_none=True)
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
@@ -80,6 +84,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         if p not in table:
             param_sids[id(p)] = table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
     recorder = StepRecorder(table, 0)
+    if grad_scaler is not None:
+        for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
+                                                                        "GradScaler growth tracker")):
+            table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
     for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
             sid = table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
@@ -95,7 +103,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     try:
         with fake_mode, recorder:
             if opt is not None:
-                opt.step()
+                _optimizer_step(opt, grad_scaler)
                 opt.zero_grad(set_to_none=set_to_none)
             else:
                 model.zero_grad(set_to_none=set_to_none)
@@ -148,6 +156,17 @@ def _remap(value, sid_map: dict[int, int]):
     if isinstance(value, list):
         return [_remap(v, sid_map) for v in value]
     return value
+
+
+def _optimizer_step(opt, grad_scaler) -> None:
+    """opt.step(), or with a GradScaler what `scaler.step(opt); scaler.update()` runs when no gradient is
+    inf or NaN (scaler.step's `.item()` check cannot run on fake tensors and allocates nothing)."""
+    if grad_scaler is None:
+        opt.step()
+        return
+    grad_scaler.unscale_(opt)
+    opt.step()
+    grad_scaler.update()
 
 
 def _set_fake_grads(params) -> list[torch.Tensor]:

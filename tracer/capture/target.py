@@ -306,8 +306,9 @@ def cuda_capture(target: Target, precision: str):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
             lib.impl("scaled_dot_product_attention", _sdpa_kernel(target.gpu, log), "CompositeImplicitAutograd")
-            if precision == "bf16":
-                _register_cuda_autocast(lib, torch.bfloat16)
+            from tracer.capture.precision import autocast_dtype
+            if autocast_dtype(precision) is not None:
+                _register_cuda_autocast(lib, autocast_dtype(precision))
         yield log
     finally:
         lib._destroy()

@@ -31,9 +31,10 @@ class ModelOption:
 MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("batch", 2, None, "batch size passed to example_batch (default 2)"),
     ModelOption("seq", 1024, None, "sequence length passed to example_batch (default 1024)"),
-    ModelOption("precision", "fp32", ("fp32", "bf16", "bf16-pure"),
+    ModelOption("precision", "fp32", ("fp32", "bf16", "bf16-pure", "fp16"),
                 "fp32; bf16 = torch.autocast(bfloat16) around forward and loss with fp32 weights; "
-                "bf16-pure = bf16 weights and inputs, no autocast (default fp32)"),
+                "bf16-pure = bf16 weights and inputs, no autocast; fp16 = torch.autocast(float16) with fp32 "
+                "weights and torch.amp.GradScaler (scaled loss, unscale_, update) (default fp32)"),
     ModelOption("optimizer", "adamw", ("adamw", "sgd", "none"),
                 "optimizer used when the model file defines no make_optimizer (default adamw; sgd has momentum 0.9)"),
     ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
