@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from tracer.capture.build import step_module
 from tracer.capture.joint import _where, build_fake
 from tracer.capture.model_input import ModelSource
 from tracer.capture.optimizer import make_standard_optimizer
@@ -80,7 +81,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
-    model, batch = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
+    built = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
+    model, batch, step = built.model, built.batch, step_module(built, source)
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if options.precision == "bf16" \
         else contextlib.nullcontext
     with fake_mode:
@@ -110,7 +112,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
                 stack.enter_context(recorder)
             phase["now"] = Phase.FORWARD
             with modules, _NodeStamper(modules), autocast():
-                loss = model(*batch)
+                loss = step(*batch)
             phase["now"] = Phase.BACKWARD
             loss.backward()
             phase["now"] = Phase.OPTIMIZER
@@ -148,7 +150,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and table.lookup(value) is not None:
                     table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=str(key))
-    notes = [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
+    notes = list(built.notes + step.notes())
+    notes += [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer.capture.build import step_module
 from tracer.capture.model_input import ModelSource
 from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
@@ -40,6 +41,7 @@ class JointCapture:
     seen: "ForwardObservations"
     path: str = "export-joint"            # the capture path, as the report names it
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
+    build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,40 +66,10 @@ class ForwardObservations:
 _NOTHING_SEEN = ForwardObservations(checkpointed_modules=(), checkpoint_notes=(), kept_attributes=())
 
 
-class _LossWrapper(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn):
-        super().__init__()
-        setattr(self, WRAPPED_ATTR, model)
-        self._loss_fn = loss_fn
-
-    def forward(self, *batch):
-        return self._loss_fn(getattr(self, WRAPPED_ATTR)(*batch[:-1]), batch[-1])
-
-
-def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode) -> tuple[nn.Module, tuple]:
-    """Build the user's model and example batch under `fake_mode` (no real memory)."""
-    default_dtype = torch.get_default_dtype()
-    try:
-        with fake_mode:
-            if precision == "bf16-pure":
-                torch.set_default_dtype(torch.bfloat16)
-            model = source.build_model()
-            args = source.example_batch(batch, seq)
-    except Exception as exc:
-        raise ModelRunError(f"{_where(exc)}: building the model or its example batch raised "
-                            f"{type(exc).__name__}: {exc}", hint="fix build_model()/example_batch()") from exc
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if not isinstance(model, nn.Module):
-        raise ModelRunError(f"build_model() of {source.name} returned {type(model).__name__}, not an nn.Module")
-    if not isinstance(args, tuple):
-        args = (args,)
-    if precision == "bf16-pure":
-        with fake_mode:
-            args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args)
-    model.train()
-    return model, args
+def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode):
+    """The user's model and example batch under `fake_mode` (tracer/capture/build.py)."""
+    from tracer.capture.build import build_fake as build
+    return build(source, batch, seq, precision, fake_mode, where=_where)
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
@@ -112,8 +84,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     from tracer.capture.target import parse_target
     device = parse_target(target)
     fake_mode = FakeTensorMode()
-    model, args = build_fake(source, batch, seq, precision, fake_mode)
-    traced = _LossWrapper(model, source.loss_fn) if source.loss_fn is not None else model
+    built = build_fake(source, batch, seq, precision, fake_mode)
+    model, args = built.model, built.batch
+    traced = step_module(built, source)
     stack = contextlib.ExitStack()
     if direct:
         jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
@@ -131,7 +104,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
-                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path)
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
+                        build_notes=built.notes + traced.notes())
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
