@@ -294,7 +294,8 @@ class StepModule(nn.Module):
         model = getattr(self, WRAPPED_ATTR)
         if self._loss_fn is not None:
             return self._loss_fn(model(*batch[:-1]), batch[-1])
-        out = model(**dict(zip(self._batch_keys, batch))) if self._batch_keys is not None else model(*batch)
+        with _transformers_masks_as_in_eager():
+            out = model(**dict(zip(self._batch_keys, batch))) if self._batch_keys is not None else model(*batch)
         return self._loss_of(out)
 
     def _loss_of(self, out):
@@ -329,6 +330,16 @@ class StepModule(nn.Module):
         return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "
                 "(`loss = model(**batch).loss`); a loop that keeps them (`logits, loss = model(x, y)`) holds them "
                 "until it drops them",)
+
+
+def _transformers_masks_as_in_eager():
+    """A transformers model in a model file gets the attention masks eager builds, as `hf:` models do
+    (tracer/models/hf.py); nothing to do when transformers' masking code was never imported."""
+    import sys
+    if "transformers.masking_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from tracer.models.hf import _masks_as_in_eager
+    return _masks_as_in_eager()
 
 
 def step_module(build: FakeBuild, source: ModelSource) -> StepModule:
