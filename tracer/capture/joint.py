@@ -114,7 +114,7 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
     keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
     run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
     observe the forward first, take the model (and give its errors with the user's line)."""
-    names = {id(m): path for path, m in traced.named_modules()}
+    names = {id(m): normalize_module_path(path) for path, m in traced.named_modules()}
     checkpointed: list[str] = []
     notes: list[str] = []
     try:
@@ -302,7 +302,7 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
     """Run forward once under fake tensors: user errors point at the user's line, not at export; and the
     run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes). The
     lines that made kept tensors take a second run, made only when there are any."""
-    names = {id(m): path for path, m in module.named_modules()}
+    names = {id(m): normalize_module_path(path) for path, m in module.named_modules()}
     checkpointed: list[str] = []
     notes: list[str] = []
     changed = _run_forward(module, args, fake_mode, source, _record_checkpoints(names, checkpointed, notes))
