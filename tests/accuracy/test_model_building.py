@@ -29,9 +29,9 @@ class TakeLoss(nn.Module):
         return self.pick(out)
 
 
-def predict_and_measure(fixture, *, pick=None, batch=2, seq=16):
+def predict_and_measure(fixture, *, pick=None, batch=2, seq=16, capture="auto"):
     source = load_model_source(os.path.join(FIXTURES, fixture))
-    options = CaptureOptions(batch=batch, seq=seq)
+    options = CaptureOptions(batch=batch, seq=seq, capture=capture)
     graph = capture_steps(source, options, (PolicySpec(name="eager"),))["eager"]
     predicted = analyze_graphs({"eager": graph}).policies["eager"]
     torch.manual_seed(0)
@@ -45,11 +45,11 @@ def predict_and_measure(fixture, *, pick=None, batch=2, seq=16):
     return graph, predicted, measure_step(model, real_batch, opt)
 
 
-def assert_exact(predicted, measured):
+def assert_exact(predicted, measured, saved_slack=0):
     """Start and saved bytes exact; each phase peak exact up to the 0-dim scalar tensors eager makes in
     forward that the graph folds (at most 8 bytes measured, as in test_eager_step.py)."""
     assert predicted.start_bytes == measured.start_bytes
-    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert abs(predicted.saved.total_bytes - measured.saved_bytes) <= saved_slack
     assert predicted.peak_phase == measured.peak_phase
     for phase in ("forward", "backward", "optimizer"):
         p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
@@ -86,9 +86,12 @@ def test_peft_lora_model():
     assert_exact(predicted, measured)
 
 
-def test_nanogpt_tuple_of_logits_and_loss():
-    graph, predicted, measured = predict_and_measure("handover_nanogpt_tuple.py", pick=lambda out: out[1])
-    assert_exact(predicted, measured)
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+def test_nanogpt_tuple_of_logits_and_loss(capture):
+    graph, predicted, measured = predict_and_measure("handover_nanogpt_tuple.py", pick=lambda out: out[1],
+                                                     capture=capture)
+    # the dispatch rung counts one more 0-dim tensor (4 B) as saved than saved_tensors_hooks sees
+    assert_exact(predicted, measured, saved_slack=4 if capture == "dispatch" else 0)
     assert any("element 1" in n and "dropped" in n for n in graph.config.notes)
 
 
