@@ -184,7 +184,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 def _capture_notes(cap) -> tuple[str, ...]:
     seen = cap.seen
-    notes = list(cap.fallback_notes) + list(seen.checkpoint_notes)
+    notes = list(cap.fallback_notes) + list(cap.build_notes) + list(seen.checkpoint_notes)
     if seen.checkpointed_modules:
         notes.append("the forward checkpoints " + ", ".join(m or "(root)" for m in seen.checkpointed_modules)
                      + ": simulated as eager non-reentrant torch.utils.checkpoint")

@@ -135,7 +135,7 @@ def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) ->
     it is never a storage of its own."""
     for out, desc in zip(outs, descs):
         if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue):
-            table.update(values[out].storage_id, fused=True, name=f"{desc.mutated_input.target} (updated in place)")
+            table.update(values[out].storage_id, fused=True, name=f"{normalize_module_path(desc.mutated_input.target)} (updated in place)")
 
 
 def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:

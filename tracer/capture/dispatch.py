@@ -16,6 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from tracer.capture.build import step_module
 from tracer.capture.joint import _where, build_fake
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.model_input import ModelSource
@@ -81,9 +82,10 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
-    model, batch = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
+    built = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
+    model, batch, step = built.model, built.batch, step_module(built, source)
     autocast = lambda: autocast_context(options.precision)        # noqa: E731
-    scaler = make_grad_scaler(options.precision)
+    scaler = make_grad_scaler(options.precision)       # the dispatch run scales the loss as a loop does
     with fake_mode:
         opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
                else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
@@ -111,7 +113,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
                 stack.enter_context(recorder)
             phase["now"] = Phase.FORWARD
             with modules, _NodeStamper(modules), autocast():
-                loss = model(*batch)
+                loss = step(*batch)
             phase["now"] = Phase.BACKWARD
             (scaler.scale(loss) if scaler is not None else loss).backward()
             phase["now"] = Phase.OPTIMIZER
@@ -157,7 +159,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and table.lookup(value) is not None:
                     table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=str(key))
-    notes = [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
+    notes = list(built.notes + step.notes())
+    notes += [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]

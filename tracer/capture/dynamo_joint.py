@@ -39,7 +39,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from tracer.capture.precision import autocast_context, training_module
+from tracer.capture.build import step_module
+from tracer.capture.precision import autocast_context
 from tracer.capture.joint import (JointCapture, _export_message, _observe_forward, _tensor_attributes,
                                   build_fake)
 from tracer.capture.model_input import ModelSource
@@ -65,8 +66,9 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
     from tracer.capture.target import parse_target
     device = parse_target(target)
     fake_mode = FakeTensorMode()
-    model, args = build_fake(source, batch, seq, precision, fake_mode)
-    traced = training_module(model, source.loss_fn, precision)
+    built = build_fake(source, batch, seq, precision, fake_mode)
+    model, args = built.model, built.batch
+    traced = step_module(built, source, precision)
     seen = _observe_forward(traced, args, fake_mode, source)
     recorded = _compile_once(traced, args, fake_mode, precision, device, source)
     params = dict(traced.named_parameters(remove_duplicate=False))
@@ -74,7 +76,8 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
     _describe_inputs(recorded, params, buffers)
     _drop_checkpoint_tags(recorded.joint)
     return JointCapture(path=CAPTURE_PATH, joint=recorded.joint, model=model, batch=args, fake_mode=fake_mode,
-                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=contextlib.ExitStack(), seen=seen)
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=contextlib.ExitStack(), seen=seen,
+                        build_notes=built.notes + traced.notes())
 
 
 def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, device, source: ModelSource) -> _Recorded:

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer.capture.build import step_module
 from tracer.capture.model_input import ModelSource
-from tracer.capture.precision import autocast_context, training_module
+from tracer.capture.precision import autocast_context
 from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
@@ -41,6 +42,7 @@ class JointCapture:
     seen: "ForwardObservations"
     path: str = "export-joint"            # the capture path, as the report names it
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
+    build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,31 +67,10 @@ class ForwardObservations:
 _NOTHING_SEEN = ForwardObservations(checkpointed_modules=(), checkpoint_notes=(), kept_attributes=())
 
 
-def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode) -> tuple[nn.Module, tuple]:
-    """Build the user's model and example batch under `fake_mode` (no real memory)."""
-    default_dtype = torch.get_default_dtype()
-    try:
-        with fake_mode:
-            if precision == "bf16-pure":
-                torch.set_default_dtype(torch.bfloat16)
-            model = source.build_model()
-            args = source.example_batch(batch, seq)
-    except Exception as exc:
-        raise ModelRunError(f"{_where(exc)}: building the model or its example batch raised "
-                            f"{type(exc).__name__}: {exc}",
-                            hint=source.failure_hint or "fix build_model()/example_batch()") from exc
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if not isinstance(model, nn.Module):
-        raise ModelRunError(f"build_model() of {source.name} returned {type(model).__name__}, not an nn.Module")
-    if not isinstance(args, tuple):
-        args = (args,)
-    if precision == "bf16-pure":
-        with fake_mode:
-            args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args)
-    model.train()
-    return model, args
+def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode):
+    """The user's model and example batch under `fake_mode` (tracer/capture/build.py)."""
+    from tracer.capture.build import build_fake as build
+    return build(source, batch, seq, precision, fake_mode, where=_where)
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
@@ -104,8 +85,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     from tracer.capture.target import parse_target
     device = parse_target(target)
     fake_mode = FakeTensorMode()
-    model, args = build_fake(source, batch, seq, precision, fake_mode)
-    traced = training_module(model, source.loss_fn, precision)
+    built = build_fake(source, batch, seq, precision, fake_mode)
+    model, args = built.model, built.batch
+    traced = step_module(built, source, precision)
     stack = contextlib.ExitStack()
     if direct:
         jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
@@ -123,7 +105,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     buffers = dict(traced.named_buffers(remove_duplicate=False))
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
-                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path)
+                        param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
+                        build_notes=built.notes + traced.notes())
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
@@ -132,7 +115,7 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
     keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
     run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
     observe the forward first, take the model (and give its errors with the user's line)."""
-    names = {id(m): path for path, m in traced.named_modules()}
+    names = {id(m): normalize_module_path(path) for path, m in traced.named_modules()}
     checkpointed: list[str] = []
     notes: list[str] = []
     try:
@@ -320,7 +303,7 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
     """Run forward once under fake tensors: user errors point at the user's line, not at export; and the
     run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes). The
     lines that made kept tensors take a second run, made only when there are any."""
-    names = {id(m): path for path, m in module.named_modules()}
+    names = {id(m): normalize_module_path(path) for path, m in module.named_modules()}
     checkpointed: list[str] = []
     notes: list[str] = []
     changed = _run_forward(module, args, fake_mode, source, _record_checkpoints(names, checkpointed, notes))

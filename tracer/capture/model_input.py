@@ -1,11 +1,17 @@
 """Turn a model argument (a zoo name, `hf:<name>`, or a path to a model file) into a `ModelSource`.
 
 A model file defines:
-  build_model() -> nn.Module          required; forward returns the scalar loss, or (with loss_fn) the output
-  example_batch(batch, seq) -> tuple  required for files; the positional args of forward
+  build_model() -> nn.Module          required; forward returns the scalar loss, a mapping with a "loss"
+                                      (dict, transformers' ModelOutput), a tuple holding it (nanoGPT's
+                                      (logits, loss)), or (with loss_fn) the output
+  example_batch(batch, seq) -> tuple  required for files; the positional args of forward, or a dict of
+                                      its keyword args
+  loss_index = <int>                  optional; the loss's position in a returned tuple (default: its only
+                                      0-dim floating tensor)
   loss_fn(output, target) -> loss     optional; then forward gets example_batch(...)[:-1] and the last
                                       element is the target
   make_optimizer(params) -> Optimizer optional; otherwise --optimizer picks one
+Outputs besides the loss are taken as dropped when the loss is taken (`loss = model(**batch).loss`).
 The file is imported as a fresh module (its top level runs); nothing else is executed here.
 """
 from __future__ import annotations
@@ -31,6 +37,7 @@ class ModelSource:
     make_optimizer: Callable | None = None
     failure_hint: str | None = None             # what to do when building or running it fails, where the code
                                                 # is a library's (hf:), not the user's to fix
+    loss_index: int | None = None               # position of the loss in a tuple the forward returns
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
@@ -75,7 +82,8 @@ def _load_file(path: str) -> ModelSource:
         raise ModelInputError(f"{path} defines no example_batch(batch, seq)",
                               hint="define example_batch(batch, seq) returning the tuple of forward's arguments")
     return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
-                       loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None))
+                       loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None),
+                       loss_index=getattr(module, "loss_index", None))
 
 
 def _user_location(exc: BaseException, path: str) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch import nn
 
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
 LOSS_SCALE = 2.0 ** 16                     # GradScaler's init_scale; the value never changes memory
@@ -52,29 +51,3 @@ def make_grad_scaler(precision: str):
     if not uses_grad_scaler(precision):
         return None
     return torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
-
-
-class TrainingLoss(nn.Module):
-    """The module whose forward is the loss that backward starts from: the user's model, their `loss_fn`
-    (forward gets the batch without its last element, the target) and the GradScaler's loss scaling.
-    The user's model is the attribute `WRAPPED_ATTR`, which module paths drop (capture/source.py)."""
-
-    def __init__(self, model: nn.Module, loss_fn, precision: str):
-        from tracer.capture.source import WRAPPED_ATTR
-        super().__init__()
-        setattr(self, WRAPPED_ATTR, model)
-        self._loss_fn = loss_fn
-        self._precision = precision
-
-    def forward(self, *batch):
-        from tracer.capture.source import WRAPPED_ATTR
-        model = getattr(self, WRAPPED_ATTR)
-        loss = model(*batch) if self._loss_fn is None else self._loss_fn(model(*batch[:-1]), batch[-1])
-        return scaled_loss(loss, self._precision)
-
-
-def training_module(model: nn.Module, loss_fn, precision: str) -> nn.Module:
-    """`model` itself when its forward already is the loss backward starts from, else a TrainingLoss."""
-    if loss_fn is None and not uses_grad_scaler(precision):
-        return model
-    return TrainingLoss(model, loss_fn, precision)

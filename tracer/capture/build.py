@@ -1,0 +1,357 @@
+"""Build the user's model and example batch under fake tensors: nothing real at model size, and no
+initialiser that needs a tensor's values.
+
+A fake tensor has metadata (dtype, shape, strides, storage, requires_grad) but no values, and some build
+idioms read values: `nn.init.trunc_normal_` (`.item()` and `mask.any()` in torch 2.13), timm's drop-path
+schedule (`[x.item() for x in torch.linspace(0, rate, depth)]`), `torch.equal`, `.tolist()`. While the
+model is built, `_BuildValues` (a TorchDispatchMode above the fake mode) keeps the real value of every
+small tensor whose value is determined: an op with no random tag whose inputs all have known values and
+whose outputs have at most `SMALL_NUMEL` elements runs a second time on the real values (the fake result
+stays the tensor the model holds: metadata, aliasing and storages come from the fake mode). A value read of
+such a tensor is answered exactly. A value read of a tensor whose values the build cannot know (a random
+initialiser's output, a tensor too large to compute) is answered with 0 / False (`nonzero`: no element),
+and each such read is reported as a note with its user line. Weight values never change memory; a value
+that decides a shape or a module's structure would, and the note says where to look.
+
+Two more things a real build does that fake tensors refuse, made to work while the build runs:
+- `copy.deepcopy(module)` (`clones()`, `nn.TransformerEncoder`) copies a fake tensor's `fake_mode`
+  attribute, giving the copy a mode of its own ("Mixing fake modes NYI" at the first op): the mode is a
+  context, not data, so deep copies share it.
+- `module.to(...)` (peft's `get_peft_model`, `model.to(torch.bfloat16)`) swaps fake parameters in place
+  (`torch.utils.swap_tensors`), which refuses a tensor with a weak reference; the fake mode's own memo of
+  recently made fakes holds one. The memo entries of the two tensors are dropped before the swap (the memo
+  only matters while the op that made the tensor runs).
+
+Not handled: a value read whose answer changes the model's structure or sizes (`nn.Linear(int(t.item()),
+...)` with an unknown `t`) builds the model the note's assumption describes; real tensors made outside
+torch's dispatcher (numpy) are used as they are.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from tracer.capture.model_input import ModelSource
+from tracer.capture.source import WRAPPED_ATTR, loc_from_python_stack
+from tracer.errors import ModelRunError
+
+SMALL_NUMEL = 1 << 16                 # outputs up to this many elements are computed for real while building
+KNOWN_BYTES_LIMIT = 64 << 20          # real bytes kept for known values, in all; beyond, values are not kept
+_UNANSWERED = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeBuild:
+    model: nn.Module                  # the user's model, with fake parameters
+    batch: tuple                      # fake example batch: forward's positional args, or a dict's values
+    batch_keys: tuple[str, ...] | None   # the keyword names when example_batch returned a dict
+    notes: tuple[str, ...]            # assumptions the build made (value reads it could not answer)
+
+
+def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode, *,
+               where=None) -> FakeBuild:
+    """Build the user's model and example batch under `fake_mode` (no real memory at model size).
+    `where(exc)` names the user line of an exception for the error message."""
+    default_dtype = torch.get_default_dtype()
+    values = _BuildValues(fake_mode)
+    try:
+        with fake_mode, values, _deep_copies_share_the_fake_mode(), _swappable_fakes(), \
+                warnings.catch_warnings():
+            # deepcopy asks a fake tensor for its data pointer, which warns
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            if precision == "bf16-pure":
+                torch.set_default_dtype(torch.bfloat16)
+            model = source.build_model()
+            args = source.example_batch(batch, seq)
+    except Exception as exc:
+        at = where(exc) if where is not None else "model"
+        raise ModelRunError(f"{at}: building the model or its example batch raised "
+                            f"{type(exc).__name__}: {exc}", hint=source.failure_hint or "fix build_model()/example_batch()") from exc
+    finally:
+        torch.set_default_dtype(default_dtype)
+        values.forget()
+    if not isinstance(model, nn.Module):
+        raise ModelRunError(f"build_model() of {source.name} returned {type(model).__name__}, not an nn.Module")
+    keys = None
+    if isinstance(args, dict):
+        keys, args = tuple(args), tuple(args.values())
+    elif not isinstance(args, tuple):
+        args = (args,)
+    if precision == "bf16-pure":
+        with fake_mode:
+            args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
+    model.train()
+    return FakeBuild(model=model, batch=args, batch_keys=keys, notes=values.notes())
+
+
+class _BuildValues(TorchDispatchMode):
+    """Real values of the small tensors whose values the build determines; answers value reads (see the
+    module docstring). Entered inside the fake mode, so it sees each op first and calls the fake mode."""
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self._fake_mode = fake_mode
+        # id(fake) -> (fake, real value, fake storage key); the fake is held so its id is not reused
+        self._known: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._by_storage: dict[int, set[int]] = {}
+        self._known_bytes = 0
+        self._assumed: dict[tuple, str] = {}          # (file, line, op) -> note
+
+    def notes(self) -> tuple[str, ...]:
+        return tuple(self._assumed.values())
+
+    def forget(self) -> None:
+        self._known.clear()
+        self._by_storage.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+        kwargs = kwargs or {}
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            answer = self._read_value(func, args, kwargs)
+            if answer is _UNANSWERED:
+                raise
+            return answer
+        self._follow(func, args, kwargs, out)
+        return out
+
+    def _read_value(self, func, args, kwargs):
+        """An op whose result depends on values: exact from known values, else an assumption, noted."""
+        real = self._real_inputs(args, kwargs)
+        if real is not None:
+            with _disable_current_modes():
+                result = func(*real[0], **real[1])
+            return tree_map(self._fake_of, result)
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            answer = False if dtype == torch.bool else (0.0 if dtype.is_floating_point or dtype.is_complex else 0)
+        elif func in (aten.equal.default, aten.allclose.default, aten.is_nonzero.default):
+            answer = False
+        elif func is aten.nonzero.default:
+            answer = torch.empty((0, args[0].dim()), dtype=torch.long, device=args[0].device)
+        else:
+            return _UNANSWERED
+        loc = loc_from_python_stack()
+        where = loc.short() if loc is not None else "an unknown line"
+        shown = "no element" if isinstance(answer, torch.Tensor) else repr(answer)
+        self._assumed.setdefault((loc.file if loc else None, loc.line if loc else None, str(func)),
+                                 f"building the model read a value the build does not compute ({func.name()} at "
+                                 f"{where}, e.g. of a randomly initialised tensor): taken as {shown}")
+        return answer
+
+    def _follow(self, func, args, kwargs, out) -> None:
+        """Compute `out` for real when its inputs are known and it is small; else forget what it wrote."""
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        computable = (isinstance(func, torch._ops.OpOverload)
+                      and torch.Tag.nondeterministic_seeded not in func.tags
+                      and self._known_bytes < KNOWN_BYTES_LIMIT
+                      and all(t.numel() <= SMALL_NUMEL for t in outs)
+                      and not any(not _is_fake(t) for t in _written(func, args, kwargs)))
+        real = self._real_inputs(args, kwargs) if computable else None
+        if real is None:
+            for t in _written(func, args, kwargs):
+                self._forget_storage(t)
+            return
+        try:
+            with _disable_current_modes():
+                result = func(*real[0], **real[1])
+        except Exception:          # the value cannot be computed here (e.g. another device): it stays unknown
+            for t in _written(func, args, kwargs):
+                self._forget_storage(t)
+            return
+        for fake, value in zip(tree_leaves(out), tree_leaves(result)):
+            if isinstance(fake, torch.Tensor) and isinstance(value, torch.Tensor) and _is_fake(fake):
+                self._remember(fake, value)
+
+    def _real_inputs(self, args, kwargs):
+        """(args, kwargs) with every fake tensor replaced by its known value; None if one is unknown."""
+        flat, spec = tree_flatten((args, kwargs))
+        real = []
+        for a in flat:
+            if isinstance(a, torch.Tensor) and _is_fake(a):
+                entry = self._known.get(id(a))
+                if entry is None or entry[2] != _storage_key(a) or entry[1].shape != a.shape \
+                        or entry[1].dtype != a.dtype:
+                    return None
+                a = entry[1]
+            real.append(a)
+        return tree_unflatten(real, spec)
+
+    def _remember(self, fake: torch.Tensor, value: torch.Tensor) -> None:
+        if value.shape != fake.shape or value.dtype != fake.dtype:
+            return
+        key = _storage_key(fake)
+        if id(fake) not in self._known:
+            self._known_bytes += value.numel() * value.element_size()
+        self._known[id(fake)] = (fake, value, key)
+        self._by_storage.setdefault(key, set()).add(id(fake))
+
+    def _forget_storage(self, t: torch.Tensor) -> None:
+        """`t` was written by an op not computed here: no tensor on its storage has a known value now."""
+        if not _is_fake(t):
+            return
+        for ident in self._by_storage.pop(_storage_key(t), ()):
+            self._known.pop(ident, None)
+
+    def _fake_of(self, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        fake = self._fake_mode.from_tensor(value, static_shapes=True)
+        self._remember(fake, value)
+        return fake
+
+
+def _is_fake(t) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensor arguments `func` writes into (in-place and out= arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
+        written += [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
+
+
+@contextlib.contextmanager
+def _deep_copies_share_the_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    had = "__deepcopy__" in vars(FakeTensorMode)
+    saved = vars(FakeTensorMode).get("__deepcopy__")
+    FakeTensorMode.__deepcopy__ = lambda self, memo: self
+    try:
+        yield
+    finally:
+        if had:
+            FakeTensorMode.__deepcopy__ = saved
+        else:
+            del FakeTensorMode.__deepcopy__
+
+
+@contextlib.contextmanager
+def _swappable_fakes():
+    """`torch.utils.swap_tensors` does not count the weak references of a fake mode's memo
+    (`weakref.KeyedRef`s to fake tensors; some outlive their memo entry) as references that forbid a swap."""
+    import torch.utils
+    namespace = torch.utils.swap_tensors.__globals__
+    real = namespace["weakref"]
+
+    class MemoBlind:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def getweakrefs(t):
+            return [r for r in real.getweakrefs(t) if not (isinstance(r, real.KeyedRef) and _is_fake(r()))]
+
+    namespace["weakref"] = MemoBlind()
+    try:
+        yield
+    finally:
+        namespace["weakref"] = real
+
+
+class StepModule(nn.Module):
+    """The module tracer traces: `forward(*batch)` returns the step's scalar loss, however the user's model
+    hands it over (tracer/capture/model_input.py): with `loss_fn`, `loss_fn(model(*batch[:-1]), batch[-1])`;
+    a dict batch is passed as keywords; an output that is a mapping (dict, transformers' ModelOutput) gives
+    its "loss", a tuple the element at the model file's `loss_index`, else its only 0-dim floating tensor.
+    The other outputs (logits) are dropped as the loss is taken, as in `loss = model(**batch).loss` (the
+    Hugging Face Trainer's `compute_loss` returns only the loss); a loop that keeps them (nanoGPT's
+    `logits, loss = model(X, Y)`) holds them longer than predicted, and the report says so."""
+
+    def __init__(self, model: nn.Module, *, batch_keys: tuple[str, ...] | None = None, loss_fn=None,
+                 loss_index: int | None = None, precision: str | None = None):
+        super().__init__()
+        setattr(self, WRAPPED_ATTR, model)
+        self._batch_keys, self._loss_fn, self._loss_index = batch_keys, loss_fn, loss_index
+        self._precision = precision              # set: the loss is scaled as GradScaler scales it (fp16)
+        self.handed_over: str | None = None        # how the last forward handed the loss over, when not bare
+
+    def forward(self, *batch):
+        from tracer.capture.precision import scaled_loss
+        return scaled_loss(self._loss(*batch), self._precision) if self._precision else self._loss(*batch)
+
+    def _loss(self, *batch):
+        model = getattr(self, WRAPPED_ATTR)
+        if self._loss_fn is not None:
+            return self._loss_fn(model(*batch[:-1]), batch[-1])
+        with _transformers_masks_as_in_eager():
+            out = model(**dict(zip(self._batch_keys, batch))) if self._batch_keys is not None else model(*batch)
+        return self._loss_of(out)
+
+    def _loss_of(self, out):
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, Mapping):
+            loss = out.get("loss")
+            if loss is None:
+                raise ModelRunError(f"forward returned a {type(out).__name__} without a 'loss' (keys: "
+                                    f"{', '.join(map(str, out.keys()))})",
+                                    hint="pass the labels so the model computes its loss (e.g. labels=input_ids)")
+            self.handed_over = f"a {type(out).__name__}'s 'loss'"
+            return loss
+        if isinstance(out, (tuple, list)):
+            if self._loss_index is not None:
+                self.handed_over = f"element {self._loss_index} of the returned {type(out).__name__}"
+                return out[self._loss_index]
+            scalars = [i for i, o in enumerate(out)
+                       if isinstance(o, torch.Tensor) and o.dim() == 0 and o.is_floating_point()]
+            if len(scalars) != 1:
+                raise ModelRunError(f"forward returned a {type(out).__name__} of {len(out)} with {len(scalars)} "
+                                    "0-dim floating tensors: which one is the loss is not clear",
+                                    hint="set loss_index = <position of the loss> in the model file")
+            self.handed_over = f"element {scalars[0]} (the only 0-dim floating tensor) of the returned " \
+                               f"{type(out).__name__}"
+            return out[scalars[0]]
+        return out
+
+    def notes(self) -> tuple[str, ...]:
+        if self.handed_over is None:
+            return ()
+        return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "
+                "(`loss = model(**batch).loss`); a loop that keeps them (`logits, loss = model(x, y)`) holds them "
+                "until it drops them",)
+
+
+def _transformers_masks_as_in_eager():
+    """A transformers model in a model file gets the attention masks eager builds, as `hf:` models do
+    (tracer/models/hf.py); nothing to do when transformers' masking code was never imported."""
+    import sys
+    if "transformers.masking_utils" not in sys.modules:
+        return contextlib.nullcontext()
+    from tracer.models.hf import _masks_as_in_eager
+    return _masks_as_in_eager()
+
+
+def step_module(build: FakeBuild, source: ModelSource, precision: str | None = None) -> StepModule:
+    """The StepModule of `build`; with `precision`, its loss is the one backward starts from (scaled by
+    the GradScaler under fp16, capture/precision.py). Without, the caller scales it itself."""
+    if build.batch_keys is not None and source.loss_fn is not None:
+        raise ModelRunError(f"{source.name}: example_batch returned a dict and the file defines loss_fn",
+                            hint="return a tuple (inputs..., target) to use loss_fn, or compute the loss in forward")
+    return StepModule(build.model, batch_keys=build.batch_keys, loss_fn=source.loss_fn,
+                      loss_index=source.loss_index, precision=precision)
