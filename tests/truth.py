@@ -131,14 +131,17 @@ class Checkpointed(torch.nn.Module):
 def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: str = "fp32",
                  steady: bool = True, set_to_none: bool = True) -> Measurement:
     """Runs (steady: one warm-up step, then) one tracked step: forward+loss, backward, step, zero_grad."""
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    # fp16: torch.amp.GradScaler as a training loop uses it (scale(loss).backward(), step, update)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     params = list(model.parameters())
     if steady:
         with autocast():
             loss = model(*batch)
-        loss.backward()
+        _backward(loss, scaler)
         if optimizer is not None:
-            optimizer.step()
+            _optimizer_step(optimizer, scaler)
             optimizer.zero_grad(set_to_none=set_to_none)
         else:
             model.zero_grad(set_to_none=set_to_none)
@@ -165,6 +168,9 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         tracker.track_existing(state, "optimizer_state")
         del state                                          # an optimizer may replace (and free) its state in step()
+    if scaler is not None and steady:
+        tracker.track_existing([scaler._scale, scaler._growth_tracker], "optimizer_state")
+        scale_before = scaler.get_scale()
     start = tracker.current
     real_get_rng_state = torch.get_rng_state
 
@@ -175,9 +181,11 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
 
     torch.get_rng_state = tracked_get_rng_state
     try:
-        forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none)
+        forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler)
     finally:
         torch.get_rng_state = real_get_rng_state
+    if scaler is not None and steady:          # the step was taken: no gradient overflowed, the scale held
+        assert scaler.get_scale() == scale_before, "the measured fp16 step skipped its optimizer step"
     lines: dict[str, int] = {}
     for nbytes, line, _ in tracker.peak_live.values():
         lines[str(line)] = lines.get(str(line), 0) + nbytes
@@ -194,7 +202,19 @@ def _batch_tensors(batch: tuple) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none) -> int:
+def _backward(loss, scaler) -> None:
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+def _optimizer_step(optimizer, scaler) -> None:
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler=None) -> int:
     """forward+loss, backward, step, zero_grad under the tracker; returns live bytes right after forward."""
     with tracker:
         tracker.phase = "forward"
@@ -202,10 +222,10 @@ def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_n
             loss = model(*batch)
         forward_end = tracker.current
         tracker.phase = "backward"
-        loss.backward()
+        _backward(loss, scaler)
         tracker.phase = "optimizer"
         if optimizer is not None:
-            optimizer.step()
+            _optimizer_step(optimizer, scaler)
             optimizer.zero_grad(set_to_none=set_to_none)
         else:
             model.zero_grad(set_to_none=set_to_none)

@@ -71,6 +71,15 @@ def test_llama88m_bf16_autocast_every_phase():
     assert_step_matches(result, measured, peak_phase="optimizer")
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_fp16_autocast_with_grad_scaler_every_phase(foreach):
+    """--precision fp16: autocast(float16), scaler.scale(loss).backward(), scaler.step(opt), scaler.update():
+    the scaled loss, unscale_'s inverse scale and inf flags, and the scaler's state before the step."""
+    result, measured = predict_and_measure("llama-debug", batch=2, seq=64, precision="fp16", foreach=foreach)
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase)
+    assert result.phases["optimizer"].peak_bytes == measured.phase_peaks["optimizer"]
+
+
 def test_llama_4_layers_long_sequence_peak_in_backward():
     result, measured = predict_and_measure(os.path.join(FIXTURES, "llama4.py"), batch=4, seq=1024)
     assert_step_matches(result, measured, peak_phase="backward")
