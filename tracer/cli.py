@@ -226,9 +226,11 @@ def analysis_options(args):
         save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
         config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
-        device_memory_bytes=device_memory)
+        device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
+        reshard_after_forward=not args.no_reshard_after_forward)
     options.policy_specs()                  # an unknown --save-policy fails here, before any capture
     options.target_label()                  # so does --gpu with --target cpu
+    options.sharding_setup()                # and --world-size without --shard
     return options
 
 
@@ -257,13 +259,8 @@ def _run(args) -> int:
         save_baseline(analysis, args.save_baseline, top=args.top)
     _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
     if args.shard:
-        from tracer.errors import UsageError
-        from tracer.planning import shard_policies
         from tracer.reports.planning_text import render_sharding
-        if not args.world_size or args.world_size < 1:
-            raise UsageError("--shard needs --world-size N (a positive integer)")
-        sharded = shard_policies(analysis, args.shard, args.world_size,
-                                 reshard_after_forward=not args.no_reshard_after_forward)
+        sharded = {label: policy.sharded for label, policy in analysis.policies.items()}
         sys.stdout.write("\n" + render_sharding(sharded, single_device_peaks={
             k: p.peak_bytes for k, p in analysis.policies.items()}))
     code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))

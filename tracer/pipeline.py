@@ -45,6 +45,9 @@ class AnalysisOptions:
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
     cublas_workspace_config: str | None = None
     device_memory_bytes: int | None = None # the device's memory (default: the GPU's)
+    shard: str | None = None               # passes.sharding.STRATEGIES: per-rank memory on `world_size` ranks
+    world_size: int | None = None
+    reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
 
     def policy_specs(self) -> tuple:
         """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
@@ -69,6 +72,34 @@ class AnalysisOptions:
         """"cpu" or "cuda:<gpu>". Raises UsageError (unknown target or GPU, a GPU with a cpu target)."""
         from tracer.capture.target import parse_target
         return parse_target(self.target, self.gpu).label
+
+    def sharding_setup(self):
+        """The per-rank view's setup, or None. Raises UsageError for a world size without --shard or a
+        --shard without a positive world size."""
+        from tracer.errors import UsageError
+        from tracer.passes.analysis import ShardingSetup
+        from tracer.passes.sharding import STRATEGIES
+
+        if self.shard is None:
+            if self.world_size is not None:
+                raise UsageError("--world-size needs --shard", hint=f"--shard {'|'.join(STRATEGIES)}")
+            return None
+        if self.shard not in STRATEGIES:
+            raise UsageError(f"unknown sharding strategy {self.shard!r}", hint=f"valid: {', '.join(STRATEGIES)}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise UsageError("--shard needs --world-size N (a positive integer)")
+        return ShardingSetup(self.shard, self.world_size, self.reshard_after_forward)
+
+    def settings(self) -> dict:
+        """The settings that change the answer, for the JSON report's config (plain values)."""
+        return {"target": self.target_label(), "foreach": self.foreach, "capture": self.capture,
+                "policies": list(self.policies), "memory_budgets": list(self.memory_budgets),
+                "blocks": self.blocks, "checkpoint_every": self.checkpoint_every, "save_policy": self.save_policy,
+                "save_ops": list(self.save_ops), "hf_config": list(self.hf_config), "config_json": self.config_json,
+                "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
+                "cublas_workspace_config": self.cublas_workspace_config,
+                "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
+                "reshard_after_forward": self.reshard_after_forward}
 
     def capture_options(self):
         from tracer.capture import CaptureOptions
@@ -98,6 +129,7 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     specs = options.policy_specs()
     capture = options.capture_options()
     device = options.device_setup()
+    sharding = options.sharding_setup()
     if isinstance(model, str):
         source = load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
                                    hf_attn=options.hf_attn, hf_task=options.hf_task)
@@ -107,7 +139,7 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
     graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
     say("analysing ...")
-    return analyze_graphs(graphs, device=device)
+    return analyze_graphs(graphs, device=device, sharding=sharding, settings=options.settings())
 
 
 def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> AnalysisOptions:

@@ -117,3 +117,31 @@ def test_unknown_strategy_and_world_size_are_usage_errors(debug_step):
         shard_memory(debug_step, "ddp", 0)
     with pytest.raises(UsageError, match="backend"):
         shard_memory(debug_step, "fsdp", 2, backend="mpi")
+
+
+def test_the_device_view_is_per_rank_under_sharding():
+    """With --shard the allocated/reserved view and the out-of-memory check are rank 0's; the whole model's
+    view is kept for reference but never checked against the device memory."""
+    from tracer.passes.allocator import simulate_allocator
+
+    analysis = tracer.analyze("llama-debug", batch=2, seq=64, shard="fsdp", world_size=4)
+    result = analysis.policies["eager"]
+    rank, whole = result.rank_device, result.device
+    extras = sum(n for _, n in rank.extra)
+    assert rank.peak_bytes == result.sharded.peak_bytes + extras
+    assert rank.before_bytes == result.sharded.start_bytes + extras
+    assert rank.capacity_bytes == 80 * 2**30 and whole.capacity_bytes is None      # h100, the default GPU
+    replay = simulate_allocator(result.sharded.requests)          # the stream balances and its peak is the sweep's
+    assert replay.requested_peak_bytes == result.sharded.peak_bytes
+    assert rank.peak_bytes < whole.peak_bytes
+    assert analysis.settings["shard"] == "fsdp" and analysis.settings["world_size"] == 4
+    tight = tracer.analyze("llama-debug", batch=2, seq=64, shard="fsdp", world_size=4,
+                           device_memory_bytes=rank.reserved_peak_bytes - 1).policies["eager"]
+    assert tight.rank_device.oom is not None and tight.device.oom is None
+
+
+def test_world_size_needs_a_shard_and_a_shard_needs_a_world_size():
+    with pytest.raises(UsageError, match="--world-size needs --shard"):
+        tracer.analyze("llama-debug", batch=1, seq=8, world_size=8)
+    with pytest.raises(UsageError, match="needs --world-size"):
+        tracer.analyze("llama-debug", batch=1, seq=8, shard="zero3")

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 from tracer.passes.attribution import Attribution, attribute, categorize, layer_of
-from tracer.passes.device import DeviceMemory, DeviceSetup, predict_device_memory
+from tracer.passes.device import DeviceMemory, DeviceSetup, predict_device_memory, sharded_device_memory
 from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
+from tracer.passes.sharding import ShardedMemory, shard_memory
 from tracer.stepgraph import OpNode, Phase, StepGraph
 
 
@@ -43,6 +44,8 @@ class PolicyAnalysis:
     recompute_flops_by_line: dict[str, int]   # "file:line" -> FLOPs of recomputed ops from that line
     flops_by_layer: dict[str, int]            # layer (attribution.layer_of) -> FLOPs of its ops, all phases
     device: "DeviceMemory | None" = None      # the CUDA device view (allocated/reserved), for a CUDA target
+    sharded: "ShardedMemory | None" = None    # per rank under --shard (passes/sharding.py)
+    rank_device: "DeviceMemory | None" = None # rank 0's device view under --shard, for a CUDA target
 
     @property
     def peak_phase(self) -> str:
@@ -56,7 +59,7 @@ class PolicyAnalysis:
 @dataclasses.dataclass(frozen=True)
 class Analysis:
     policies: dict[str, PolicyAnalysis]
-
+    settings: dict = dataclasses.field(default_factory=dict)   # every setting that changes the answer
     @property
     def graph(self) -> StepGraph:
         """The eager step graph (or the first policy's, when eager was not simulated)."""
@@ -67,12 +70,32 @@ def analyze_graph(graph: StepGraph) -> Analysis:
     return analyze_graphs({graph.config.policy: graph})
 
 
-def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None) -> Analysis:
-    """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py)."""
+def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None, *,
+                   sharding: ShardingSetup | None = None, settings: dict | None = None) -> Analysis:
+    """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py); with
+    `sharding`, its per-rank memory and (with `device`) rank 0's device view, which alone is checked
+    against the device's memory."""
     policies = {label: analyze_policy(graph, label) for label, graph in graphs.items()}
     if device is not None:
-        policies = {label: with_device_view(result, device) for label, result in policies.items()}
-    return Analysis(policies=policies)
+        whole = device if sharding is None else dataclasses.replace(device, capacity_bytes=None)
+        policies = {label: with_device_view(result, whole) for label, result in policies.items()}
+    if sharding is not None:
+        policies = {label: with_sharding(result, sharding, device) for label, result in policies.items()}
+    return Analysis(policies=policies, settings=dict(settings or {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingSetup:
+    strategy: str                  # passes.sharding.STRATEGIES
+    world_size: int
+    reshard_after_forward: bool = True
+
+
+def with_sharding(result: PolicyAnalysis, sharding: ShardingSetup, device: DeviceSetup | None) -> PolicyAnalysis:
+    sharded = shard_memory(result, sharding.strategy, sharding.world_size,
+                           reshard_after_forward=sharding.reshard_after_forward)
+    rank_device = None if device is None else sharded_device_memory(sharded, device, policy=result.policy)
+    return dataclasses.replace(result, sharded=sharded, rank_device=rank_device)
 
 
 def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnalysis:

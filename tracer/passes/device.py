@@ -138,3 +138,25 @@ def predict_device_memory(result, *, extra: Sequence[tuple[str, int]] = (), conf
         before_bytes=result.start_bytes + extra_bytes, allocated_peak_bytes=replay.allocated_peak_bytes,
         reserved_peak_bytes=replay.reserved_peak_bytes, segment_count=replay.segment_count, warm_steps=warm_steps,
         config=config, oom=oom, capacity_bytes=capacity_bytes)
+
+
+def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str) -> DeviceMemory:
+    """Rank 0's device memory under sharding (`sharded`: a passes.sharding.ShardedMemory): its request
+    stream after `setup`'s extras, replayed once through the allocator model (the pre-step model state
+    first, as a warm run holds it; the step's blocks land on a cache warmed by nothing else)."""
+    extra = tuple(setup.extra)
+    extra_bytes = sum(n for _, n in extra)
+    requests = tuple(("alloc", _EXTRA_BASE - i, n) for i, (_, n) in enumerate(extra)) + tuple(sharded.requests)
+    replay = simulate_allocator(requests, setup.config)
+    oom = None
+    if setup.capacity_bytes is not None and replay.reserved_peak_bytes > setup.capacity_bytes:
+        oom = simulate_allocator(requests, setup.config, capacity_bytes=setup.capacity_bytes).oom
+    return DeviceMemory(
+        policy=f"{policy}, {sharded.strategy} rank 0 of {sharded.world_size}", extra=extra,
+        peak_bytes=sharded.peak_bytes + extra_bytes, peak_phase=sharded.peak_phase,
+        peak_op_index=sharded.peak_op_index,
+        phases={name: nbytes + extra_bytes for name, nbytes in sharded.phases.items()},
+        before_bytes=sharded.start_bytes + extra_bytes,
+        allocated_peak_bytes=replay.allocated_peak_bytes, reserved_peak_bytes=replay.reserved_peak_bytes,
+        segment_count=replay.segment_count, warm_steps=1, config=setup.config, oom=oom,
+        capacity_bytes=setup.capacity_bytes)

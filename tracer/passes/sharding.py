@@ -98,6 +98,8 @@ class ShardedMemory:
     model_state_bytes: dict[str, int]           # per rank: parameter, gradient, optimizer_state (all of them)
     live_during: tuple[int, ...]                # per op: the most bytes live at it (its hooks included)
     units: tuple[Unit, ...]
+    requests: tuple[tuple[str, int, int], ...] = ()   # rank 0's allocator request stream (passes/device.py)
+    start_bytes: int = 0                        # live before the step
 
 
 def zero_model_state_bytes(parameter_count: int, strategy: str, world_size: int, *, param_bytes: int = 2,
@@ -234,7 +236,9 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
     phase = graph.ops[op_index].phase.value if graph.ops else "forward"
     return ShardedMemory(strategy=strategy, world_size=world_size, peak_bytes=peak_bytes, peak_phase=phase,
                          peak_op_index=op_index, by_category_at_peak=at_peak, phases=phases,
-                         model_state_bytes=model_state, live_during=live_during, units=units)
+                         model_state_bytes=model_state, live_during=live_during, units=units,
+                         requests=events.request_stream(),
+                         start_bytes=sum(delta for key, delta, _ in events.items if key == _BEFORE))
 
 
 # Event keys: (op index, slot, order). Hooks run before an op's outputs are allocated (_PRE) or after its
@@ -259,6 +263,20 @@ class _Events:
         self.add(start, nbytes, category)
         if end is not None:
             self.add(end, -nbytes, category)
+
+    def request_stream(self) -> tuple[tuple[str, int, int], ...]:
+        """The events as caching-allocator requests, in the sweep's order: each allocation is a block, and
+        a release frees the oldest live block of its category and size (blocks of one size are
+        interchangeable for the bytes; only where they land may differ)."""
+        live: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
+        out: list[tuple[str, int, int]] = []
+        for block, (key, delta, category) in enumerate(sorted(self.items, key=lambda e: (e[0], e[1] < 0))):
+            if delta > 0:
+                live[(category, delta)].append(block)
+                out.append(("alloc", block, delta))
+            elif live[(category, -delta)]:
+                out.append(("free", live[(category, -delta)].popleft(), 0))
+        return tuple(out)
 
     def sweep(self, graph: StepGraph):
         """Running sum in key order (allocations before frees at the same key): the peak, its key, the

@@ -21,7 +21,8 @@ def report_json(analysis: Analysis, *, top: int = 10, versions: dict[str, str] |
     return {
         "schema_version": SCHEMA_VERSION,
         **(versions or {}),
-        "config": {k: v for k, v in dataclasses.asdict(graph.config).items() if k not in ("policy", "notes")},
+        "config": {**{k: v for k, v in dataclasses.asdict(graph.config).items() if k not in ("policy", "notes")},
+                   **analysis.settings},
         "capture_notes": list(graph.config.notes),
         "parameter_count": graph.parameter_count,
         "policies": {name: policy_json(p, top=top) for name, p in analysis.policies.items()},
@@ -50,7 +51,17 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         "flops_by_layer": dict(result.flops_by_layer),
         "unknown_flop_ops": [{"target": t, "count": n} for t, n in result.flops.unknown_ops],
         **({"device": device_json(result.device)} if result.device is not None else {}),
+        **({"per_rank": per_rank_json(result)} if result.sharded is not None else {}),
     }
+
+
+def per_rank_json(result: PolicyAnalysis) -> dict:
+    """Rank 0 under --shard: its peak, phases, model state and bill, and its device view (CUDA target)."""
+    s = result.sharded
+    return {"strategy": s.strategy, "world_size": s.world_size, "peak_bytes": s.peak_bytes, "peak_phase": s.peak_phase,
+            "phases": dict(s.phases), "start_bytes": s.start_bytes, "model_state_bytes": dict(s.model_state_bytes),
+            "by_category_at_peak": dict(s.by_category_at_peak),
+            **({"device": device_json(result.rank_device)} if result.rank_device is not None else {})}
 
 
 def device_json(device) -> dict:

@@ -76,11 +76,13 @@ def render_policy_table(analysis: Analysis) -> str:
     eager = analysis.policies.get("eager")
     cfg = analysis.graph.config
     device = all(r.device is not None for r in analysis.policies.values())
+    rank = all(r.rank_device is not None for r in analysis.policies.values())
     lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
              f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"
-             + (f" {'allocated':>12} {'reserved':>12}" if device else "")]
+             + (f" {'allocated':>12} {'reserved':>12}" if device else "")
+             + (" (rank 0)" if device and rank else "")]
     for label, result in analysis.policies.items():
         saving = (f"{100.0 * (result.peak_bytes - eager.peak_bytes) / eager.peak_bytes:+8.1f}%"
                   if eager is not None else f"{'':>9}")
@@ -89,7 +91,8 @@ def render_policy_table(analysis: Analysis) -> str:
         lines.append(f"  {label:<16} {format_bytes(result.peak_bytes):>12} {result.peak_phase:<9} "
                      f"{format_bytes(result.saved.activation_bytes):>12} {saving} "
                      f"{format_flops(result.recompute_flops):>11} {format_flops(result.step_flops):>11} "
-                     f"{overhead:7.1f}%" + (_device_columns(result.device) if device else ""))
+                     f"{overhead:7.1f}%" + (_device_columns(result.rank_device if rank else result.device)
+                                            if device else ""))
     unknown = {t for r in analysis.policies.values() for t, _ in r.flops.unknown_ops}
     if unknown:
         lines.append(f"\nops without a FLOP formula (not counted): {', '.join(sorted(unknown))}")
@@ -99,11 +102,18 @@ def render_policy_table(analysis: Analysis) -> str:
 
 
 def _device_lines(result: PolicyAnalysis, target: str) -> list[str]:
-    """The device view of a CUDA step: requested, allocated and reserved peaks and what fits."""
-    if result.device is None:
-        return []
+    """The device view of a CUDA step: requested, allocated and reserved peaks and what fits; under
+    sharding rank 0's view first (the one checked against the device memory), then the whole model's."""
     from tracer.reports.compare_text import render_device_memory
-    return ["", *render_device_memory(result.device, target=target).rstrip("\n").split("\n")]
+    views = [v for v in (result.rank_device, result.device) if v is not None]
+    lines = []
+    for view in views:
+        lines += ["", *render_device_memory(view, target=target).rstrip("\n").split("\n")]
+    if result.sharded is not None and result.rank_device is None:
+        s = result.sharded
+        lines += ["", f"per rank ({s.strategy}, rank 0 of {s.world_size}): peak {format_bytes(s.peak_bytes)} "
+                      f"({s.peak_bytes:,} B) in {s.peak_phase}"]
+    return lines
 
 
 def _device_columns(device) -> str:
