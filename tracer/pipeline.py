@@ -114,10 +114,10 @@ class AnalysisOptions:
         target = parse_target(self.target, self.gpu)
         if not target.is_cuda:
             return None
-        extra = tuple((a.name, a.nbytes) for a in device_allocations(target, cublas_config=self.cublas_workspace_config)
-                      for _ in range(a.count))
+        workspaces = tuple((a.name, a.nbytes) for a in device_allocations(target, cublas_config=self.cublas_workspace_config)
+                           for _ in range(a.count))
         capacity = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
-        return DeviceSetup(device_label=target.label, extra=extra, config=parse_alloc_conf(self.alloc_conf),
+        return DeviceSetup(device_label=target.label, matmul_extra=workspaces, config=parse_alloc_conf(self.alloc_conf),
                            capacity_bytes=capacity)
 
 

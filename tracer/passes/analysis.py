@@ -94,12 +94,13 @@ class ShardingSetup:
 def with_sharding(result: PolicyAnalysis, sharding: ShardingSetup, device: DeviceSetup | None) -> PolicyAnalysis:
     sharded = shard_memory(result, sharding.strategy, sharding.world_size,
                            reshard_after_forward=sharding.reshard_after_forward)
-    rank_device = None if device is None else sharded_device_memory(sharded, device, policy=result.policy)
+    rank_device = None if device is None else sharded_device_memory(sharded, device, policy=result.policy,
+                                                                     graph=result.graph)
     return dataclasses.replace(result, sharded=sharded, rank_device=rank_device)
 
 
 def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnalysis:
-    view = predict_device_memory(result, extra=device.extra, config=device.config,
+    view = predict_device_memory(result, extra=device.extra_for(result.graph), config=device.config,
                                  capacity_bytes=device.capacity_bytes)
     return dataclasses.replace(result, device=view)
 

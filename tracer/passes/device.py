@@ -69,6 +69,24 @@ class DeviceSetup:
     extra: tuple[tuple[str, int], ...] = ()
     config: AllocatorConfig = AllocatorConfig()
     capacity_bytes: int | None = None
+    matmul_extra: tuple[tuple[str, int], ...] = ()   # allocated by the first cuBLAS call (its workspaces)
+
+    def extra_for(self, graph) -> tuple[tuple[str, int], ...]:
+        """The extras a step holds: `matmul_extra` only when the step runs a cuBLAS op (a warm step finds
+        them allocated by the previous step's first matmul)."""
+        return tuple(self.extra) + (tuple(self.matmul_extra) if runs_cublas(graph) else ())
+
+
+# aten ops that call cuBLAS/cuBLASLt on CUDA (and so make its handles allocate their workspaces)
+CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "ger", "addr",
+                        "_scaled_mm", "_addmm_activation", "matmul", "linear", "_int_mm", "_grouped_mm",
+                        "_scaled_grouped_mm"})
+
+
+def runs_cublas(graph) -> bool:
+    """Whether any op of the step is a cuBLAS matmul ("aten.mm.default" -> "mm")."""
+    return any(op.target.split(".")[1] in CUBLAS_OPS for op in graph.ops
+               if op.target.startswith("aten.") and op.target.count(".") >= 1)
 
 
 def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
@@ -140,11 +158,11 @@ def predict_device_memory(result, *, extra: Sequence[tuple[str, int]] = (), conf
         config=config, oom=oom, capacity_bytes=capacity_bytes)
 
 
-def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str) -> DeviceMemory:
+def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str, graph) -> DeviceMemory:
     """Rank 0's device memory under sharding (`sharded`: a passes.sharding.ShardedMemory): its request
     stream after `setup`'s extras, replayed once through the allocator model (the pre-step model state
     first, as a warm run holds it; the step's blocks land on a cache warmed by nothing else)."""
-    extra = tuple(setup.extra)
+    extra = setup.extra_for(graph)
     extra_bytes = sum(n for _, n in extra)
     requests = tuple(("alloc", _EXTRA_BASE - i, n) for i, (_, n) in enumerate(extra)) + tuple(sharded.requests)
     replay = simulate_allocator(requests, setup.config)
