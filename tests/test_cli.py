@@ -103,8 +103,9 @@ def test_check_subcommand_and_save_baseline(tmp_path, capsys):
     baseline = tmp_path / "b.json"
     assert main(["llama-debug", "--seq", "32", "--quiet", "--save-baseline", str(baseline)]) == ExitCode.OK
     assert main(["check", "llama-debug", "--seq", "32", "--baseline", str(baseline)]) == ExitCode.OK
-    assert main(["check", "llama-debug", "--seq", "48", "--baseline", str(baseline)]) == ExitCode.USAGE
-    assert "seq" in capsys.readouterr().err
+    assert main(["check", "llama-debug", "--baseline", str(baseline)]) == ExitCode.OK       # seq 32: the baseline's
+    assert main(["check", "llama-debug", "--seq", "48", "--baseline", str(baseline)]) == ExitCode.BUDGET_EXCEEDED
+    assert "seq (baseline 32, now 48): given on the command line" in capsys.readouterr().out
 
 
 def test_export_failure_falls_back_and_says_so(capsys):

@@ -143,12 +143,20 @@ def test_two_analyses_give_identical_numbers(tmp_path):
     assert result.ok and not result.improvements and all(n.delta == 0 for n in result.numbers)
 
 
-def test_a_baseline_with_other_settings_is_refused(tmp_path, monkeypatch, capsys, baseline):
+def test_check_takes_the_baselines_settings_and_reports_what_a_flag_changes(tmp_path, monkeypatch, capsys, baseline):
     monkeypatch.chdir(write_model(tmp_path / "m"))
-    assert check_main(["model.py", "--baseline", baseline, "--seq", "32"]) == ExitCode.USAGE
-    err = capsys.readouterr().err
-    assert "seq (baseline 64, now 32)" in err and "precision (baseline 'bf16', now 'fp32')" in err
-    assert "batch" not in err and len(err.strip().splitlines()) == 1
+    assert check_main(["model.py", "--baseline", baseline]) == ExitCode.OK         # seq 64 and bf16: the baseline's
+    out = capsys.readouterr().out
+    assert "seq 64  bf16" in out and "given on the command line" not in out
+    assert check_main(["model.py", "--baseline", baseline, "--seq", "32"]) == ExitCode.OK   # a shorter sequence
+    out = capsys.readouterr().out
+    assert "note: seq (baseline 64, now 32): given on the command line" in out and "bf16" in out
+
+
+def test_comparing_an_analysis_made_with_other_settings_is_refused(baseline):
+    with pytest.raises(UsageError) as info:
+        compare_to_baseline(tracer.analyze(BASE, batch=2, seq=32), load_baseline(baseline))
+    assert "seq (baseline 64, now 32)" in str(info.value) and "precision (baseline 'bf16', now 'fp32')" in str(info.value)
 
 
 def test_update_baseline_locks_in_a_change(tmp_path, monkeypatch, capsys, baseline):

@@ -170,13 +170,16 @@ def load_baseline(path: str) -> dict:
     return data
 
 
-def compare_to_baseline(analysis: Analysis, baseline: dict, tolerance: float | str = 0.02) -> CheckResult:
-    """Compare `analysis` with a loaded baseline. Raises UsageError if the configs differ."""
+def compare_to_baseline(analysis: Analysis, baseline: dict, tolerance: float | str = 0.02, *,
+                        overridden: tuple[str, ...] = ()) -> CheckResult:
+    """Compare `analysis` with a loaded baseline. Raises UsageError if the configs differ in a setting
+    not named in `overridden` (config keys the user chose to change: reported as notes)."""
     tol = parse_tolerance(tolerance)
     current = baseline_json(analysis, top=0)
-    _refuse_config_mismatch(baseline.get("config", {}), current["config"])
+    chosen = _refuse_config_mismatch(baseline.get("config", {}), current["config"], overridden)
     notes = [f"{key} differs: baseline {baseline.get(key)}, now {current[key]}"
              for key in ("tracer_version", "torch_version", "parameter_count") if baseline.get(key) != current[key]]
+    notes += [f"{difference}: given on the command line" for difference in chosen]
     old_policies = baseline["baseline"]["policies"]
     new_policies = current["baseline"]["policies"]
     notes += [f"policy {name} is in the baseline but was not analysed"
@@ -259,18 +262,63 @@ def _model_dir(graph) -> str | None:
     return os.path.dirname(os.path.abspath(model))
 
 
-def _refuse_config_mismatch(old: dict, new: dict) -> None:
+def _refuse_config_mismatch(old: dict, new: dict, overridden: tuple[str, ...] = ()) -> list[str]:
+    """The differences in `overridden` keys (returned); any other difference raises UsageError."""
     def norm(key, value):
         if key == "capture_path" and isinstance(value, str):
             # every graph front end gives the same joint graph; only the dispatch fallback models less
             return value if value.startswith("dispatch") else "joint graph"
         return os.path.normpath(value) if key == "model" and isinstance(value, str) and value.endswith(".py") else value
 
-    differ = [f"{key} (baseline {old.get(key)!r}, now {new.get(key)!r})"
-              for key in dict.fromkeys([*old, *new]) if norm(key, old.get(key)) != norm(key, new.get(key))]
-    if differ:
-        raise UsageError("the baseline was made with other settings: " + "; ".join(differ),
-                         hint="pass the baseline's settings, or rewrite the baseline with --update-baseline")
+    keys = [key for key in dict.fromkeys([*old, *new]) if key in old or not _settings_only(key)]
+    differ = {key: f"{key} (baseline {old.get(key)!r}, now {new.get(key)!r})"
+              for key in keys if norm(key, old.get(key)) != norm(key, new.get(key))}
+    refused = [text for key, text in differ.items() if key not in overridden]
+    if refused:
+        raise UsageError("the baseline was made with other settings: " + "; ".join(refused),
+                         hint="run `tracer check` without those flags (it takes the baseline's settings), or "
+                              "rewrite the baseline with --update-baseline")
+    return [text for key, text in differ.items() if key in overridden]
+
+
+def _settings_only(key: str) -> bool:
+    """Settings an older baseline did not record (tracer.pipeline.AnalysisOptions.settings): absent there,
+    they are not compared."""
+    return key not in STEP_CONFIG_KEYS
+
+
+STEP_CONFIG_KEYS = ("model", "batch", "seq", "precision", "optimizer", "step", "zero_grad_set_to_none",
+                    "capture_path", "target")
+
+
+def options_from_baseline(baseline: dict, given: dict):
+    """The AnalysisOptions a baseline was made with (its JSON config), with the `given` AnalysisOptions
+    fields replacing its values. Returns (options, the config keys `given` changed)."""
+    from tracer.pipeline import AnalysisOptions
+
+    config = baseline.get("config", {})
+    fields = {f.name for f in dataclasses.fields(AnalysisOptions)}
+    recorded = {key: value for key, value in config.items() if key in fields and value is not None}
+    for key in ("policies", "memory_budgets", "save_ops", "hf_config"):
+        if isinstance(recorded.get(key), list):
+            recorded[key] = tuple(recorded[key])
+    if "policies" not in recorded:                       # a baseline from before settings were recorded
+        labels = list(baseline.get("baseline", {}).get("policies", {}))
+        recorded["policies"] = tuple(dict.fromkeys(label.split("@")[0] for label in labels)) or ("eager",)
+        budgets = tuple(float(label.split("@")[1]) for label in labels if "@" in label)
+        if budgets:
+            recorded["memory_budgets"] = budgets
+    if "gpu" in given and "target" not in given and isinstance(recorded.get("target"), str):
+        recorded["target"] = recorded["target"].partition(":")[0]      # the given GPU replaces the recorded one
+    options = AnalysisOptions(**{**recorded, **given})
+    changed = [key for name, value in given.items() if recorded.get(name, _MISSING) != value
+               for key in _CONFIG_KEYS.get(name, (name,))]
+    return options, tuple(changed)
+
+
+_MISSING = object()
+_CONFIG_KEYS = {"gpu": ("target",), "capture": ("capture", "capture_path"),   # option -> the config keys it changes
+                "policies": ("policies", "memory_budgets"), "memory_budgets": ("memory_budgets",)}
 
 
 def _rows(records: list[dict], key_field: str) -> dict[str, tuple[str, str | None, int, int]]:

@@ -1,8 +1,10 @@
 """`python -m tracer check MODEL --baseline PATH [--tolerance 2%] [--update-baseline] [model options]`.
 
-Re-analyses MODEL and compares it with the baseline (see `tracer.checks.baseline`); prints which numbers
-grew beyond the tolerance and the lines and layers that account for it. `--update-baseline` rewrites
-the baseline from this analysis instead (any settings; the file need not exist).
+Re-analyses MODEL with the settings the baseline was made with (its JSON config: batch, seq, precision,
+target, policies, ...) and compares (see `tracer.checks.baseline`); prints which numbers grew beyond the
+tolerance and the lines and layers that account for it. A setting given as a flag replaces the
+baseline's, and the report says so. `--update-baseline` rewrites the baseline from this analysis instead
+(the flags given, else the defaults; the file need not exist).
 Exit codes (tracer.errors.ExitCode): 0 ok, 1 regression, 2 usage (flags, missing or foreign baseline, a
 baseline made with other settings, model file), 3 analysis error.
 """
@@ -11,8 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tracer.checks.options import add_model_arguments, analyze_kwargs
+from tracer.checks.options import MODEL_OPTIONS, add_model_arguments, analyze_kwargs
 from tracer.errors import ExitCode, TracerError, UsageError
+
+POLICY_CHOICES = ("eager", "compiled", "selective", "full", "all")
 
 
 def build_check_parser() -> argparse.ArgumentParser:
@@ -26,7 +30,17 @@ def build_check_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", default="2%",
                    help="allowed growth, as a percentage (2%%) or a fraction (0.02) (default 2%%)")
     p.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this analysis; exit 0")
-    add_model_arguments(p)
+    add_model_arguments(p, only_given=True)
+    p.add_argument("--policy", choices=POLICY_CHOICES, default=argparse.SUPPRESS,
+                   help="policies to analyse (default: the baseline's; all = eager, compiled, selective, full)")
+    p.add_argument("--hf-config", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
+                   help="hf: models: override a config field (repeatable; default: the baseline's)")
+    p.add_argument("--config-json", metavar="PATH", default=argparse.SUPPRESS,
+                   help="hf: models: build from this local config.json (default: the baseline's)")
+    p.add_argument("--hf-task", metavar="TASK", default=argparse.SUPPRESS,
+                   help="hf: models: the head whose loss is trained (default: the baseline's)")
+    p.add_argument("--shard", default=argparse.SUPPRESS, help="per-rank memory under this strategy (default: the baseline's)")
+    p.add_argument("--world-size", type=int, default=argparse.SUPPRESS, help="--shard: number of ranks")
     p.add_argument("--top", type=int, default=10, help="rows shown per diff table (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
     return p
@@ -50,8 +64,9 @@ def check_main(argv: list[str] | None = None) -> int:
 
 
 def _run_check(args) -> int:
-    import tracer
-    from tracer.checks.baseline import compare_to_baseline, load_baseline, parse_tolerance, save_baseline
+    from tracer.checks.baseline import (compare_to_baseline, load_baseline, options_from_baseline, parse_tolerance,
+                                        save_baseline)
+    from tracer.pipeline import run_analysis
     from tracer.reports.check_text import render_check
     from tracer.reports.units import format_bytes
 
@@ -59,14 +74,35 @@ def _run_check(args) -> int:
         tolerance = parse_tolerance(args.tolerance)
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from exc
-    kwargs = analyze_kwargs(vars(args))
-    baseline = None if args.update_baseline else load_baseline(args.baseline)
-    analysis = tracer.analyze(args.model, **kwargs)
+    given = given_options(args)
+    if args.update_baseline:
+        from tracer.pipeline import AnalysisOptions
+        options, overridden, baseline = AnalysisOptions(**given), (), None
+    else:
+        baseline = load_baseline(args.baseline)
+        options, overridden = options_from_baseline(baseline, given)
+    analysis = run_analysis(args.model, options)
     if args.update_baseline:
         save_baseline(analysis, args.baseline)
         peaks = ", ".join(f"{name} peak {format_bytes(p.peak_bytes)}" for name, p in analysis.policies.items())
         print(f"tracer check: wrote baseline {args.baseline} ({peaks})")
         return int(ExitCode.OK)
-    result = compare_to_baseline(analysis, baseline, tolerance)
+    result = compare_to_baseline(analysis, baseline, tolerance, overridden=overridden)
     sys.stdout.write(render_check(result, baseline_path=args.baseline, top=args.top))
     return int(ExitCode.OK if result.ok else ExitCode.BUDGET_EXCEEDED)
+
+
+def given_options(args) -> dict:
+    """The AnalysisOptions fields the command line set (flags left out take the baseline's values)."""
+    values = vars(args)
+    given = {name: values[name] for name in (o.name for o in MODEL_OPTIONS) if name in values}
+    if given:
+        checked = analyze_kwargs({**{o.name: o.default for o in MODEL_OPTIONS}, **given})
+        given = {("zero_grad_set_to_none" if name == "zero_grad" else name): checked[
+            "zero_grad_set_to_none" if name == "zero_grad" else name] for name in given}
+    if "policy" in values:
+        given["policies"] = POLICY_CHOICES[:-1] if values["policy"] == "all" else (values["policy"],)
+    for name in ("hf_config", "config_json", "hf_task", "shard", "world_size"):
+        if name in values:
+            given[name] = tuple(values[name]) if name == "hf_config" else values[name]
+    return given

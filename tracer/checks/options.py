@@ -61,17 +61,20 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add --batch --seq --precision --optimizer --foreach/--no-foreach --step --zero-grad to `parser`
-    (dest = the option name). Pass `vars(args)` to `analyze_kwargs`."""
+def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = False) -> None:
+    """Add --batch --seq --precision --optimizer --foreach/--no-foreach --step --zero-grad --target --gpu
+    --capture --hf-attn to `parser` (dest = the option name). Pass `vars(args)` to `analyze_kwargs`.
+    `only_given`: a flag not on the command line leaves no attribute (`tracer check` then takes the
+    baseline's setting)."""
     for option in MODEL_OPTIONS:
+        default = argparse.SUPPRESS if only_given else option.default
         if isinstance(option.default, bool):
             parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                                default=option.default, help=option.help)
+                                default=default, help=option.help)
         elif isinstance(option.default, int):
-            parser.add_argument(option.flag, dest=option.name, type=int, default=option.default, help=option.help)
+            parser.add_argument(option.flag, dest=option.name, type=int, default=default, help=option.help)
         else:
-            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=option.default,
+            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=default,
                                 help=option.help)
 
 
