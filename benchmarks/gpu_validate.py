@@ -3,7 +3,8 @@
     python benchmarks/gpu_validate.py [--models llama-debug,gpt2-debug] [--batch 2] [--seq 256] [--out DIR]
     python benchmarks/gpu_validate.py --smoke      # no GPU needed: prediction side and report on a tiny config
 
-Matrix: models x {eager, compiled} x {fp32, bf16 autocast} x {no checkpointing, every block checkpointed}.
+Matrix: models x {eager, compiled} x {fp32, bf16 autocast} x {no checkpointing, every block checkpointed},
+plus fp16 autocast with torch.amp.GradScaler (eager, scaler.scale(loss).backward(), scaler.step, update).
 Compiled + checkpointed is skipped: the tracer has no policy for checkpointing inside torch.compile.
 Each config is predicted with `--target cuda` (the GPU found, mapped to tracer's table by compute
 capability) and policy eager / compiled / full, then run for real: model, batch and foreach AdamW on the
@@ -38,7 +39,7 @@ class Config:
     model: str
     batch: int
     seq: int
-    precision: str               # fp32 | bf16
+    precision: str               # fp32 | bf16 | fp16 (autocast + GradScaler)
     mode: str                    # eager | compiled
     checkpoint: bool
 
@@ -56,7 +57,8 @@ class Config:
 
 def matrix(models: list[str], batch: int, seq: int) -> list[Config]:
     return [Config(m, batch, seq, p, mode, ckpt) for m in models for p in ("fp32", "bf16")
-            for mode in ("eager", "compiled") for ckpt in (False, True) if not (mode == "compiled" and ckpt)]
+            for mode in ("eager", "compiled") for ckpt in (False, True) if not (mode == "compiled" and ckpt)] + \
+        [Config(m, batch, seq, "fp16", "eager", False) for m in models]
 
 
 # ---------------------------------------------------------------------------------------------- prediction
@@ -121,14 +123,20 @@ def build_real_step(cfg: Config, device: str):
         raise SystemExit(f"{cfg.model}: no nn.ModuleList of blocks to checkpoint")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     fn = torch.compile(model, dynamic=False) if cfg.mode == "compiled" else model
-    autocast = ((lambda: torch.autocast(device, dtype=torch.bfloat16)) if cfg.precision == "bf16"
-                else contextlib.nullcontext)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device) if cfg.precision == "fp16" else None
 
     def step():
         with autocast():
             loss = fn(*batch)
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad(set_to_none=True)
 
     return step, model

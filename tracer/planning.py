@@ -60,7 +60,9 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
                **options) -> FitReport:
     """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
     is at most `budget` (bytes, or a size string such as "80GiB"), for each policy. `options` go to
-    `tracer.analyze` (precision, optimizer, ...). Raises UsageError for a bad budget or size."""
+    `tracer.analyze` (precision, optimizer, target, ...). On a CUDA target the peak counts the cuBLAS
+    workspaces too (requested bytes; the allocator's rounding and caching are not part of the fit).
+    Raises UsageError for a bad budget or size."""
     if analyze is None:
         import tracer
         analyze = tracer.analyze
@@ -173,7 +175,8 @@ class _Runner:
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
         analysis = self._run(size, labels)
-        return {label: (policy.liveness.live_during, {name: p.peak_bytes for name, p in policy.phases.items()})
+        return {label: (tuple(b + _extra_bytes(policy) for b in policy.liveness.live_during),
+                        {name: p.peak_bytes + _extra_bytes(policy) for name, p in policy.phases.items()})
                 for label, policy in analysis.policies.items()}
 
     def prefetch(self, requests) -> None:
@@ -197,8 +200,14 @@ class _Runner:
         analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
         self.runs += 1
         for label, policy in analysis.policies.items():
-            self.peaks[(size, label)] = policy.peak_bytes
+            self.peaks[(size, label)] = policy.peak_bytes + _extra_bytes(policy)
         return analysis
+
+
+def _extra_bytes(policy) -> int:
+    """Device memory outside the step graph (a CUDA target's cuBLAS workspaces), which counts against the
+    budget like the step's own bytes."""
+    return policy.device.extra_bytes if getattr(policy, "device", None) is not None else 0
 
 
 def _budget_bytes(budget: int | str) -> int:

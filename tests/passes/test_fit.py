@@ -63,27 +63,38 @@ class _CountingAnalyze:
 
 def test_largest_batch_fits_and_the_next_does_not():
     seq, policies = 64, ("eager", "full")
-    budget = tracer.analyze("llama-debug", batch=5, seq=seq).policies["eager"].peak_bytes + 1000
+    budget = tracer.analyze("llama-debug", batch=5, seq=seq, target="cpu").policies["eager"].peak_bytes + 1000
     counting = _CountingAnalyze()
-    report = fit_budget("llama-debug", budget, seq=seq, policies=policies, analyze=counting)
+    report = fit_budget("llama-debug", budget, seq=seq, policies=policies, analyze=counting, target="cpu")
     assert report.results["eager"].largest == 5
     assert report.results["full"].largest > 5                  # checkpointing fits a larger batch
     for policy, result in report.results.items():
         assert result.per_op and result.corrections == 0
         assert result.predicted_peak_bytes == result.peak_bytes  # the per-op model is exact
         assert result.peak_bytes <= budget < result.next_peak_bytes
-    at, after = (tracer.analyze("llama-debug", batch=b, seq=seq).policies["eager"].peak_bytes for b in (5, 6))
+    at, after = (tracer.analyze("llama-debug", batch=b, seq=seq, target="cpu").policies["eager"].peak_bytes
+                 for b in (5, 6))
     assert (at, after) == (report.results["eager"].peak_bytes, report.results["eager"].next_peak_bytes)
     # three samples (both policies each), then one analysis per size to check
     assert len(counting.calls) == 3 + len({s for r in report.results.values() for s in (r.largest, r.next_size)})
 
 
 def test_largest_sequence_at_a_fixed_batch():
-    budget = tracer.analyze("llama-debug", batch=2, seq=200).policies["eager"].peak_bytes
-    report = fit_budget("llama-debug", budget, seq=256, batch=2, policies=("eager",))
+    budget = tracer.analyze("llama-debug", batch=2, seq=200, target="cpu").policies["eager"].peak_bytes
+    report = fit_budget("llama-debug", budget, seq=256, batch=2, policies=("eager",), target="cpu")
     result = report.results["eager"]
     assert report.dimension == "seq" and report.sample_sizes == (64, 128, 256)
     assert result.largest == 200 and result.peak_bytes == budget < result.next_peak_bytes
+
+
+def test_on_a_cuda_target_the_budget_holds_the_cublas_workspaces_too():
+    """The default (CUDA) fit counts what the device holds besides the step: the same budget fits a
+    smaller batch than on CPU, and the answer is the device view's requested peak."""
+    at_5 = tracer.analyze("llama-debug", batch=5, seq=64, gpu="a100").policies["eager"].device
+    report = fit_budget("llama-debug", at_5.peak_bytes, seq=64, policies=("eager",), gpu="a100")
+    assert report.results["eager"].largest == 5 and report.results["eager"].peak_bytes == at_5.peak_bytes
+    on_cpu = fit_budget("llama-debug", at_5.peak_bytes, seq=64, policies=("eager",), target="cpu")
+    assert on_cpu.results["eager"].largest > 5
 
 
 def test_nothing_fits():
