@@ -16,7 +16,8 @@ from typing import Callable
 
 from tracer.capture.target import DEFAULT_TARGET
 
-_CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture")
+_CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
+                   "moe_routing")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,7 @@ class AnalysisOptions:
     config_json: str | None = None
     hf_attn: str = "sdpa"
     capture: str = "auto"
+    moe_routing: str = "balanced"          # balanced | worst | JSON file of per-expert counts (capture/routing.py)
     target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
     gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
@@ -70,7 +72,10 @@ class AnalysisOptions:
         return parse_target(self.target, self.gpu).label
 
     def capture_options(self):
+        """Raises UsageError for a --moe-routing that is neither balanced, worst nor a readable JSON file."""
         from tracer.capture import CaptureOptions
+        from tracer.capture.routing import parse_routing
+        parse_routing(self.moe_routing)
         return CaptureOptions(**{name: getattr(self, name) for name in _CAPTURE_FIELDS}, target=self.target_label())
 
     def device_setup(self):

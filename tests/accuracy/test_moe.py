@@ -47,3 +47,60 @@ def test_balanced_routing_of_a_hand_written_moe_is_exact_against_a_real_step():
     assert "routing assumed balanced at the router aten.topk at moe_router.py:39" in notes
     assert "16 each" in notes
     assert "aten.nonzero at moe_router.py:43 has a data-dependent size" in notes
+
+
+def test_worst_routing_predicts_more_than_balanced_and_says_so():
+    source = load_model_source(MOE)
+    """Every token-choice is saved once whatever the routing, so the forward's end is the same; an expert's
+    backward temporaries grow with its tokens (32 instead of 16 here), and without an optimizer the
+    backward holds the step's peak."""
+    _, balanced = _predict(source, batch=2, seq=16, target="cpu", optimizer="none", moe_routing="balanced")
+    graph, worst = _predict(source, batch=2, seq=16, target="cpu", optimizer="none", moe_routing="worst")
+    assert worst.saved.total_bytes == balanced.saved.total_bytes
+    assert worst.phases["backward"].peak_bytes > balanced.phases["backward"].peak_bytes
+    assert worst.peak_bytes > balanced.peak_bytes
+    notes = "\n".join(graph.config.notes)
+    assert "routing assumed worst" in notes and "[32, 32, 0, 0]" in notes
+
+
+def test_counts_from_a_file_equal_to_balanced_give_the_balanced_prediction(tmp_path):
+    source = load_model_source(MOE)
+    _, balanced = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
+    path = tmp_path / "routing.json"
+    path.write_text(json.dumps({"counts": [16, 16, 16, 16]}))
+    graph, from_file = _predict(source, batch=2, seq=16, target="cpu", moe_routing=str(path))
+    assert from_file.peak_bytes == balanced.peak_bytes
+    assert from_file.saved.total_bytes == balanced.saved.total_bytes
+    assert f"routing assumed {path}" in "\n".join(graph.config.notes)
+
+
+def test_counts_that_do_not_fit_the_router_name_its_line(tmp_path):
+    from tracer.cli import main
+    path = tmp_path / "routing.json"
+    path.write_text("[10, 10, 10, 10]")
+    code = main([MOE, "--batch", "2", "--seq", "16", "--target", "cpu", "--moe-routing", str(path), "--quiet"])
+    assert code == ExitCode.ANALYSIS
+
+
+def test_a_data_dependent_size_no_router_decides_is_one_line_naming_the_op(tmp_path, capsys):
+    from tracer.cli import main
+    model = tmp_path / "masked.py"
+    model.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__(); self.proj = nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        y = self.proj(x)\n"
+        "        return y[y > 0].sum()\n"
+        "def build_model(): return M()\n"
+        "def example_batch(b, s): return (torch.randn(b, s, 8),)\n")
+    code = main([str(model), "--batch", "2", "--seq", "4", "--target", "cpu", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == ExitCode.ANALYSIS
+    assert "masked.py:8" in err and "aten.nonzero" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) <= 2
+
+
+def test_an_unreadable_routing_value_is_a_usage_error():
+    from tracer.cli import main
+    assert main([MOE, "--seq", "16", "--moe-routing", "skewed"]) == ExitCode.USAGE
