@@ -104,3 +104,53 @@ def test_a_data_dependent_size_no_router_decides_is_one_line_naming_the_op(tmp_p
 def test_an_unreadable_routing_value_is_a_usage_error():
     from tracer.cli import main
     assert main([MOE, "--seq", "16", "--moe-routing", "skewed"]) == ExitCode.USAGE
+
+
+HF_MOE = ("num_hidden_layers=2", "hidden_size=32", "intermediate_size=64", "num_attention_heads=4",
+          "num_key_value_heads=2", "vocab_size=128", "num_experts_per_tok=2")
+HF_EXPERTS = {"hf:mixtral": ("num_local_experts=4",),
+              "hf:qwen2_moe": ("num_experts=4", "moe_intermediate_size=64", "shared_expert_intermediate_size=64")}
+
+
+def _balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
+    """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption: its weight
+    reads the first `experts` features, and a pre-hook feeds it token t's preference for experts
+    (t * k + j) % experts, j < k, 1000 above the others, plus a thousandth of the real hidden state (so the
+    router still gets a gradient). One AdamW step moves the weight by about 1e-3: the choice stays fixed."""
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            experts, k = module.num_experts, module.top_k
+            with torch.no_grad():
+                module.weight.zero_()
+                module.weight[:, :experts] = torch.eye(experts)
+
+            def prefer(mod, args, experts=experts, k=k):
+                hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
+                slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
+                wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
+                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3,)
+
+            module.register_forward_pre_hook(prefer)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(HF_EXPERTS))
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+def test_a_transformers_moe_with_balanced_routers_is_exact_against_a_real_step(name, experts):
+    """transformers' default experts implementation on CPU is grouped_mm (fp32 runs on CPU; its fake kernel
+    only takes bf16, as CUDA's does: tracer sizes it as the CPU kernel runs): sizes do not depend on
+    routing. `experts_implementation=eager` loops over the experts hit (nonzero, torch.where, .item()):
+    sizes come from the routing assumption, which the routers here are made to follow."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    overrides = HF_MOE + HF_EXPERTS[name] + (f"experts_implementation={experts}",)
+    plain = load_model_source(name, hf_config=overrides)
+    source = dataclasses.replace(plain, build_model=lambda: _balanced_routers(plain.build_model()))
+    graph, predicted = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
+    notes = "\n".join(graph.config.notes)
+    if experts == "eager":
+        assert "routing assumed balanced at the router aten.topk at modeling_" in notes
+        assert "aten.nonzero at modeling_" in notes and "16 each" in notes
+    else:
+        assert "aten._grouped_mm" in notes and "routing assumed" not in notes
+    _assert_exact(predicted, _measure(source, 2, 16))

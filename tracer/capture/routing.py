@@ -125,14 +125,13 @@ class RoutingShadows:
         self.shadow = WeakIdKeyDictionary()
         self.routers: dict[str, _Router] = {}
         self.answered: dict[tuple[str, str], list[str]] = {}   # (op, line) -> what each call decided
+        self.scalar_reads: dict[str, None] = {}                 # lines that read a value it decides
         self.grouped_mm_lines: dict[str, None] = {}
 
     @property
     def notes(self) -> tuple[str, ...]:
-        if not self.answered and not self.grouped_mm_lines:
-            return ()
         notes = []
-        for router in self.routers.values():
+        for router in self.routers.values() if self.answered or self.scalar_reads else ():   # else: no note
             notes.append(f"routing assumed {self.assumption.label} at the router {router.op} at {router.line}: "
                          f"{router.tokens} tokens x top-{router.top_k} over {router.experts} experts, tokens per "
                          f"expert {_counts_text(router.counts)} (change with --moe-routing balanced|worst|FILE)")
@@ -140,6 +139,9 @@ class RoutingShadows:
             sizes = ", ".join(dict.fromkeys(decided))
             notes.append(f"{op} at {line} has a data-dependent size: taken from the routing assumption "
                          f"({_clip(sizes)})")
+        if self.scalar_reads:
+            notes.append("values read from tensors the routing decides (.item(), `if`, a tensor index) at "
+                         + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
         for line in self.grouped_mm_lines:
             notes.append(f"grouped matmul (aten._grouped_mm) at {line} in fp32: the CPU kernel's output (rows = "
                          "token-choices) is used; its sizes do not depend on routing")
@@ -204,7 +206,7 @@ class RoutingShadows:
         real = self._real(func, flat, spec)
         line = _user_line()
         if func is aten._local_scalar_dense.default:
-            self.answered.setdefault((".item() / .tolist()", line), []).append(f"{real!r}")
+            self.scalar_reads.setdefault(line, None)
             return real
         fakes = tree_map_only(torch.Tensor, lambda r: _fake_like(mode, r), real)
         self._pair(fakes, real)
@@ -254,7 +256,9 @@ class RoutingShadows:
             meta = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                     for t in (mat_a, mat_b, offs)]
             out = _create_grouped_mm_output_tensor(*meta, out_dtype)
-        self.grouped_mm_lines.setdefault(_user_line(), None)
+        line = _user_line()
+        if line != "an unknown line":
+            self.grouped_mm_lines.setdefault(line, None)
         return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
 
     def _forget_mutated(self, func, args) -> None:
@@ -293,7 +297,7 @@ def _user_line(short: bool = True) -> str:
     """The innermost user frame: `file.py:line` for notes, the full path for errors."""
     from tracer.capture.source import loc_from_python_stack
     loc = loc_from_python_stack()
-    if loc is None:
+    if loc is None or ("/tracer/" in loc.file and "/tracer/models/" not in loc.file):   # a backward: no user line
         return "an unknown line"
     return loc.short() if short else f"{loc.file}:{loc.line}"
 

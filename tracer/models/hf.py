@@ -1,6 +1,7 @@
 """Hugging Face transformers models built from a config, never from downloaded weights.
 
-`hf:<name>` picks an architecture by its short name (gpt2, llama, mistral, qwen2, bert, t5) and builds it
+`hf:<name>` picks an architecture by its short name (gpt2, llama, mistral, qwen2, mixtral, qwen2_moe,
+qwen3_moe, bert, t5) and builds it
 from the library's default config class, or from a local `config.json` (`--config-json`, whose
 `model_type` names the architecture, e.g. for `hf:meta-llama/Llama-3.2-1B`), with `--hf-config key=value`
 overrides. The loss comes from the model's own `labels` path; `attn_implementation` is selectable
@@ -27,6 +28,9 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "causal"),
     "mistral": ("MistralConfig", "MistralForCausalLM", "causal"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "causal"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "causal"),          # mixtures of experts (README)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "causal"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "causal"),
     "bert": ("BertConfig", "BertForMaskedLM", "masked"),
     "t5": ("T5Config", "T5ForConditionalGeneration", "seq2seq"),
 }
