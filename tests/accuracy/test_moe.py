@@ -109,7 +109,8 @@ def test_an_unreadable_routing_value_is_a_usage_error():
 HF_MOE = ("num_hidden_layers=2", "hidden_size=32", "intermediate_size=64", "num_attention_heads=4",
           "num_key_value_heads=2", "vocab_size=128", "num_experts_per_tok=2")
 HF_EXPERTS = {"hf:mixtral": ("num_local_experts=4",),
-              "hf:qwen2_moe": ("num_experts=4", "moe_intermediate_size=64", "shared_expert_intermediate_size=64")}
+              "hf:qwen2_moe": ("num_experts=4", "moe_intermediate_size=64", "shared_expert_intermediate_size=64"),
+              "hf:qwen3_moe": ("num_experts=4", "moe_intermediate_size=64", "head_dim=8")}
 
 
 def _balanced_routers(model: torch.nn.Module) -> torch.nn.Module:

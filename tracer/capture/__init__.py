@@ -61,10 +61,15 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
         warnings.filterwarnings("ignore", category=FutureWarning)
         with routing_assumption(parse_routing(options.moe_routing)) as routing:
             graphs = _capture_steps(source, options, specs, on_policy)
-        if not routing.notes:
+        notes = routing.notes
+        if routing.grouped_mm_lines and options.target != "cpu":
+            notes += ("whether the CUDA grouped matmul takes "
+                      + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))
+                      + " inputs was not checked on a GPU (transformers calls it on compute capability 8.0+)",)
+        if not notes:
             return graphs
         return {label: dataclasses.replace(graph, config=dataclasses.replace(
-                    graph.config, notes=graph.config.notes + routing.notes)) for label, graph in graphs.items()}
+                    graph.config, notes=graph.config.notes + notes)) for label, graph in graphs.items()}
 
 
 @contextlib.contextmanager

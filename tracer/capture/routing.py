@@ -126,7 +126,7 @@ class RoutingShadows:
         self.routers: dict[str, _Router] = {}
         self.answered: dict[tuple[str, str], list[str]] = {}   # (op, line) -> what each call decided
         self.scalar_reads: dict[str, None] = {}                 # lines that read a value it decides
-        self.grouped_mm_lines: dict[str, None] = {}
+        self.grouped_mm_lines: dict[str, str] = {}              # line -> dtype
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -142,9 +142,9 @@ class RoutingShadows:
         if self.scalar_reads:
             notes.append("values read from tensors the routing decides (.item(), `if`, a tensor index) at "
                          + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
-        for line in self.grouped_mm_lines:
-            notes.append(f"grouped matmul (aten._grouped_mm) at {line} in fp32: the CPU kernel's output (rows = "
-                         "token-choices) is used; its sizes do not depend on routing")
+        for line, dtype in self.grouped_mm_lines.items():
+            notes.append(f"grouped matmul (aten._grouped_mm) at {line} in {dtype}: sized as torch's CPU kernel "
+                         "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
         return tuple(notes)
 
     # ---- dispatch -------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class RoutingShadows:
             out = _create_grouped_mm_output_tensor(*meta, out_dtype)
         line = _user_line()
         if line != "an unknown line":
-            self.grouped_mm_lines.setdefault(line, None)
+            self.grouped_mm_lines.setdefault(line, str(mat_a.dtype).removeprefix("torch."))
         return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
 
     def _forget_mutated(self, func, args) -> None:
