@@ -40,3 +40,11 @@ def test_a_bad_routing_value_is_a_usage_error(tmp_path, text):
         (tmp_path / "r.json").write_text(text)
     with pytest.raises(UsageError, match="--moe-routing"):
         parse_routing(value)
+
+
+def test_the_option_reaches_the_marker_and_check_keywords():
+    from tracer.checks.options import analyze_kwargs
+    assert analyze_kwargs({"moe_routing": "worst"})["moe_routing"] == "worst"
+    assert analyze_kwargs({})["moe_routing"] == "balanced"
+    with pytest.raises(UsageError, match="--moe-routing"):
+        analyze_kwargs({"moe_routing": "skewed"})
