@@ -4,13 +4,14 @@ Public API:
     analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=True, step="steady",
             zero_grad_set_to_none=True, policies=("eager",), memory_budget=None, blocks=None,
             checkpoint_every=1, save_policy="matmul-attention", save_ops=(), hf_config=(), config_json=None,
-            hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", alloc_conf="",
+            hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",
             cublas_workspace_config=None, device_memory_bytes=None) -> Analysis
 `model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (README, "Model files"), or
 `hf:<model_type>` (a transformers model built from its config: hf_config, config_json, hf_attn, hf_task); `policies` names any of eager, compiled, selective, full (`analysis.policies[name]`; a
 compiled policy with a memory budget is keyed `compiled@<budget>`). The default target is a CUDA step on
 the default GPU (h100): each policy then carries `.device` (requested, allocated and reserved peaks);
-`target="cpu"` predicts a CPU step. Every keyword is a field of `tracer.pipeline.AnalysisOptions`.
+`target="cpu"` predicts a CPU step. `moe_routing` (balanced, worst or a JSON file of per-expert token counts)
+sizes what mixture-of-experts routing decides at run time (tracer/capture/routing.py). Every keyword is a field of `tracer.pipeline.AnalysisOptions`.
 """
 from __future__ import annotations
 

@@ -224,13 +224,15 @@ def analysis_options(args):
         step=args.step, zero_grad_set_to_none=args.zero_grad == "none", policies=names, memory_budgets=budgets,
         blocks=args.blocks, checkpoint_every=args.checkpoint_every, save_policy=args.save_policy,
         save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
-        config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, target=args.target,
+        config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, moe_routing=args.moe_routing,
+        target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward)
     options.policy_specs()                  # an unknown --save-policy fails here, before any capture
     options.target_label()                  # so does --gpu with --target cpu
     options.sharding_setup()                # and --world-size without --shard
+    options.capture_options()               # and a --moe-routing that is neither a choice nor a readable file
     return options
 
 

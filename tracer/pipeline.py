@@ -16,7 +16,8 @@ from typing import Callable
 
 from tracer.capture.target import DEFAULT_TARGET
 
-_CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture")
+_CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
+                   "moe_routing")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,7 @@ class AnalysisOptions:
     hf_attn: str = "sdpa"
     hf_task: str | None = None             # hf: the head (tracer.models.hf.TASKS); None: the architecture's default
     capture: str = "auto"
+    moe_routing: str = "balanced"          # balanced | worst | JSON file of per-expert counts (capture/routing.py)
     target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
     gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
@@ -102,7 +104,10 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward}
 
     def capture_options(self):
+        """Raises UsageError for a --moe-routing that is neither balanced, worst nor a readable JSON file."""
         from tracer.capture import CaptureOptions
+        from tracer.capture.routing import parse_routing
+        parse_routing(self.moe_routing)
         return CaptureOptions(**{name: getattr(self, name) for name in _CAPTURE_FIELDS}, target=self.target_label())
 
     def device_setup(self):

@@ -25,6 +25,7 @@ from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.pylocals import local_holds
+from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
@@ -44,6 +45,7 @@ class CaptureOptions:
     zero_grad_set_to_none: bool = True
     capture: str = "auto"            # auto (every graph rung, then dispatch) | export | compile | dispatch
     target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
+    moe_routing: str = "balanced"    # balanced | worst | a JSON file of per-expert token counts (routing.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -57,7 +59,17 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
-        return _capture_steps(source, options, specs, on_policy)
+        with routing_assumption(parse_routing(options.moe_routing)) as routing:
+            graphs = _capture_steps(source, options, specs, on_policy)
+        notes = routing.notes
+        if routing.grouped_mm_lines and options.target != "cpu":
+            notes += ("whether the CUDA grouped matmul takes "
+                      + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))
+                      + " inputs was not checked on a GPU (transformers calls it on compute capability 8.0+)",)
+        if not notes:
+            return graphs
+        return {label: dataclasses.replace(graph, config=dataclasses.replace(
+                    graph.config, notes=graph.config.notes + notes)) for label, graph in graphs.items()}
 
 
 @contextlib.contextmanager
@@ -83,6 +95,8 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
         try:
             cap = rung(source, options)
             break
+        except RoutingError:
+            raise                                       # no capture path can size the op better
         except CaptureError as exc:
             failures.append(exc)
             if not exc.next_rung_may_work:
@@ -168,6 +182,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
+    if not schedule.compiled:
+        _eager_saved_for_shape(part.ops)
     if not schedule.compiled and schedule.forward is not None:
         _eager_checkpoint_semantics(part.ops, table)
     _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
@@ -221,6 +237,25 @@ def _producer_of(attr, ops: list[OpDraft]) -> int | None:
                 and d.source.line == attr.source.line and any(v.shape == attr.shape for v in d.outputs)):
             found = i
     return found
+
+
+def _eager_saved_for_shape(ops: list[OpDraft]) -> None:
+    """Inputs that eager autograd saves although the traced backward reads only their shape
+    (`eager_kernels.SAVED_FOR_SHAPE`): the first op of the forward op's autograd node (same seq_nr) reads
+    them too, as a keyword the formulas ignore, so they live (and count as saved) until that node runs."""
+    from tracer.capture.eager_kernels import SAVED_FOR_SHAPE
+
+    first_backward: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.phase is Phase.BACKWARD and d.seq_nr is not None and not d.recomputed:
+            first_backward.setdefault(d.seq_nr, i)
+    for d in ops:
+        positions = SAVED_FOR_SHAPE.get(d.target, ())
+        if d.phase is not Phase.FORWARD or not positions or d.seq_nr not in first_backward:
+            continue
+        kept = tuple(d.args[p] for p in positions if p < len(d.args) and isinstance(d.args[p], TensorValue))
+        j = first_backward[d.seq_nr]
+        ops[j] = dataclasses.replace(ops[j], kwargs=ops[j].kwargs + (("eager_saved", kept),))
 
 
 def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:

@@ -139,6 +139,9 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         loss = run_step(record=True)
         recorder.stop_tracking()
     except Exception as exc:
+        from tracer.capture.joint import _routing_error
+        if _routing_error(exc) is not None:
+            raise _routing_error(exc) from exc
         raise ModelRunError(f"{_where(exc)}: running the step op by op on fake tensors failed too: "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                             hint=(source.failure_hint or "for transformers models try use_cache=False, "

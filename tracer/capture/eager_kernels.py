@@ -36,3 +36,9 @@ def dropout_as_in_eager():
     finally:
         op.py_kernels.update(saved)
         op._dispatch_cache.clear()
+
+
+# aten op -> positions of inputs that eager autograd saves although the traced backward reads only their
+# shape: index_add's source gradient is `grad.index_select(dim, index).expand_as(source)` (derivatives.yaml),
+# so eager keeps `source` until its node runs; the traced backward has only an expand to its shape.
+SAVED_FOR_SHAPE = {"aten.index_add.default": (3,)}

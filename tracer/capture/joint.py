@@ -123,6 +123,9 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
+        routing_error = _routing_error(exc)
+        if routing_error is not None:
+            raise routing_error from exc
         raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
@@ -328,6 +331,9 @@ def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource,
         with fake_mode, context:           # a dispatch-mode context must sit above the fake mode
             out = module(*args)
     except Exception as exc:
+        routing_error = _routing_error(exc)
+        if routing_error is not None:
+            raise routing_error from exc
         if "DataDependent" in type(exc).__name__:
             raise CaptureError(f"{_where(exc)}: forward reads a tensor's value ({exc})",
                                hint="tracing uses fake tensors without data: replace Python branches on tensor "
@@ -437,6 +443,19 @@ def _strip_export_asserts(gm: torch.fx.GraphModule) -> None:
             for node in list(sub.graph.find_nodes(op="call_function", target=target)):
                 sub.graph.erase_node(node)
             sub.recompile()
+
+
+def _routing_error(exc: BaseException):
+    """The RoutingError (a data-dependent size no capture path can give) behind `exc`, if any: tracing
+    machinery may wrap the exceptions raised inside it."""
+    from tracer.capture.routing import RoutingError
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RoutingError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _where(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
 """The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad, target, gpu,
-capture, hf_attn), defined once.
+capture, hf_attn, moe_routing), defined once.
 
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
@@ -57,6 +57,10 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "fallback directly (default auto)"),
     ModelOption("hf_attn", "sdpa", ("sdpa", "eager"),
                 "hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)"),
+    ModelOption("moe_routing", "balanced", None,
+                "mixture of experts: how routers spread tokens, which sizes the data-dependent ops (nonzero, "
+                "torch.where(mask), .item()): balanced (tokens x top_k / experts each), worst (every token picks "
+                "the same top_k experts) or a JSON file of per-expert token counts (default balanced)"),
 )
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
 
@@ -73,9 +77,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
                                 default=default, help=option.help)
         elif isinstance(option.default, int):
             parser.add_argument(option.flag, dest=option.name, type=int, default=default, help=option.help)
+        elif option.choices is None:
+            parser.add_argument(option.flag, dest=option.name, default=default, help=option.help)
         else:
             parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=default,
                                 help=option.help)
+
+
+def _free_text_ok(name: str, value: str) -> bool:
+    """Free-text options parse themselves; their UsageError names what is wrong."""
+    if name == "moe_routing":
+        from tracer.capture.routing import parse_routing
+        parse_routing(value)
+    return True
 
 
 def analyze_kwargs(values: Mapping[str, object]) -> dict:
@@ -88,11 +102,14 @@ def analyze_kwargs(values: Mapping[str, object]) -> dict:
             ok = isinstance(value, bool)
         elif isinstance(option.default, int):
             ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        elif option.choices is None:         # free text checked by its own parser (moe_routing)
+            ok = isinstance(value, str) and _free_text_ok(option.name, value)
         else:
             ok = value in option.choices or (option.default is None and value is None)
         if not ok:
             wanted = ("True or False" if isinstance(option.default, bool) else "a positive integer"
-                      if isinstance(option.default, int) else "one of " + ", ".join(option.choices))
+                      if isinstance(option.default, int) else "a string" if option.choices is None
+                      else "one of " + ", ".join(option.choices))
             raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
         out[option.name] = value
     zero_grad = out.pop("zero_grad")

@@ -207,9 +207,9 @@ def hf_failure_hint(spec: HFSpec) -> str:
     """What to say when building or tracing `spec`'s model fails: the code is transformers', not the user's."""
     config = _make_config(spec)
     if any(isinstance(getattr(config, key, None), int) and getattr(config, key) > 1 for key in _EXPERT_COUNTS):
-        return (f"{spec.model_class} is a mixture of experts, built as one: transformers runs its experts with "
-                f"torch's grouped_mm, whose fake-tensor kernel takes bf16 weights only, so with fp32 weights "
-                f"tracing fails there; --precision bf16-pure traces it")
+        return (f"{spec.model_class} is a mixture of experts, built as one, traced under the --moe-routing "
+                f"assumption: try --hf-config experts_implementation=eager (the per-expert loop) or another "
+                f"--moe-routing")
     return (f"{spec.model_class} is transformers' code: try --hf-attn eager or another --capture, or build it "
             f"in a model file")
 

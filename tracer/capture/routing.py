@@ -1,0 +1,342 @@
+"""Data-dependent sizes under fake tensors: the routing assumption of mixture-of-experts models.
+
+Some aten ops size their output by the values of their input: `nonzero` (and `torch.where(mask)`,
+`argwhere`, boolean indexing), `masked_select`, `unique`, `repeat_interleave` with tensor repeats,
+`bincount`, and `_local_scalar_dense` (`.item()`, `.tolist()`, `int(t)`). Fake tensors have no values,
+so these ops raise. In a mixture-of-experts layer they decide how many tokens each expert sees, which
+depends on the trained router and the data: no static tool can know it. It is modelled explicitly:
+
+* a router op (`topk`, `argmax`, `max(dim)` over floating-point logits) gets concrete *shadow* indices
+  from the routing assumption (`RoutingAssumption`): balanced (every expert gets tokens * top_k / experts
+  token-choices), worst (every token picks the same top_k experts: each of them sees every token) or
+  per-expert counts read from a JSON file. Which token goes to which expert does not change any size;
+  only the counts do.
+* every op whose tensor inputs all have shadows (int / bool index arithmetic, small factories) runs on the
+  shadows too, on real CPU tensors, so a shadow follows the routing through `one_hot`, `==`, `sum`, `sort` ...
+* a data-dependent op whose inputs have shadows gets its size (and its value, for `.item()`) from them.
+  Where they have none, capture stops with a `RoutingError` naming the user's line and the op.
+
+`routing_assumption(assumption)` is active for a whole capture: it wraps `FakeTensorMode.dispatch` (every
+fake mode: export and torch.compile make their own), relaxes the grouped-matmul meta kernel's bf16-only
+check (the CPU kernel runs fp32; its output size does not depend on routing), and keeps fake-tensor's
+own error log (a traceback per failing meta kernel) away from the user. Its `notes` name each
+data-dependent op, its line and the assumed sizes, for the report.
+
+Not handled: routers that choose experts with ops other than topk / argmax / max (sampling, sort over
+logits, expert-choice routing); data-dependent ops on values that do not follow from a router or from
+constants (they raise `RoutingError`); per-layer counts in a FILE (one list applies to every router).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from tracer.errors import CaptureError, UsageError
+
+ROUTING_CHOICES = ("balanced", "worst")
+_SHADOW_LIMIT = 1 << 24              # elements: larger results get no shadow (never index data in practice)
+_FACTORY_LIMIT = 1 << 20
+aten = torch.ops.aten
+
+
+class RoutingError(CaptureError):
+    """A data-dependent op whose size the routing assumption cannot give (no capture path can do better)."""
+
+    def __init__(self, message: str, *, hint: str = ""):
+        super().__init__(message, hint=hint, next_rung_may_work=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingAssumption:
+    """How a router spreads token-choices over experts: `kind` balanced | worst | file (then `counts`)."""
+    kind: str = "balanced"
+    counts: tuple[int, ...] = ()
+    path: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.path if self.kind == "file" else self.kind
+
+    def expert_counts(self, tokens: int, experts: int, top_k: int) -> tuple[int, ...]:
+        """Token-choices per expert for one router call; each at most `tokens` (a token picks distinct
+        experts), summing to tokens * top_k. Raises ValueError when a FILE's counts do not fit the call."""
+        total = tokens * top_k
+        if self.kind == "balanced":
+            base, extra = divmod(total, experts)
+            return tuple(base + (e < extra) for e in range(experts))
+        if self.kind == "worst":
+            return tuple(tokens if e < top_k else 0 for e in range(experts))
+        if len(self.counts) != experts or sum(self.counts) != total or max(self.counts) > tokens:
+            raise ValueError(f"{self.path} gives {len(self.counts)} counts summing to {sum(self.counts)}, but this "
+                             f"router sends {tokens} tokens x top-{top_k} = {total} token-choices to {experts} "
+                             f"experts (each expert at most {tokens})")
+        return self.counts
+
+
+def parse_routing(value: str) -> RoutingAssumption:
+    """`balanced`, `worst`, or a JSON file of per-expert token counts (a list of integers, or an object
+    with a `counts` list). Raises UsageError naming the value."""
+    if value in ROUTING_CHOICES:
+        return RoutingAssumption(kind=value)
+    hint = "--moe-routing takes balanced, worst, or a JSON file holding a list of per-expert token counts"
+    if not os.path.isfile(value):
+        raise UsageError(f"--moe-routing {value!r}: not balanced, worst or an existing file", hint=hint)
+    try:
+        with open(value) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--moe-routing {value}: cannot read JSON: {exc}", hint=hint) from exc
+    counts = data.get("counts") if isinstance(data, dict) else data
+    if not (isinstance(counts, list) and counts and all(isinstance(c, int) and c >= 0 for c in counts)):
+        raise UsageError(f"--moe-routing {value}: expected a list of non-negative integers", hint=hint)
+    return RoutingAssumption(kind="file", counts=tuple(counts), path=value)
+
+
+def assign_experts(counts: tuple[int, ...], tokens: int, top_k: int) -> torch.Tensor:
+    """(tokens, top_k) int64 expert ids in which expert e appears `counts[e]` times and no token picks an
+    expert twice: the token-choices, choice-major, are filled with expert 0's count, then expert 1's ...
+    (wrapping from one choice column to the next); a count of at most `tokens` never meets itself."""
+    flat = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    return flat.view(top_k, tokens).t().contiguous()
+
+
+@dataclasses.dataclass
+class _Router:
+    line: str
+    op: str
+    tokens: int
+    experts: int
+    top_k: int
+    counts: tuple[int, ...]
+
+
+class RoutingShadows:
+    """The state of one capture: shadow values of fake tensors, routers seen, data-dependent ops answered."""
+
+    def __init__(self, assumption: RoutingAssumption):
+        from torch.utils.weak import WeakIdKeyDictionary
+        self.assumption = assumption
+        self.shadow = WeakIdKeyDictionary()
+        self.routers: dict[str, _Router] = {}
+        self.answered: dict[tuple[str, str], list[str]] = {}   # (op, line) -> what each call decided
+        self.scalar_reads: dict[str, None] = {}                 # lines that read a value it decides
+        self.grouped_mm_lines: dict[str, str] = {}              # line -> dtype
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        notes = []
+        for router in self.routers.values() if self.answered or self.scalar_reads else ():   # else: no note
+            notes.append(f"routing assumed {self.assumption.label} at the router {router.op} at {router.line}: "
+                         f"{router.tokens} tokens x top-{router.top_k} over {router.experts} experts, tokens per "
+                         f"expert {_counts_text(router.counts)} (change with --moe-routing balanced|worst|FILE)")
+        for (op, line), decided in self.answered.items():
+            sizes = ", ".join(dict.fromkeys(decided))
+            notes.append(f"{op} at {line} has a data-dependent size: taken from the routing assumption "
+                         f"({_clip(sizes)})")
+        if self.scalar_reads:
+            notes.append("values read from tensors the routing decides (.item(), `if`, a tensor index) at "
+                         + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
+        for line, dtype in self.grouped_mm_lines.items():
+            notes.append(f"grouped matmul (aten._grouped_mm) at {line} in {dtype}: sized as torch's CPU kernel "
+                         "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
+        return tuple(notes)
+
+    # ---- dispatch -------------------------------------------------------------------------------------
+    def dispatch(self, mode, original, func, types, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        if func in _ROUTERS and tensors and tensors[0].is_floating_point() and tensors[0] not in self.shadow:
+            out = original(mode, func, types, args, kwargs)
+            self._route(func, args, kwargs, out)
+            return out
+        if func is aten._grouped_mm.default and tensors[0].dtype != torch.bfloat16:
+            return self._grouped_mm(mode, args, kwargs)
+        shadowed = bool(tensors) and all(t in self.shadow for t in tensors)
+        try:
+            out = original(mode, func, types, args, kwargs)
+        except (_DynamicOutputShape, _DataDependentOutput) as exc:
+            if not shadowed and isinstance(exc, _DataDependentOutput):
+                raise                        # a value read (`if t.sum() > 0`): the capture ladder reports it
+            if not shadowed:
+                raise RoutingError(f"{_user_line(short=False)}: {_op_name(func)} has a data-dependent output size and its "
+                                   "input does not follow from a router (topk / argmax over logits) or constants",
+                                   hint="no routing assumption applies; compute the size from a router's indices "
+                                        "or make it static") from exc
+            return self._answer(mode, func, flat, spec)
+        if shadowed:
+            self._follow(func, flat, spec, out)
+        elif not tensors and _is_small_factory(out):
+            self._follow(func, flat, spec, out)
+        elif tensors:
+            self._forget_mutated(func, args)
+        return out
+
+    def _real(self, func, flat, spec):
+        real_flat = [self.shadow[a] if isinstance(a, torch.Tensor) else a for a in flat]
+        args, kwargs = tree_unflatten(real_flat, spec)
+        kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
+        with _no_python_dispatch():
+            return func(*args, **kwargs)
+
+    def _follow(self, func, flat, spec, out) -> None:
+        """Run `func` on the shadows too; give each tensor output the matching real result."""
+        if any(isinstance(a, torch.Tensor) and a.numel() > _SHADOW_LIMIT for a in flat):
+            return
+        try:
+            real = self._real(func, flat, spec)
+        except Exception:                    # an op the shadows cannot run: the outputs simply get none
+            return
+        self._pair(out, real)
+
+    def _pair(self, out, real) -> None:
+        outs, _ = tree_flatten(out)
+        reals, _ = tree_flatten(real)
+        for o, r in zip(outs, reals):
+            if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
+                self.shadow[o] = r
+
+    def _answer(self, mode, func, flat, spec):
+        """The data-dependent op, sized by the shadows' result."""
+        real = self._real(func, flat, spec)
+        line = _user_line()
+        if func is aten._local_scalar_dense.default:
+            self.scalar_reads.setdefault(line, None)
+            return real
+        fakes = tree_map_only(torch.Tensor, lambda r: _fake_like(mode, r), real)
+        self._pair(fakes, real)
+        shapes = [tuple(r.shape) for r in tree_flatten(real)[0] if isinstance(r, torch.Tensor)]
+        self.answered.setdefault((_op_name(func), line), []).append(
+            "x".join(map(str, shapes[0])) if len(shapes) == 1 else str(shapes))
+        return fakes
+
+    def _route(self, func, args, kwargs, out) -> None:
+        logits = args[0]
+        if func is aten.topk.default:
+            k = args[1]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            indices = out[1]
+        else:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim is None:
+                return                              # argmax over everything: not a router
+            k, indices = 1, (out if func is aten.argmax.default else out[1])
+        dim = dim % logits.dim()
+        experts = logits.shape[dim]
+        tokens = logits.numel() // experts if experts else 0
+        if tokens == 0 or k > experts or logits.numel() > _SHADOW_LIMIT:
+            return
+        line = _user_line()
+        try:
+            counts = self.assumption.expert_counts(tokens, experts, k)
+        except ValueError as exc:
+            raise RoutingError(f"{_user_line(short=False)}: the router {_op_name(func)}: {exc}",
+                               hint="give one count per expert, summing to tokens x top_k") from exc
+        chosen = assign_experts(counts, tokens, k)                        # (tokens, k)
+        moved = list(logits.shape[:dim]) + list(logits.shape[dim + 1:]) + [k]
+        real = chosen.view(moved).movedim(-1, dim)
+        if tuple(real.shape) != tuple(indices.shape):
+            return
+        self.shadow[indices] = real.contiguous() if indices.is_contiguous() else real
+        self.routers.setdefault(line, _Router(line, _op_name(func), tokens, experts, k, counts))
+
+    def _grouped_mm(self, mode, args, kwargs):
+        """aten._grouped_mm on fp32/fp16: the CPU kernel takes them; the meta kernel asks for bf16 (CUDA's
+        rule). The output is sized as the meta kernel sizes a bf16 one, in the input's dtype."""
+        from torch._meta_registrations import _create_grouped_mm_output_tensor
+        mat_a, mat_b = args[0], args[1]
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        out_dtype = (args[4] if len(args) > 4 else kwargs.get("out_dtype")) or mat_a.dtype
+        with _no_python_dispatch():
+            meta = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                    for t in (mat_a, mat_b, offs)]
+            out = _create_grouped_mm_output_tensor(*meta, out_dtype)
+        line = _user_line()
+        if line != "an unknown line":
+            self.grouped_mm_lines.setdefault(line, str(mat_a.dtype).removeprefix("torch."))
+        return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
+
+    def _forget_mutated(self, func, args) -> None:
+        """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale."""
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write and i < len(args):
+                for t in tree_flatten(args[i])[0]:
+                    if isinstance(t, torch.Tensor):
+                        self.shadow.pop(t, None)
+
+
+_ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
+
+
+def _is_small_factory(out) -> bool:
+    return (isinstance(out, torch.Tensor) and not out.is_floating_point() and out.numel() <= _FACTORY_LIMIT)
+
+
+def _fake_like(mode, real: torch.Tensor):
+    with _no_python_dispatch():
+        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, torch.device("cpu"))
+
+
+def _no_python_dispatch():
+    from torch.utils._mode_utils import no_dispatch
+    return no_dispatch()
+
+
+def _op_name(func) -> str:
+    return f"aten.{func._schema.name.split('::')[-1]}" + ("" if func._overloadname == "default"
+                                                          else f".{func._overloadname}")
+
+
+def _user_line(short: bool = True) -> str:
+    """The innermost user frame: `file.py:line` for notes, the full path for errors."""
+    from tracer.capture.source import loc_from_python_stack
+    loc = loc_from_python_stack()
+    if loc is None or ("/tracer/" in loc.file and "/tracer/models/" not in loc.file):   # a backward: no user line
+        return "an unknown line"
+    return loc.short() if short else f"{loc.file}:{loc.line}"
+
+
+def _counts_text(counts: tuple[int, ...]) -> str:
+    if len(set(counts)) == 1:
+        return f"{counts[0]} each"
+    return _clip("[" + ", ".join(map(str, counts)) + "]")
+
+
+def _clip(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _exceptions():
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    return DynamicOutputShapeException, DataDependentOutputException
+
+
+_DynamicOutputShape, _DataDependentOutput = _exceptions()
+
+
+@contextlib.contextmanager
+def routing_assumption(assumption: RoutingAssumption):
+    """Active for one capture: yields the `RoutingShadows` whose `notes` say what was assumed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    state = RoutingShadows(assumption)
+    original = FakeTensorMode.dispatch
+
+    def dispatch(mode, func, types, args=(), kwargs=None):
+        return state.dispatch(mode, original, func, types, args, kwargs or {})
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    FakeTensorMode.dispatch = dispatch
+    # fake tensors log a traceback for every meta kernel that raises; tracer reports errors itself
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield state
+    finally:
+        FakeTensorMode.dispatch = original
+        logger.setLevel(level)
