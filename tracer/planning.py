@@ -109,7 +109,7 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
     `sample_depths` blocks. `options` are `tracer.analyze`'s. Raises DepthError when the model cannot be
     cut or the cut steps are not the same step with fewer identical blocks."""
     from tracer.capture import load_model_source
-    load_options = {k: options.pop(k) for k in HF_OPTIONS if k in options}
+    load_options = {k: options[k] for k in HF_OPTIONS if k in options}   # also kept: the settings record them
     source = load_model_source(model, **load_options)
     seen: dict = {}
     samples = {}

@@ -1,0 +1,86 @@
+"""Every command takes its settings through one pipeline (tracer/pipeline.py): a flag given to the main
+command, to --fit, to --by-depth, to `tracer check` or as a marker/`tracer.analyze` keyword reaches the
+AnalysisOptions the capture runs with. The pipeline is replaced by a recorder, so nothing is captured."""
+import pytest
+
+import tracer.pipeline
+from tracer.cli import main
+from tracer.errors import ExitCode
+
+FLAGS = ["--batch", "3", "--seq", "40", "--precision", "bf16", "--optimizer", "sgd", "--no-foreach",
+         "--step", "first", "--zero-grad", "zeros", "--target", "cuda", "--gpu", "a100", "--capture", "export",
+         "--hf-attn", "eager", "--moe-routing", "worst"]
+EXPECTED = dict(precision="bf16", optimizer="sgd", foreach=False, step="first", zero_grad_set_to_none=False,
+                target="cuda", gpu="a100", capture="export", hf_attn="eager", moe_routing="worst")
+MAIN_ONLY = ["--policy", "full", "--blocks", "layers.*", "--checkpoint-every", "2", "--save-policy", "matmul",
+             "--hf-config", "n_layer=2", "--hf-task", "causal-lm", "--alloc-conf", "expandable_segments:True",
+             "--cublas-workspace-config", ":4096:8", "--device-memory", "24GiB"]
+MAIN_EXPECTED = dict(policies=("full",), blocks="layers.*", checkpoint_every=2, save_policy="matmul",
+                     hf_config=("n_layer=2",), hf_task="causal-lm", alloc_conf="expandable_segments:True",
+                     cublas_workspace_config=":4096:8", device_memory_bytes=24 * 2**30)
+
+
+class _Reached(Exception):
+    pass
+
+
+@pytest.fixture
+def reached(monkeypatch):
+    seen = []
+
+    def record(model, options, **kwargs):
+        seen.append(options)
+        raise _Reached()
+
+    monkeypatch.setattr(tracer.pipeline, "run_analysis", record)
+    return seen
+
+
+def _check(options, expected):
+    for name, value in expected.items():
+        assert getattr(options, name) == value, f"{name}: {getattr(options, name)!r} != {value!r}"
+
+
+@pytest.mark.parametrize("mode", [[], ["--fit", "1GiB"], ["--by-depth"]], ids=["run", "fit", "by-depth"])
+def test_the_main_command_fit_and_by_depth_pass_every_option(reached, mode):
+    with pytest.raises(_Reached):
+        main(["llama-debug", *FLAGS, *MAIN_ONLY, *mode, "--quiet"])
+    (options,) = reached
+    _check(options, {**EXPECTED, **MAIN_EXPECTED})
+    if not mode:
+        assert (options.batch, options.seq) == (3, 40)
+    if mode == ["--by-depth"]:
+        assert options.seq == 40
+
+
+def test_the_main_command_passes_sharding(reached):
+    with pytest.raises(_Reached):
+        main(["llama-debug", "--shard", "zero3", "--world-size", "8", "--no-reshard-after-forward", "--quiet"])
+    _check(reached[0], dict(shard="zero3", world_size=8, reshard_after_forward=False))
+
+
+def test_tracer_check_passes_every_option(reached, tmp_path):
+    with pytest.raises(_Reached):
+        main(["check", "llama-debug", "--baseline", str(tmp_path / "b.json"), "--update-baseline", *FLAGS,
+              "--policy", "full", "--hf-task", "causal-lm", "--shard", "zero2", "--world-size", "4"])
+    _check(reached[0], {**EXPECTED, "batch": 3, "seq": 40, "policies": ("full",), "hf_task": "causal-lm",
+                        "shard": "zero2", "world_size": 4})
+
+
+def test_the_python_api_and_the_marker_keywords_reach_the_pipeline(reached):
+    from tracer.checks.plugin import check_budget_marker
+
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", batch=3, seq=40, **EXPECTED)
+    _check(reached[0], EXPECTED)
+    marker = {k: v for k, v in EXPECTED.items() if k != "zero_grad_set_to_none"}
+    with pytest.raises(_Reached):
+        check_budget_marker((), dict(model="llama-debug", peak="1GiB", zero_grad="zeros", **marker), test_dir=".")
+    _check(reached[1], EXPECTED)
+
+
+def test_an_unknown_keyword_is_a_usage_error():
+    from tracer.errors import UsageError
+    with pytest.raises(UsageError, match="unknown option 'precison'"):
+        tracer.analyze("llama-debug", precison="bf16")
+    assert main(["llama-debug", "--world-size", "8", "--quiet"]) == ExitCode.USAGE
