@@ -81,7 +81,7 @@ def test_the_body_runs_first_and_its_failure_wins(pytester):
     ('model="llama-debug"', "memory_budget needs a budget: peak= or one of parameter"),
     ('model="llama-debug", peak="lots"', "memory_budget peak='lots': cannot read 'lots' as a size"),
     ('model="llama-debug", peak="1GiB", sequence=8', "unknown keyword(s) sequence (valid: model, policy, peak"),
-    ('model="llama-debug", peak="1GiB", precision="fp16"', "precision='fp16' is not valid"),
+    ('model="llama-debug", peak="1GiB", precision="fp8"', "precision='fp8' is not valid"),
     ('model="missing.py", peak="1GiB"', "memory_budget: model file not found: missing.py"),
     ('model="llama-debug", peak="1GiB", seq=8, policy="nope"', "unknown policy 'nope'; valid policies: "),
 ])

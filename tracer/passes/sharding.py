@@ -20,7 +20,7 @@ temporaries shrink the same way.
 
 Units: the repeated blocks (`prefix.N` module paths; a module-less backward op, such as the autograd
 engine summing a block's input gradients, belongs to the block before it) and the root (every other
-parameter). For sharded gradients a unit's gradients are whole from their allocation until the unit's
+parameter). A unit's forward (backward) runs from its first op to its last op that is not a view. For sharded gradients a unit's gradients are whole from their allocation until the unit's
 backward ends (its post-backward reduce-scatter), then one shard each until they are freed. For sharded
 parameters (zero3, fsdp) a unit's parameters are gathered whole (padded) before its first forward op
 and, when `reshard_after_forward`, freed after its last one and gathered again before its first
@@ -166,7 +166,10 @@ def find_units(graph: StepGraph, world_size: int) -> tuple[Unit, ...]:
             unit = previous               # the engine summing the gradients of the block's input
         span = forward if is_forward else backward
         first_last = span.setdefault(unit, [op.index, op.index])
-        first_last[1] = op.index
+        if not op.is_view:
+            # a view allocates and frees nothing; compiled graphs end their forward with detaches of saved
+            # activations attributed to the blocks that made them, which must not keep every block gathered
+            first_last[1] = op.index
         previous = unit if not is_forward and unit else None
     units = []
     shapes = _sharding_shapes(graph)
