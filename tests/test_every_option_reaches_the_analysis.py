@@ -55,8 +55,9 @@ def test_the_main_command_fit_and_by_depth_pass_every_option(reached, mode):
 
 def test_the_main_command_passes_sharding(reached):
     with pytest.raises(_Reached):
-        main(["llama-debug", "--shard", "zero3", "--world-size", "8", "--no-reshard-after-forward", "--quiet"])
-    _check(reached[0], dict(shard="zero3", world_size=8, reshard_after_forward=False))
+        main(["llama-debug", "--shard", "fsdp", "--world-size", "8", "--no-reshard-after-forward",
+              "--fsdp-mixed-precision", "--quiet"])
+    _check(reached[0], dict(shard="fsdp", world_size=8, reshard_after_forward=False, fsdp_mixed_precision=True))
 
 
 def test_tracer_check_passes_every_option(reached, tmp_path):

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-rank memory under data parallelism / ZeRO / FSDP2 (--batch is per rank)")
     p.add_argument("--world-size", type=int, metavar="N", help="--shard: number of ranks")
     p.add_argument("--no-reshard-after-forward", action="store_true", help="--shard fsdp: keep gathered blocks")
+    p.add_argument("--fsdp-mixed-precision", action="store_true",
+                   help="--shard fsdp: FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32): bf16 "
+                        "compute and gathered parameters, fp32 sharded parameters, gradients and optimizer state")
     p.add_argument("--by-depth", action="store_true",
                    help="analyse the model cut to 3, 4, 5 blocks and extrapolate to its depth (exact; refused when "
                         "blocks differ) - fast for very deep models")
@@ -228,7 +231,7 @@ def analysis_options(args):
         target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
-        reshard_after_forward=not args.no_reshard_after_forward)
+        reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision)
     options.policy_specs()                  # an unknown --save-policy fails here, before any capture
     options.target_label()                  # so does --gpu with --target cpu
     options.sharding_setup()                # and --world-size without --shard

@@ -50,6 +50,7 @@ class AnalysisOptions:
     shard: str | None = None               # passes.sharding.STRATEGIES: per-rank memory on `world_size` ranks
     world_size: int | None = None
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
+    fsdp_mixed_precision: bool = False     # fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 
     def policy_specs(self) -> tuple:
         """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
@@ -83,6 +84,8 @@ class AnalysisOptions:
         from tracer.passes.sharding import STRATEGIES
 
         if self.shard is None:
+            if self.fsdp_mixed_precision:
+                raise UsageError("--fsdp-mixed-precision needs --shard fsdp --world-size N")
             if self.world_size is not None:
                 raise UsageError("--world-size needs --shard", hint=f"--shard {'|'.join(STRATEGIES)}")
             return None
@@ -90,7 +93,11 @@ class AnalysisOptions:
             raise UsageError(f"unknown sharding strategy {self.shard!r}", hint=f"valid: {', '.join(STRATEGIES)}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise UsageError("--shard needs --world-size N (a positive integer)")
-        return ShardingSetup(self.shard, self.world_size, self.reshard_after_forward)
+        if self.fsdp_mixed_precision and (self.shard != "fsdp" or self.precision not in ("fp32", "bf16-pure")):
+            raise UsageError("--fsdp-mixed-precision is FSDP2's MixedPrecisionPolicy: it needs --shard fsdp and "
+                             "fp32 weights (the default --precision)", hint="drop --precision, or drop the flag")
+        return ShardingSetup(self.shard, self.world_size, self.reshard_after_forward,
+                             fp32_master=self.fsdp_mixed_precision)
 
     def settings(self) -> dict:
         """The settings that change the answer, for the JSON report's config (plain values)."""
@@ -101,14 +108,20 @@ class AnalysisOptions:
                 "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
                 "cublas_workspace_config": self.cublas_workspace_config,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
-                "reshard_after_forward": self.reshard_after_forward}
+                "reshard_after_forward": self.reshard_after_forward,
+                "fsdp_mixed_precision": self.fsdp_mixed_precision}
 
     def capture_options(self):
-        """Raises UsageError for a --moe-routing that is neither balanced, worst nor a readable JSON file."""
+        """Raises UsageError for a --moe-routing that is neither balanced, worst nor a readable JSON file.
+        FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
+        sharding pass gives the sharded state its fp32 bytes."""
         from tracer.capture import CaptureOptions
         from tracer.capture.routing import parse_routing
         parse_routing(self.moe_routing)
-        return CaptureOptions(**{name: getattr(self, name) for name in _CAPTURE_FIELDS}, target=self.target_label())
+        fields = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
+        if self.fsdp_mixed_precision:
+            fields["precision"] = "bf16-pure"
+        return CaptureOptions(**fields, target=self.target_label())
 
     def device_setup(self):
         """The device view's setup for a CUDA target, else None."""

@@ -158,3 +158,20 @@ def test_compiled_fsdp_gathers_one_block_at_a_time():
     root = compiled.units[0].padded_bytes
     assert compiled.by_category_at_peak["unsharded_parameter"] <= root + max(u.padded_bytes for u in blocks)
     assert compiled.by_category_at_peak["unsharded_parameter"] == eager.by_category_at_peak["unsharded_parameter"]
+
+
+def test_fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_compute():
+    """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the step computes as bf16-pure (gathered
+    parameters and activations in bf16), while the sharded parameters, gradients and optimizer state are
+    the fp32 ones an fp32 run shards, and the reduce-scatter input is fp32."""
+    run = dict(batch=2, seq=64, shard="fsdp", world_size=4, target="cpu")
+    mixed = tracer.analyze("llama-debug", fsdp_mixed_precision=True, **run).policies["eager"].sharded
+    fp32 = tracer.analyze("llama-debug", **run).policies["eager"].sharded
+    bf16 = tracer.analyze("llama-debug", precision="bf16-pure", **run).policies["eager"].sharded
+    assert mixed.model_state_bytes == fp32.model_state_bytes
+    assert mixed.model_state_bytes["parameter"] == 2 * bf16.model_state_bytes["parameter"]
+    assert [u.padded_bytes for u in mixed.units] == [u.padded_bytes for u in bf16.units]          # gathered: bf16
+    assert [u.padded_gradient_bytes for u in mixed.units] == [u.padded_gradient_bytes for u in fp32.units]
+    assert bf16.peak_bytes < mixed.peak_bytes < fp32.peak_bytes
+    with pytest.raises(UsageError, match="needs --shard fsdp"):
+        tracer.analyze("llama-debug", fsdp_mixed_precision=True, batch=1, seq=8, shard="zero3", world_size=2)

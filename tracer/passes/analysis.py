@@ -89,11 +89,12 @@ class ShardingSetup:
     strategy: str                  # passes.sharding.STRATEGIES
     world_size: int
     reshard_after_forward: bool = True
+    fp32_master: bool = False      # FSDP2 mixed precision: bf16 compute, fp32 sharded state (passes/sharding.py)
 
 
 def with_sharding(result: PolicyAnalysis, sharding: ShardingSetup, device: DeviceSetup | None) -> PolicyAnalysis:
     sharded = shard_memory(result, sharding.strategy, sharding.world_size,
-                           reshard_after_forward=sharding.reshard_after_forward)
+                           reshard_after_forward=sharding.reshard_after_forward, fp32_master=sharding.fp32_master)
     rank_device = None if device is None else sharded_device_memory(sharded, device, policy=result.policy,
                                                                      graph=result.graph)
     return dataclasses.replace(result, sharded=sharded, rank_device=rank_device)

@@ -139,8 +139,9 @@ def _sharding_shapes(graph: StepGraph) -> list[tuple[int, ...]]:
     return shapes
 
 
-def find_units(graph: StepGraph, world_size: int) -> tuple[Unit, ...]:
-    """The root unit first, then the repeated blocks in forward order."""
+def find_units(graph: StepGraph, world_size: int, *, fp32_master: bool = False) -> tuple[Unit, ...]:
+    """The root unit first, then the repeated blocks in forward order. `fp32_master`: gradients are
+    reduce-scattered in fp32 (FSDP2 MixedPrecisionPolicy(reduce_dtype=float32))."""
     blocks = repeated_blocks(graph)
     unit_of_param: dict[str, str] = {}
     params_by_unit: dict[str, list[int]] = collections.defaultdict(list)
@@ -176,7 +177,8 @@ def find_units(graph: StepGraph, world_size: int) -> tuple[Unit, ...]:
     for name in [""] + blocks:
         padded = sum(shard_bytes(shapes[s], graph.storage(s).nbytes, world_size) * world_size
                      for s in params_by_unit[name])
-        padded_grads = sum(shard_bytes(shapes[s], graph.storage(s).nbytes, world_size) * world_size
+        padded_grads = sum(_master_bytes(shard_bytes(shapes[s], graph.storage(s).nbytes, world_size) * world_size,
+                                         graph.storage(s).dtype, fp32_master)
                            for s in grads_by_unit[name])
         units.append(Unit(name=name, parameter_ids=tuple(params_by_unit[name]),
                           gradient_ids=tuple(grads_by_unit[name]),
@@ -186,20 +188,32 @@ def find_units(graph: StepGraph, world_size: int) -> tuple[Unit, ...]:
     return tuple(units)
 
 
+def _master_bytes(nbytes: int, dtype: str, fp32_master: bool) -> int:
+    """Bytes of a bf16 tensor's fp32 master copy under FSDP2 mixed precision, else `nbytes`."""
+    return nbytes * 2 if fp32_master and dtype == "bfloat16" else nbytes
+
+
 def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forward: bool = True,
-                 backend: str = "nccl") -> ShardedMemory:
+                 backend: str = "nccl", fp32_master: bool = False) -> ShardedMemory:
     """Per-rank memory of `policy` (a `PolicyAnalysis`) under `strategy` on `world_size` ranks.
 
     `backend` "gloo" adds the copy of the reduce-scatter input that gloo's `_reduce_scatter_base` makes
     (it all-reduces a copy, then keeps its chunk); "nccl" reduce-scatters in place.
+    `fp32_master` (fsdp only): FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on a
+    step captured with bf16 parameters (bf16-pure): the computation, the gathered parameters and the
+    unsharded gradients are the captured bf16 ones; the sharded parameters, the sharded gradients, the
+    optimizer state and the optimizer's temporaries are fp32 (twice the captured bf16 bytes), and each
+    unit's reduce-scatter input is fp32.
     Raises UsageError for an unknown strategy or backend, or a world size below 1."""
     if world_size < 1:
         raise UsageError(f"the world size must be a positive integer, not {world_size}")
     if backend not in BACKENDS:
         raise UsageError(f"unknown process-group backend {backend!r}", hint=f"valid: {', '.join(BACKENDS)}")
     rule = _rule(strategy)
+    if fp32_master and strategy != "fsdp":
+        raise UsageError(f"fp32 master weights with bf16 compute are FSDP2's mixed precision: --shard fsdp, not {strategy}")
     graph, liveness = policy.graph, policy.liveness
-    units = find_units(graph, world_size)
+    units = find_units(graph, world_size, fp32_master=fp32_master)
     events = _Events()
     grad_unit_end = _gradient_reduce_points(units, graph, rule)
     opt_start = next((op.index for op in graph.ops if op.phase is Phase.OPTIMIZER), len(graph.ops))
@@ -211,7 +225,7 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
         storage = graph.storage(sid)
         category = policy.categories[sid]
         whole = iv.nbytes
-        shard = shard_bytes(shapes[sid], whole, world_size)
+        shard = _master_bytes(shard_bytes(shapes[sid], whole, world_size), storage.dtype, fp32_master)
         start = _BEFORE if iv.alloc_op == BEFORE_STEP else (iv.alloc_op, _ALLOC, 0)
         end = None if iv.free_op is None else (iv.free_op, _FREE, 0)
         nbytes = whole
