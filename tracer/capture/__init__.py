@@ -24,6 +24,7 @@ from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, make_grad_scaler
+from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
@@ -182,6 +183,9 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
+        for sid, op_index in expression_holds(part.ops).items():    # C++ backward formulas' temporaries
+            held = table.get(sid).held_until_op
+            table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
     if not schedule.compiled:
         _eager_saved_for_shape(part.ops)
     if not schedule.compiled and schedule.forward is not None:
