@@ -3,7 +3,7 @@ diff table names the responsible line; the unchanged model passes; analyses are 
 
 Every case edits a copy of the fixture's text and writes it as `model.py` in its own directory (a user
 editing their model file; a different checkout than the one that saved the baseline), then runs
-`check_main` there. Model options for all: batch 2, seq 64, bf16 autocast.
+`check_main` there. Model options for all: batch 2, seq 64, bf16 autocast, the CPU target.
 """
 import json
 import os
@@ -18,8 +18,8 @@ from tracer.errors import ExitCode, UsageError
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 BASE = os.path.join(FIXTURES, "check_base.py")
-ARGV = ["--seq", "64", "--precision", "bf16"]
-OPTIONS = dict(batch=2, seq=64, precision="bf16")
+ARGV = ["--seq", "64", "--precision", "bf16", "--target", "cpu"]     # the CPU step (diff tables pinned to its peak)
+OPTIONS = dict(batch=2, seq=64, precision="bf16", target="cpu")
 B, S, D, H, LAYERS = 2, 64, 64, 256, 2                    # check_base.py sizes at these options
 
 GELU = "        h = F.gelu(h)                                        # (b, s, hidden)\n"

@@ -12,7 +12,7 @@ pytest_plugins = ["pytester"]
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 BASE_TEXT = open(os.path.join(FIXTURES, "check_base.py")).read()
-OPTIONS = dict(seq=64, precision="bf16")
+OPTIONS = dict(seq=64, precision="bf16", target="cpu")     # the CPU step: its peak is in backward
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +36,19 @@ def test_budgets_hold_on_the_model_and_fail_on_regressions(pytester, base_bill):
     pytester.makepyfile(test_budgets=f"""
         import pytest
 
-        @pytest.mark.memory_budget(model="base.py", peak={peak}, activation={activation}, seq=64, precision="bf16")
+        @pytest.mark.memory_budget(model="base.py", peak={peak}, activation={activation}, seq=64, precision="bf16", target="cpu")
         def test_base_fits_exactly():
             pass
 
-        @pytest.mark.memory_budget(model="upcast.py", peak={peak}, seq=64, precision="bf16")
+        @pytest.mark.memory_budget(model="upcast.py", peak={peak}, seq=64, precision="bf16", target="cpu")
         def test_upcast():
             pass
 
-        @pytest.mark.memory_budget(model="wide.py", activation="{activation}B", seq=64, precision="bf16")
+        @pytest.mark.memory_budget(model="wide.py", activation="{activation}B", seq=64, precision="bf16", target="cpu")
         def test_wide():
             pass
 
-        @pytest.mark.memory_budget(model="base.py", peak="1KiB", seq=64, precision="bf16")
+        @pytest.mark.memory_budget(model="base.py", peak="1KiB", seq=64, precision="bf16", target="cpu")
         def test_base_over_a_tiny_budget():
             pass
     """)
@@ -98,6 +98,6 @@ def test_marker_mistakes_fail_with_one_clear_line(pytester, marker, needle):
     assert needle in result.stdout.str()
 
 
-@pytest.mark.memory_budget(model="../fixtures/check_base.py", peak="3MiB", activation="1MiB", seq=64, precision="bf16")
+@pytest.mark.memory_budget(model="../fixtures/check_base.py", peak="3MiB", activation="1MiB", seq=64, precision="bf16", target="cpu")
 def test_the_fixture_fits_its_budget():
     """The marker in this very suite: the path is resolved next to this test file."""
