@@ -164,7 +164,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
         table.update(part.seed_sid, released_after_op=last_backward)
     if not schedule.compiled:          # compiled code keeps no Python locals alive
-        forward = [(i, d.frames, tuple(v.storage_id for v in d.outputs))
+        forward = [(i, d.frames, _python_visible_outputs(d))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
@@ -184,15 +184,35 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 def _capture_notes(cap) -> tuple[str, ...]:
     seen = cap.seen
-    notes = list(cap.fallback_notes) + list(cap.build_notes) + list(seen.checkpoint_notes)
-    if seen.checkpointed_modules:
-        notes.append("the forward checkpoints " + ", ".join(m or "(root)" for m in seen.checkpointed_modules)
-                     + ": simulated as eager non-reentrant torch.utils.checkpoint")
+    notes = list(cap.fallback_notes) + list(cap.build_notes) + checkpoint_notes(seen.checkpoint_calls)
     for kept in seen.kept_attributes:
         where = f" (made at {kept.source.short()})" if kept.source else ""
         notes.append(f"{kept.module or 'the model'}.{kept.attribute} keeps a {kept.nbytes:,} B tensor past the "
                      f"step{where}")
     return tuple(notes)
+
+
+# aten ops whose Python-level callers (F.layer_norm, F.dropout, F.scaled_dot_product_attention, F.nll_loss, ...)
+# return only their first output: the others (mean and rstd, masks, logsumexp) are never bound to a name
+_FIRST_OUTPUT_ONLY = frozenset({
+    "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "native_group_norm", "_fused_rms_norm", "native_dropout",
+    "nll_loss_forward", "nll_loss2d_forward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable"})
+
+
+def _python_visible_outputs(d: OpDraft) -> tuple[int, ...]:
+    """Storage ids of the op's outputs that a Python name can hold."""
+    from tracer.policies import op_packet
+    outputs = d.outputs[:1] if op_packet(d.target) in _FIRST_OUTPUT_ONLY else d.outputs
+    return tuple(v.storage_id for v in outputs)
+
+
+def checkpoint_notes(calls) -> list[str]:
+    """One line per checkpointed region the forward runs: how it was written (module, partial, method or
+    function; reentrant or not; its policy) and the line that calls checkpoint."""
+    return [f"checkpointed region {c.index}: {c.describe()}" for c in calls]
 
 
 def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, steady: bool) -> None:
@@ -271,7 +291,11 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
             continue
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
                         name=f"checkpoint RNG state, region {region}")
-        ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
+        state = TensorValue(sid, (rng_bytes,), "uint8")
+        ops[start].outputs = ops[start].outputs + (state,)
+        if region in recompute_start:        # the recompute restores it: saved for backward
+            rerun = ops[recompute_start[region]]
+            rerun.kwargs = tuple(rerun.kwargs) + (("checkpoint_rng_state", state),)
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
 
 
