@@ -231,11 +231,28 @@ def _checkpoint_holds_counted(saved: dict, param_keys: set):
         yield
         next(inner, None)
 
+    real_forward = ckpt.CheckpointFunction.forward
+
+    def reentrant_forward(ctx, run_function, preserve_rng_state, *args):    # saves the CPU RNG state on ctx
+        real_get = torch.get_rng_state
+
+        def get_rng_state():
+            state = real_get()
+            count([state])
+            return state
+        torch.get_rng_state = get_rng_state
+        try:
+            return real_forward(ctx, run_function, preserve_rng_state, *args)
+        finally:
+            torch.get_rng_state = real_get
+
     ckpt._checkpoint_without_reentrant_generator = generator
+    ckpt.CheckpointFunction.forward = staticmethod(reentrant_forward)
     try:
         yield
     finally:
         ckpt._checkpoint_without_reentrant_generator = real
+        ckpt.CheckpointFunction.forward = staticmethod(real_forward)
 
 
 def _batch_tensors(batch: tuple) -> list[torch.Tensor]:

@@ -168,7 +168,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
-    if not schedule.compiled and schedule.forward is not None:
+    if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         _eager_checkpoint_semantics(part.ops, table)
     _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
@@ -280,6 +280,8 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
     for i, d in enumerate(ops):
         if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
             backward_end[region_of_seq[d.seq_nr]] = i
+    _hold_reentrant_values(ops, table, backward_end)
+    reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
@@ -297,6 +299,32 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
             rerun = ops[recompute_start[region]]
             rerun.kwargs = tuple(rerun.kwargs) + (("checkpoint_rng_state", state),)
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
+        if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
+            table.update(sid, persistent=True)
+
+
+def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
+    """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
+    `outputs` local of CheckpointFunction.backward) until the region's backward has run."""
+    produced_in: dict[int, int | None] = {}
+    for d in ops:
+        for value in d.outputs:
+            produced_in.setdefault(value.storage_id, d.checkpoint_region if d.rerun else None)
+    for d in ops:
+        end = backward_end.get(d.checkpoint_region)
+        if not d.rerun or end is None:
+            continue
+        held = list(d.outputs) if d.held_to_region_end else []
+        held += [v for v in _input_values(d) if produced_in.get(v.storage_id) != d.checkpoint_region]
+        for value in held:
+            storage = table.get(value.storage_id)
+            if storage.role is StorageRole.INTERMEDIATE:
+                table.update(value.storage_id, held_until_op=max(end, storage.held_until_op or -1))
+
+
+def _input_values(d: OpDraft):
+    from tracer.stepgraph import _iter_values
+    return tuple(_iter_values((d.args, tuple(v for _, v in d.kwargs))))
 
 
 def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:

@@ -492,7 +492,10 @@ def _tag_checkpoint_regions():
     class Reentrant:
         @staticmethod
         def apply(function, preserve, *args):
-            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+            # no input requiring grad: CheckpointFunction's outputs do not either, so nothing in the region
+            # gets a gradient (torch warns "None of the inputs have requires_grad=True")
+            grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}), torch.set_grad_enabled(grad):
                 return function(*args)
 
     real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction

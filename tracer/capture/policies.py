@@ -24,7 +24,7 @@ import re
 
 import torch
 
-from tracer.capture.convert import Schedule, target_name
+from tracer.capture.convert import HELD_KEY, REGION_KEY, RERUN_KEY, Schedule, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import UsageError
@@ -82,6 +82,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     num_fwd = sum(1 for d in output.meta["desc"] if d is not None and type(d).__name__ != "GradAOTOutput")
     if user_calls:
         notes += _tag_user_regions(joint, user_calls, cap.fake_mode)
+        if spec.name == "eager" and all(c.reentrant for c in user_calls):
+            return Schedule(joint=joint, notes=notes)     # nothing left for a partitioner to decide
     if spec.name == "compiled":
         partition, budget = min_cut_rematerialization_partition, spec.memory_budget
     elif spec.name in ("full", "selective"):
@@ -157,6 +159,10 @@ def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode) -> tuple[st
             notes.append(f"{len(lost)} checkpointed function(s) ({lost[0].target}, ...) cannot be located in "
                          "this capture path's graph: their ops are kept as if not checkpointed")
     deciders = {c.index: _user_policy(c.policy_fn, fake_mode) for c in calls if c.policy_fn is not None}
+    reentrant = {c.index for c in calls if c.reentrant}
+    if reentrant:
+        _rerun_reentrant_regions(joint, {n: r for n, r in region_of_node.items() if r in reentrant})
+        region_of_node = {n: (None if r in reentrant else r) for n, r in region_of_node.items()}
 
     def decide(node, region):
         decider = deciders.get(region)
@@ -250,3 +256,40 @@ def _recompute_for_backward(joint: torch.fx.GraphModule, node, region: int, regi
         item_twin.meta = dict(item.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
         for user in [u for u in item.users if reads_recomputed(u)]:
             user.replace_input_with(item, item_twin)
+
+
+def _rerun_reentrant_regions(joint: torch.fx.GraphModule, region_of_node: dict) -> None:
+    """Reentrant checkpointing (CheckpointFunction): the region's forward runs under no_grad (nothing
+    saved; its temporaries die at their last use), its tensor inputs are saved; when backward reaches the
+    region, the whole forward runs again with grad (no early stop) and the region's backward runs on that
+    rerun, as a graph of its own. Rewrite the joint graph so: copies of every forward node of the region,
+    placed just before the region's first backward node, tagged as backward nodes; the region's backward
+    nodes (matched by seq_nr) read the copies; the original forward nodes keep only forward users. The
+    copies of the region's outputs are held until the region's backward ends (its `outputs` local)."""
+    by_region: dict[int, list] = {}
+    for node, region in region_of_node.items():
+        if region is not None:
+            by_region.setdefault(region, []).append(node)
+    order = {node: i for i, node in enumerate(joint.graph.nodes)}
+    for region, nodes in by_region.items():
+        members = set(nodes)
+        seqs = {n.meta.get("seq_nr") for n in nodes if n.meta.get("seq_nr") is not None}
+        backward = [n for n in joint.graph.nodes if _is_backward(n) and n.meta.get("seq_nr") in seqs]
+        for node in nodes:
+            node.meta[REGION_KEY] = region
+        if not backward:
+            continue
+        copies: dict = {}
+        with joint.graph.inserting_before(min(backward, key=order.__getitem__)):
+            for node in sorted(nodes, key=order.__getitem__):
+                copy_ = joint.graph.node_copy(node, lambda n: copies.get(n, n))
+                meta = {k: v for k, v in node.meta.items() if k not in ("seq_nr", "recompute", "ac_graph_id")}
+                meta.update({"partitioner_tag": "is_backward", REGION_KEY: region, RERUN_KEY: True,
+                             "fwd_nn_module_stack": node.meta.get("nn_module_stack")})
+                if any(u not in members and not _is_backward(u) for u in node.users):
+                    meta[HELD_KEY] = True        # a region output
+                copy_.meta = meta
+                copies[node] = copy_
+        for user in backward:
+            for original in [a for a in user.all_input_nodes if a in members]:
+                user.replace_input_with(original, copies[original])
