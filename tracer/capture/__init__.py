@@ -57,6 +57,8 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
+        # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
+        warnings.filterwarnings("ignore", message="Error detected in")
         return _capture_steps(source, options, specs, on_policy)
 
 

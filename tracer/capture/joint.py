@@ -5,8 +5,9 @@ never fake cuda) -> `torch.export.export(strict=False)` -> strip `_assert_tensor
 `aot_export_joint_with_descriptors` on `ep.module()`, under `torch.autocast("cpu", bfloat16)` for bf16.
 Nodes then carry `partitioner_tag`, `stack_trace`, `nn_module_stack` / `fwd_nn_module_stack`, and
 placeholders/outputs carry AOT descriptors. Export drops two things that a fake run of the forward shows, so one is made first
-(`ForwardObservations`): modules run through torch.utils.checkpoint (policies re-apply them to the
-graph) and tensors stored on module attributes (kept alive past the step). Data-dependent control flow
+(`ForwardObservations`): torch.utils.checkpoint calls (how each was written; export then tags each
+call's nodes with an fx annotation and policies re-apply the checkpointing to the graph) and tensors
+stored on module attributes (kept alive past the step). Data-dependent control flow
 fails with a clear error naming the line.
 """
 from __future__ import annotations
@@ -121,6 +122,9 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
+        if calls:           # reentrant checkpointing refuses AOT's autograd.grad: the export rungs take it
+            raise CaptureError(f"{source.name}: the forward checkpoints: it is exported, which observes the "
+                               "forward first", next_rung_may_work=True, quiet=True) from exc
         raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc

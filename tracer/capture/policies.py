@@ -1,7 +1,11 @@
 """Apply a recompute policy to the captured joint graph and partition it (the user's model is untouched).
 
-  * eager: the joint graph as is, or, when the user's forward checkpoints modules (seen in a fake run,
-    since non-strict export drops torch.utils.checkpoint), those modules checkpointed as below.
+  * eager: the joint graph as is, or, when the user's forward calls torch.utils.checkpoint (seen in a fake
+    run; export tags each call's nodes with its index, `joint.CHECKPOINT_KEY`), those regions checkpointed
+    as written: non-reentrant ones tagged as below (with the user's own selective policy function, when
+    the call passes one), reentrant ones rewritten so the region reruns whole inside backward
+    (`_rerun_reentrant_regions`). A region's output op stays untagged; the region's own backward reads
+    a recomputed twin of it.
   * compiled: `min_cut_rematerialization_partition` with parameters and buffers as static inputs (what
     torch.compile's partitioner saves), optionally under `activation_memory_budget`.
   * full / selective: forward nodes inside checkpointed blocks get `meta["recompute"]` (PREFER_RECOMPUTE,
