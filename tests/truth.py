@@ -181,7 +181,8 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
 
     torch.get_rng_state = tracked_get_rng_state
     try:
-        forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler)
+        with _checkpoint_holds_counted(saved, param_keys):
+            forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler)
     finally:
         torch.get_rng_state = real_get_rng_state
     if scaler is not None and steady:          # the step was taken: no gradient overflowed, the scale held
@@ -192,6 +193,66 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
                        start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines,
                        forward_end_bytes=forward_end)
+
+
+@contextlib.contextmanager
+def _checkpoint_holds_counted(saved: dict, param_keys: set):
+    """Saved-for-backward also counts what a non-reentrant torch.utils.checkpoint holds for its recompute
+    outside saved_tensors_hooks: the tensors its function closes over as a functools.partial (transformers
+    passes masks and rotary embeddings so), its keyword arguments, and the CPU RNG state it saves."""
+    import functools
+    import torch.utils.checkpoint as ckpt
+    real = ckpt._checkpoint_without_reentrant_generator
+
+    def count(tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in param_keys:
+                saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+
+    def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, determinism_check="default",
+                  debug=False, *args, **kwargs):
+        held, inner_fn = [kwargs], fn
+        while isinstance(inner_fn, functools.partial):
+            held += [inner_fn.args, inner_fn.keywords]
+            inner_fn = inner_fn.func
+        count(tree_leaves(held))
+        real_get = torch.get_rng_state
+
+        def get_rng_state():
+            state = real_get()
+            count([state])
+            return state
+        torch.get_rng_state = get_rng_state
+        try:
+            inner = real(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
+            next(inner)
+        finally:
+            torch.get_rng_state = real_get
+        yield
+        next(inner, None)
+
+    real_forward = ckpt.CheckpointFunction.forward
+
+    def reentrant_forward(ctx, run_function, preserve_rng_state, *args):    # saves the CPU RNG state on ctx
+        real_get = torch.get_rng_state
+
+        def get_rng_state():
+            state = real_get()
+            count([state])
+            return state
+        torch.get_rng_state = get_rng_state
+        try:
+            return real_forward(ctx, run_function, preserve_rng_state, *args)
+        finally:
+            torch.get_rng_state = real_get
+
+    ckpt._checkpoint_without_reentrant_generator = generator
+    ckpt.CheckpointFunction.forward = staticmethod(reentrant_forward)
+    try:
+        yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator = real
+        ckpt.CheckpointFunction.forward = staticmethod(real_forward)
 
 
 def _batch_tensors(batch: tuple) -> list[torch.Tensor]:

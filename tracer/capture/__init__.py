@@ -60,6 +60,8 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
+        # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
+        warnings.filterwarnings("ignore", message="Error detected in")
         with routing_assumption(parse_routing(options.moe_routing)) as routing:
             graphs = _capture_steps(source, options, specs, on_policy)
         notes = routing.notes
@@ -179,16 +181,15 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
         table.update(part.seed_sid, released_after_op=last_backward)
     if not schedule.compiled:          # compiled code keeps no Python locals alive
-        forward = [(i, d.frames, tuple(v.storage_id for v in d.outputs))
+        forward = [(i, d.frames, _python_visible_outputs(d))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
         for sid, op_index in expression_holds(part.ops).items():    # C++ backward formulas' temporaries
             held = table.get(sid).held_until_op
             table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
-    if not schedule.compiled:
         _eager_saved_for_shape(part.ops)
-    if not schedule.compiled and schedule.forward is not None:
+    if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         _eager_checkpoint_semantics(part.ops, table)
     _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
@@ -204,15 +205,35 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 def _capture_notes(cap) -> tuple[str, ...]:
     seen = cap.seen
-    notes = list(cap.fallback_notes) + list(cap.build_notes) + list(seen.checkpoint_notes)
-    if seen.checkpointed_modules:
-        notes.append("the forward checkpoints " + ", ".join(m or "(root)" for m in seen.checkpointed_modules)
-                     + ": simulated as eager non-reentrant torch.utils.checkpoint")
+    notes = list(cap.fallback_notes) + list(cap.build_notes) + checkpoint_notes(seen.checkpoint_calls)
     for kept in seen.kept_attributes:
         where = f" (made at {kept.source.short()})" if kept.source else ""
         notes.append(f"{kept.module or 'the model'}.{kept.attribute} keeps a {kept.nbytes:,} B tensor past the "
                      f"step{where}")
     return tuple(notes)
+
+
+# aten ops whose Python-level callers (F.layer_norm, F.dropout, F.scaled_dot_product_attention, F.nll_loss, ...)
+# return only their first output: the others (mean and rstd, masks, logsumexp) are never bound to a name
+_FIRST_OUTPUT_ONLY = frozenset({
+    "native_layer_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "native_group_norm", "_fused_rms_norm", "native_dropout",
+    "nll_loss_forward", "nll_loss2d_forward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable"})
+
+
+def _python_visible_outputs(d: OpDraft) -> tuple[int, ...]:
+    """Storage ids of the op's outputs that a Python name can hold."""
+    from tracer.policies import op_packet
+    outputs = d.outputs[:1] if op_packet(d.target) in _FIRST_OUTPUT_ONLY else d.outputs
+    return tuple(v.storage_id for v in outputs)
+
+
+def checkpoint_notes(calls) -> list[str]:
+    """One line per checkpointed region the forward runs: how it was written (module, partial, method or
+    function; reentrant or not; its policy) and the line that calls checkpoint."""
+    return [f"checkpointed region {c.index}: {c.describe()}" for c in calls]
 
 
 def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, steady: bool) -> None:
@@ -299,6 +320,8 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
     for i, d in enumerate(ops):
         if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
             backward_end[region_of_seq[d.seq_nr]] = i
+    _hold_reentrant_values(ops, table, backward_end)
+    reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
@@ -310,8 +333,38 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
             continue
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
                         name=f"checkpoint RNG state, region {region}")
-        ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
+        state = TensorValue(sid, (rng_bytes,), "uint8")
+        ops[start].outputs = ops[start].outputs + (state,)
+        if region in recompute_start:        # the recompute restores it: saved for backward
+            rerun = ops[recompute_start[region]]
+            rerun.kwargs = tuple(rerun.kwargs) + (("checkpoint_rng_state", state),)
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
+        if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
+            table.update(sid, persistent=True)
+
+
+def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
+    """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
+    `outputs` local of CheckpointFunction.backward) until the region's backward has run."""
+    produced_in: dict[int, int | None] = {}
+    for d in ops:
+        for value in d.outputs:
+            produced_in.setdefault(value.storage_id, d.checkpoint_region if d.rerun else None)
+    for d in ops:
+        end = backward_end.get(d.checkpoint_region)
+        if not d.rerun or end is None:
+            continue
+        held = list(d.outputs) if d.held_to_region_end else []
+        held += [v for v in _input_values(d) if produced_in.get(v.storage_id) != d.checkpoint_region]
+        for value in held:
+            storage = table.get(value.storage_id)
+            if storage.role is StorageRole.INTERMEDIATE:
+                table.update(value.storage_id, held_until_op=max(end, storage.held_until_op or -1))
+
+
+def _input_values(d: OpDraft):
+    from tracer.stepgraph import _iter_values
+    return tuple(_iter_values((d.args, tuple(v for _, v in d.kwargs))))
 
 
 def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:

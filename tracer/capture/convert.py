@@ -34,6 +34,10 @@ from tracer.capture.storages import StorageTable, dtype_name, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
 _GETITEM = operator.getitem
+# meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
+REGION_KEY = "tracer_checkpoint_region"     # the reentrant region a forward op, or its rerun, belongs to
+RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward
+HELD_KEY = "tracer_held_to_region_end"      # a rerun value the region's backward holds until it ends
 SEED_OP_NAME = "loss_grad_seed"
 
 
@@ -64,6 +68,8 @@ class OpDraft:
     recomputed: bool = False            # a forward op re-run in backward
     checkpoint_region: int | None = None  # ac_graph_id of the checkpointed block this op belongs to
     must_save: bool = False             # selective checkpointing keeps this op's outputs
+    rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
+    held_to_region_end: bool = False    # its outputs are held until the region's backward ends
 
 
 @dataclasses.dataclass
@@ -298,8 +304,10 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         is_view=bool(new_values) and not fresh,
         seq_nr=node.meta.get("seq_nr"),
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
-        recomputed=recomputed,
-        checkpoint_region=node.meta.get("ac_graph_id"),
+        recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
+        checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
+        held_to_region_end=bool(node.meta.get(HELD_KEY)),
+        rerun=bool(node.meta.get(RERUN_KEY)),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )
 

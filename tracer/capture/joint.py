@@ -5,8 +5,9 @@ never fake cuda) -> `torch.export.export(strict=False)` -> strip `_assert_tensor
 `aot_export_joint_with_descriptors` on `ep.module()`, under `torch.autocast("cpu", bfloat16)` for bf16.
 Nodes then carry `partitioner_tag`, `stack_trace`, `nn_module_stack` / `fwd_nn_module_stack`, and
 placeholders/outputs carry AOT descriptors. Export drops two things that a fake run of the forward shows, so one is made first
-(`ForwardObservations`): modules run through torch.utils.checkpoint (policies re-apply them to the
-graph) and tensors stored on module attributes (kept alive past the step). Data-dependent control flow
+(`ForwardObservations`): torch.utils.checkpoint calls (how each was written; export then tags each
+call's nodes with an fx annotation and policies re-apply the checkpointing to the graph) and tensors
+stored on module attributes (kept alive past the step). Data-dependent control flow
 fails with a clear error naming the line.
 """
 from __future__ import annotations
@@ -59,12 +60,11 @@ class KeptAttribute:
 @dataclasses.dataclass(frozen=True)
 class ForwardObservations:
     """What one fake run of the user's forward shows that export does not keep."""
-    checkpointed_modules: tuple[str, ...]        # modules the forward runs through torch.utils.checkpoint
-    checkpoint_notes: tuple[str, ...]            # checkpoint uses that cannot be simulated as written
+    checkpoint_calls: tuple["CheckpointCall", ...]   # torch.utils.checkpoint calls, in call order
     kept_attributes: tuple[KeptAttribute, ...]
 
 
-_NOTHING_SEEN = ForwardObservations(checkpointed_modules=(), checkpoint_notes=(), kept_attributes=())
+_NOTHING_SEEN = ForwardObservations(checkpoint_calls=(), kept_attributes=())
 
 
 def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode):
@@ -93,7 +93,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
         jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
     else:
         seen = _observe_forward(traced, args, fake_mode, source)
-        module = _export_module(traced, args, source, strict)
+        module = _export_module(traced, args, source, strict, tag_checkpoints=bool(seen.checkpoint_calls))
         try:
             jd, _ = _aot_joint(stack, module, args, precision, device, source_meta=False)
         except Exception as exc:
@@ -116,20 +116,22 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
     run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
     observe the forward first, take the model (and give its errors with the user's line)."""
     names = {id(m): normalize_module_path(path) for path, m in traced.named_modules()}
-    checkpointed: list[str] = []
-    notes: list[str] = []
+    calls: list[CheckpointCall] = []
     try:
-        with _record_checkpoints(names, checkpointed, notes):
+        with _record_checkpoints(names, calls):
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
         routing_error = _routing_error(exc)
         if routing_error is not None:
             raise routing_error from exc
+        if calls:           # reentrant checkpointing refuses AOT's autograd.grad: the export rungs take it
+            raise CaptureError(f"{source.name}: the forward checkpoints: it is exported, which observes the "
+                               "forward first", next_rung_may_work=True, quiet=True) from exc
         raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
-    if checkpointed or notes or kept_tensors or not _returns_scalar_loss(jd.graph_module):
+    if calls or kept_tensors or not _returns_scalar_loss(jd.graph_module):
         stack.close()
         raise CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module or returns "
                            "no scalar loss: it is exported, which observes the forward first",
@@ -145,9 +147,11 @@ def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:
     return isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()
 
 
-def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool) -> torch.fx.GraphModule:
+def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool, *,
+                   tag_checkpoints: bool = False) -> torch.fx.GraphModule:
+    tagging = _tag_checkpoint_regions() if tag_checkpoints and not strict else contextlib.nullcontext()
     try:
-        with _keep_user_frames(), warnings.catch_warnings():
+        with _keep_user_frames(), warnings.catch_warnings(), tagging:
             # tensors assigned to module attributes are reported by tracer itself (ForwardObservations)
             warnings.filterwarnings("ignore", message="The tensor attributes")
             ep = torch.export.export(traced, args, strict=strict)
@@ -307,9 +311,8 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
     run shows what export drops (torch.utils.checkpoint regions, tensors kept on module attributes). The
     lines that made kept tensors take a second run, made only when there are any."""
     names = {id(m): normalize_module_path(path) for path, m in module.named_modules()}
-    checkpointed: list[str] = []
-    notes: list[str] = []
-    changed = _run_forward(module, args, fake_mode, source, _record_checkpoints(names, checkpointed, notes))
+    calls: list[CheckpointCall] = []
+    changed = _run_forward(module, args, fake_mode, source, _record_checkpoints(names, calls))
     if changed:
         producer_line = _ProducerLines()
         changed = _run_forward(module, args, fake_mode, source, producer_line)
@@ -319,8 +322,7 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
         kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=attr,
                                   nbytes=storage.nbytes(), shape=tuple(t.shape), dtype=t.dtype,
                                   source=producer_line.lines.get(storage._cdata)))
-    return ForwardObservations(tuple(dict.fromkeys(normalize_module_path(c) for c in checkpointed)),
-                               tuple(dict.fromkeys(notes)), tuple(kept))
+    return ForwardObservations(tuple(calls), tuple(kept))
 
 
 def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource, context) -> list:
@@ -380,37 +382,137 @@ class _ProducerLines(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@contextlib.contextmanager
-def _record_checkpoints(names: dict[int, str], checkpointed: list[str], notes: list[str]):
-    """Note which modules the forward checkpoints (both torch.utils.checkpoint implementations)."""
-    import torch.utils.checkpoint as ckpt
+@dataclasses.dataclass(frozen=True)
+class CheckpointCall:
+    """One torch.utils.checkpoint call of the forward, in call order: what it checkpoints and how it was
+    written. The export trace tags the nodes of call `index` with `meta["custom"][CHECKPOINT_KEY]`."""
+    index: int
+    written: str                   # "module" | "partial" (functools.partial of a module's forward/__call__)
+                                   # | "method" (a bound method of a module) | "function"
+    target: str                    # the module path, or the function's qualified name
+    module: str | None             # the module whose code runs, when there is one
+    reentrant: bool
+    policy: str                    # "full" | "selective <policy function>" | what an unknown context_fn is
+    policy_fn: Any = None          # the user's selective policy: (ctx, op, *args, **kwargs) -> CheckpointPolicy
+    source: object = None          # SourceLoc of the line that called checkpoint
 
-    def record(fn, context_fn=None) -> None:
-        owner = fn if isinstance(fn, nn.Module) else getattr(fn, "__self__", None)
-        if isinstance(owner, nn.Module) and id(owner) in names:
-            checkpointed.append(names[id(owner)])
-            if context_fn is not None and context_fn is not ckpt.noop_context_fn:
-                notes.append(f"checkpoint of {names[id(owner)] or 'the model'} with a context_fn (selective "
-                             "checkpointing) is simulated as full checkpointing")
-        else:
-            notes.append(f"checkpoint of {getattr(fn, '__qualname__', fn)!r} (not a module) is not simulated: "
-                         "its ops are kept as if not checkpointed")
+    def describe(self) -> str:
+        """One line: how the region was written, e.g. `functools.partial of BertLayer.forward on
+        bert.encoder.layer.0 (called at modeling_layers.py:123), non-reentrant, full`."""
+        what = {"module": f"module {self.target}", "partial": f"functools.partial of {self.target}",
+                "method": f"method {self.target}", "function": f"function {self.target}"}[self.written]
+        if self.written in ("partial", "method") and self.module is not None:
+            what += f" on {self.module or '(the model)'}"
+        where = f" (called at {self.source.short()})" if self.source is not None else ""
+        return f"{what}{where}, {'reentrant' if self.reentrant else 'non-reentrant'}, {self.policy}"
+
+
+CHECKPOINT_KEY = "tracer_checkpoint"
+
+
+def _checkpointed_callable(fn, names: dict[int, str]) -> tuple[str, str, str | None]:
+    """(written, target, module path) of the callable handed to checkpoint, in one line each."""
+    written = None
+    while isinstance(fn, functools.partial):
+        written = "partial"
+        inner = fn.func
+        if not hasattr(inner, "__self__") and fn.args and isinstance(fn.args[0], nn.Module):
+            owner = fn.args[0]         # partial(Layer.forward, layer, **kwargs): transformers' layers
+            return written, f"{type(owner).__qualname__}.{getattr(inner, '__name__', 'forward')}", names.get(id(owner))
+        fn = inner
+    if isinstance(fn, nn.Module):
+        return written or "module", names.get(id(fn), type(fn).__qualname__) or "(the model)", names.get(id(fn))
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    if isinstance(owner, nn.Module):
+        method = getattr(fn, "__name__", "")
+        if written:
+            return written, f"{type(owner).__qualname__}.{method}", names.get(id(owner))
+        if method in ("forward", "__call__", "_call_impl", "_wrapped_call_impl"):
+            return "module", names.get(id(owner)) or "(the model)", names.get(id(owner))
+        return "method", name, names.get(id(owner))
+    return written or "function", name, None
+
+
+def _selective_policy(context_fn) -> tuple[str, Any]:
+    """("full", None) without a context_fn; ("selective <name>", policy function) for
+    create_selective_checkpoint_contexts; otherwise a description (simulated as full)."""
+    import torch.utils.checkpoint as ckpt
+    if context_fn is None or context_fn is ckpt.noop_context_fn:
+        return "full", None
+    try:
+        forward_context, _ = context_fn()
+    except Exception as exc:   # noqa: BLE001 - the user's context_fn; the note says what happened
+        return f"context_fn raised {type(exc).__name__} (simulated as full)", None
+    policy_fn = getattr(forward_context, "policy_fn", None)
+    if policy_fn is None:
+        return f"context_fn {getattr(context_fn, '__qualname__', type(context_fn).__name__)} (simulated as full)", None
+    name = getattr(policy_fn, "__qualname__", type(policy_fn).__name__)
+    return f"selective, policy {name}", policy_fn
+
+
+@contextlib.contextmanager
+def _record_checkpoints(names: dict[int, str], calls: list[CheckpointCall]):
+    """Record every torch.utils.checkpoint call (both implementations) of a forward run, which runs them
+    as torch does."""
+    import torch.utils.checkpoint as ckpt
+    from tracer.capture.source import loc_from_python_stack
+
+    def record(fn, reentrant: bool, context_fn=None) -> None:
+        written, target, module = _checkpointed_callable(fn, names)
+        policy, policy_fn = _selective_policy(context_fn)
+        calls.append(CheckpointCall(index=len(calls), written=written, target=target,
+                                    module=None if module is None else normalize_module_path(module),
+                                    reentrant=reentrant, policy=policy, policy_fn=policy_fn,
+                                    source=loc_from_python_stack()))
 
     real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
 
     def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *a, **k):
-        record(fn, context_fn)
+        record(fn, False, context_fn)
         return real_generator(fn, preserve_rng_state, context_fn, *a, **k)
 
     class Reentrant:
         @staticmethod
         def apply(function, preserve, *args):
-            record(function)
+            record(function, True)
             return real_function.apply(function, preserve, *args)
 
     ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, Reentrant
     try:
         yield
+    finally:
+        ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = real_generator, real_function
+
+
+@contextlib.contextmanager
+def _tag_checkpoint_regions():
+    """While export traces the forward: run each checkpointed callable as plain code (export would drop
+    the checkpoint anyway, and an autograd.Function under no_grad hides its ops from the gradient), with
+    its nodes tagged `meta["custom"][CHECKPOINT_KEY] = call index` (fx annotations, kept by export and by
+    the joint graph)."""
+    import torch.fx.traceback as fx_traceback
+    import torch.utils.checkpoint as ckpt
+    counter = iter(range(1 << 30))
+
+    def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *a, **k):
+        with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+            yield
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, preserve, *args):
+            # no input requiring grad: CheckpointFunction's outputs do not either, so nothing in the region
+            # gets a gradient (torch warns "None of the inputs have requires_grad=True")
+            grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+            with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}), torch.set_grad_enabled(grad):
+                return function(*args)
+
+    real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
+    ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, Reentrant
+    try:
+        with fx_traceback.preserve_node_meta():
+            yield
     finally:
         ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = real_generator, real_function
 

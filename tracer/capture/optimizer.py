@@ -95,6 +95,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
             recorder.track_release(tensor, sid)
     tensor = None
     grad_sids = {}
+    g = None
     with fake_mode:
         for p, g in zip(params, _set_fake_grads(params)):
             grad_sids[id(p)] = table.add(g, StorageRole.GRADIENT)

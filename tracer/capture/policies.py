@@ -1,7 +1,11 @@
 """Apply a recompute policy to the captured joint graph and partition it (the user's model is untouched).
 
-  * eager: the joint graph as is, or, when the user's forward checkpoints modules (seen in a fake run,
-    since non-strict export drops torch.utils.checkpoint), those modules checkpointed as below.
+  * eager: the joint graph as is, or, when the user's forward calls torch.utils.checkpoint (seen in a fake
+    run; export tags each call's nodes with its index, `joint.CHECKPOINT_KEY`), those regions checkpointed
+    as written: non-reentrant ones tagged as below (with the user's own selective policy function, when
+    the call passes one), reentrant ones rewritten so the region reruns whole inside backward
+    (`_rerun_reentrant_regions`). A region's output op stays untagged; the region's own backward reads
+    a recomputed twin of it.
   * compiled: `min_cut_rematerialization_partition` with parameters and buffers as static inputs (what
     torch.compile's partitioner saves), optionally under `activation_memory_budget`.
   * full / selective: forward nodes inside checkpointed blocks get `meta["recompute"]` (PREFER_RECOMPUTE,
@@ -19,11 +23,12 @@ from __future__ import annotations
 import collections
 import copy
 import fnmatch
+import operator
 import re
 
 import torch
 
-from tracer.capture.convert import Schedule, target_name
+from tracer.capture.convert import HELD_KEY, REGION_KEY, RERUN_KEY, Schedule, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import UsageError
@@ -62,11 +67,12 @@ def find_blocks(joint: torch.fx.GraphModule, pattern: str | None) -> list[str]:
 
 
 def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
-    """Partition for the policy. Modules the user's forward already checkpoints are checkpointed in every
-    policy (as torch.compile and eager both honour them); `full`/`selective` then tag their own blocks."""
-    user_regions = list(cap.seen.checkpointed_modules)
+    """Partition for the policy. Regions the user's forward already checkpoints are checkpointed in every
+    policy (as torch.compile and eager both honour them), with the user's own selective policy function
+    where one was given; `full`/`selective` then tag their own blocks."""
+    user_calls = cap.seen.checkpoint_calls
     notes: tuple[str, ...] = ()
-    if spec.name == "eager" and not user_regions:
+    if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
     from torch._guards import TracingContext, tracing
@@ -78,8 +84,10 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
               if type(p.meta.get("desc")).__name__ in ("ParamAOTInput", "BufferAOTInput")]
     output = next(iter(joint.graph.find_nodes(op="output")))
     num_fwd = sum(1 for d in output.meta["desc"] if d is not None and type(d).__name__ != "GradAOTOutput")
-    if user_regions:
-        _tag_regions(joint, user_regions, lambda target: False)
+    if user_calls:
+        notes += _tag_user_regions(joint, user_calls, cap.fake_mode)
+        if spec.name == "eager" and all(c.reentrant for c in user_calls):
+            return Schedule(joint=joint, notes=notes)     # nothing left for a partitioner to decide
     if spec.name == "compiled":
         partition, budget = min_cut_rematerialization_partition, spec.memory_budget
     elif spec.name in ("full", "selective"):
@@ -92,7 +100,9 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
             notes = ("no repeated blocks: the whole forward is checkpointed as one region (its inputs are kept, "
                      "everything else is recomputed in backward); name blocks with --blocks",)
         keep = save_predicate(spec) if spec.name == "selective" else (lambda target: False)
-        _tag_regions(joint, blocks[::spec.checkpoint_every], keep, first_id=len(user_regions))
+        regions = blocks[::spec.checkpoint_every]
+        _tag_regions(joint, _regions_by_module(joint, regions, first_id=len(user_calls)),
+                     lambda node, region: _save_if(keep(target_name(node.target))))
         partition, budget = default_partition, None
     elif spec.name == "eager":
         partition, budget = default_partition, None
@@ -115,19 +125,175 @@ def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return _make_graph_module(joint, copy.deepcopy(joint.graph))
 
 
-def _tag_regions(joint: torch.fx.GraphModule, regions: list[str], keep, first_id: int = 0) -> None:
-    """Tag the forward nodes of each region (a module path) for recomputation, as checkpoint would."""
+def _save_if(save: bool):
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _forward_nodes(joint: torch.fx.GraphModule):
+    return [node for node in joint.graph.nodes
+            if node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward"]
+
+
+def _regions_by_module(joint: torch.fx.GraphModule, regions: list[str], first_id: int = 0) -> dict:
+    """node -> region id, for regions given as module paths ("" is the whole forward)."""
+    out = {}
+    for node in _forward_nodes(joint):
+        path = module_from_stack(node.meta.get("nn_module_stack"))
+        out[node] = next((first_id + i for i, b in enumerate(regions)
+                          if b == "" or path == b or path.startswith(b + ".")), None)
+    return out
+
+
+def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode) -> tuple[str, ...]:
+    """Tag the regions the user's forward checkpoints: by the call index export's trace stamped on their
+    nodes (`meta["custom"]`), or, where a capture path kept no stamps (strict export, torch.compile), by
+    the checkpointed module's path. Returns notes for regions that cannot be simulated as written."""
+    from tracer.capture.joint import CHECKPOINT_KEY
+    forward = _forward_nodes(joint)
+    region_of_node = {node: (node.meta.get("custom") or {}).get(CHECKPOINT_KEY) for node in forward}
+    notes = []
+    if not any(r is not None for r in region_of_node.values()):
+        by_module = [c for c in calls if c.module is not None]
+        region_of_node = {node: None if r is None else by_module[r - len(calls)].index
+                          for node, r in _regions_by_module(joint, [c.module for c in by_module],
+                                                            first_id=len(calls)).items()}
+        lost = [c for c in calls if c.module is None]
+        if lost:
+            notes.append(f"{len(lost)} checkpointed function(s) ({lost[0].target}, ...) cannot be located in "
+                         "this capture path's graph: their ops are kept as if not checkpointed")
+    deciders = {c.index: _user_policy(c.policy_fn, fake_mode) for c in calls if c.policy_fn is not None}
+    reentrant = {c.index for c in calls if c.reentrant}
+    if reentrant:
+        _rerun_reentrant_regions(joint, {n: r for n, r in region_of_node.items() if r in reentrant})
+        region_of_node = {n: (None if r in reentrant else r) for n, r in region_of_node.items()}
+
+    def decide(node, region):
+        decider = deciders.get(region)
+        return decider(node) if decider is not None else _save_if(False)
+
+    _tag_regions(joint, region_of_node, decide)
+    return tuple(notes)
+
+
+def _user_policy(policy_fn, fake_mode):
+    """The user's selective-checkpointing policy (torch's signature: policy_fn(ctx, op, *args, **kwargs) ->
+    CheckpointPolicy or bool), asked for each forward op of the region in forward order, on the op's fake
+    arguments, as torch's caching dispatch mode asks it in the forward; ops torch never asks about
+    (SAC_IGNORED_OPS) are recomputed."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+
+    def decide(node):
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or target in SAC_IGNORED_OPS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
+        kwargs = torch.fx.node.map_arg(dict(node.kwargs), lambda n: n.meta.get("val"))
+        with fake_mode:
+            policy = policy_fn(ctx, target, *args, **kwargs)
+        if isinstance(policy, bool):
+            return _save_if(policy)
+        return _save_if(policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE))
+
+    return decide
+
+
+def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide) -> None:
+    """Tag the forward nodes of each region (node -> region id, None outside every region) for
+    recomputation, as checkpoint would: `decide(node, region)` -> CheckpointPolicy. A region's outputs stay
+    untagged (eager checkpointing returns them as ordinary tensors); where the backward reads such an
+    output's op (layer norm's mean and rstd, a tanh's result), it reads a recomputed twin of the op, as
+    eager's backward reads the region's recomputed values."""
+    def leaves_region(node, region) -> bool:
+        for user in node.users:
+            if user.target is operator.getitem:      # an element of a multi-output op (layer norm's output)
+                if leaves_region(user, region):
+                    return True
+            elif region_of_node.get(user, region) != region:
+                return True
+        return False
+
+    boundary = []
+    for node, region in list(region_of_node.items()):
+        if region is None or node.target is operator.getitem:
+            continue
+        policy = decide(node, region)
+        if leaves_region(node, region):
+            boundary.append((node, region))
+            continue       # a region output: eager keeps it as is
+        for tagged in [node] + [g for g in node.users if g.target is operator.getitem]:
+            tagged.meta["ac_graph_id"] = region
+            tagged.meta["recompute"] = policy
+    region_of_seq = {node.meta["seq_nr"]: region for node, region in region_of_node.items()
+                     if region is not None and node.meta.get("seq_nr") is not None}
+    for node, region in boundary:
+        _recompute_for_backward(joint, node, region, lambda user: region_of_seq.get(user.meta.get("seq_nr")))
+
+
+def _is_backward(node) -> bool:
+    return node.meta.get("partitioner_tag") == "is_backward"
+
+
+def _recompute_for_backward(joint: torch.fx.GraphModule, node, region: int, region_of_backward) -> None:
+    """The region's backward nodes (those of its forward ops, by seq_nr) that read `node` (directly or
+    through its getitems) read a twin tagged for recomputation instead; the forward keeps `node` for the
+    nodes after the region, and the backward of ops after the region reads `node` itself."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    region_id = {b: first_id + i for i, b in enumerate(regions)}
-    region_of_node = {}
-    for node in joint.graph.nodes:
-        if node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward":
-            path = module_from_stack(node.meta.get("nn_module_stack"))
-            region_of_node[node] = next((b for b in regions if b == "" or path == b or path.startswith(b + ".")), None)
+    def reads_recomputed(user) -> bool:
+        return _is_backward(user) and region_of_backward(user) == region
+
+    direct = [u for u in node.users if reads_recomputed(u)]
+    items = [g for g in node.users if g.target is operator.getitem and any(reads_recomputed(u) for u in g.users)]
+    if not direct and not items:
+        return
+    graph = joint.graph
+    with graph.inserting_after(node):
+        twin = graph.node_copy(node, lambda n: n)
+    twin.meta = dict(node.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+    for user in direct:
+        user.replace_input_with(node, twin)
+    for item in items:
+        with graph.inserting_after(twin):
+            item_twin = graph.node_copy(item, lambda n: twin if n is node else n)
+        item_twin.meta = dict(item.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+        for user in [u for u in item.users if reads_recomputed(u)]:
+            user.replace_input_with(item, item_twin)
+
+
+def _rerun_reentrant_regions(joint: torch.fx.GraphModule, region_of_node: dict) -> None:
+    """Reentrant checkpointing (CheckpointFunction): the region's forward runs under no_grad (nothing
+    saved; its temporaries die at their last use), its tensor inputs are saved; when backward reaches the
+    region, the whole forward runs again with grad (no early stop) and the region's backward runs on that
+    rerun, as a graph of its own. Rewrite the joint graph so: copies of every forward node of the region,
+    placed just before the region's first backward node, tagged as backward nodes; the region's backward
+    nodes (matched by seq_nr) read the copies; the original forward nodes keep only forward users. The
+    copies of the region's outputs are held until the region's backward ends (its `outputs` local)."""
+    by_region: dict[int, list] = {}
     for node, region in region_of_node.items():
-        if region is None or any(region_of_node.get(user, region) != region for user in node.users):
-            continue       # outside every region, or a region output: eager keeps it as is
-        node.meta["ac_graph_id"] = region_id[region]
-        node.meta["recompute"] = (CheckpointPolicy.MUST_SAVE if keep(target_name(node.target))
-                                  else CheckpointPolicy.PREFER_RECOMPUTE)
+        if region is not None:
+            by_region.setdefault(region, []).append(node)
+    order = {node: i for i, node in enumerate(joint.graph.nodes)}
+    for region, nodes in by_region.items():
+        members = set(nodes)
+        seqs = {n.meta.get("seq_nr") for n in nodes if n.meta.get("seq_nr") is not None}
+        backward = [n for n in joint.graph.nodes if _is_backward(n) and n.meta.get("seq_nr") in seqs]
+        for node in nodes:
+            node.meta[REGION_KEY] = region
+        if not backward:
+            continue
+        copies: dict = {}
+        with joint.graph.inserting_before(min(backward, key=order.__getitem__)):
+            for node in sorted(nodes, key=order.__getitem__):
+                copy_ = joint.graph.node_copy(node, lambda n: copies.get(n, n))
+                meta = {k: v for k, v in node.meta.items() if k not in ("seq_nr", "recompute", "ac_graph_id")}
+                meta.update({"partitioner_tag": "is_backward", REGION_KEY: region, RERUN_KEY: True,
+                             "fwd_nn_module_stack": node.meta.get("nn_module_stack")})
+                if any(u not in members and not _is_backward(u) for u in node.users):
+                    meta[HELD_KEY] = True        # a region output
+                copy_.meta = meta
+                copies[node] = copy_
+        for user in backward:
+            for original in [a for a in user.all_input_nodes if a in members]:
+                user.replace_input_with(original, copies[original])
