@@ -136,3 +136,11 @@ def running_user_code(name: str):
     finally:
         if installed:
             signal.signal(signal.SIGINT, previous)
+
+
+def _user_location(exc: BaseException, path: str) -> str:
+    """'file:line' of the innermost frame of `exc` inside `path`, else the innermost frame at all."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    inside = [f for f in frames if os.path.abspath(f.filename) == path]
+    frame = (inside or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else path
