@@ -46,8 +46,11 @@ def check_main(argv: list[str] | None = None) -> int:
 
 
 def _run_check(args) -> int:
-    import tracer
-    from tracer.checks.baseline import compare_to_baseline, load_baseline, parse_tolerance, save_baseline
+    import dataclasses
+
+    from tracer.checks.baseline import (baseline_settings, compare_to_baseline, load_baseline, parse_tolerance,
+                                        save_baseline)
+    from tracer.pipeline import options_from_keywords, run_analysis
     from tracer.reports.check_text import render_check
     from tracer.reports.units import format_bytes
 
@@ -55,11 +58,12 @@ def _run_check(args) -> int:
         tolerance = parse_tolerance(args.tolerance)
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from exc
-    kwargs = analyze_kwargs(vars(args))
-    from tracer.pipeline import options_from_keywords
-    options_from_keywords(**kwargs)          # every option checked before the analysis runs
+
+    options = options_from_keywords(**analyze_kwargs(vars(args)))   # every option checked before the analysis
     baseline = None if args.update_baseline else load_baseline(args.baseline)
-    analysis = tracer.analyze(args.model, **kwargs)
+    if baseline is not None:                 # the baseline's policies, budgets, blocks, ...: check has no flags for them
+        options = dataclasses.replace(options, **baseline_settings(baseline))
+    analysis = run_analysis(args.model, options)
     if args.update_baseline:
         save_baseline(analysis, args.baseline)
         peaks = ", ".join(f"{name} peak {format_bytes(p.peak_bytes)}" for name, p in analysis.policies.items())
