@@ -220,12 +220,8 @@ def _write_visual_outputs(args, analysis, policy: str) -> None:
 
 
 def _write_json(path: str, data: dict) -> None:
-    from tracer.errors import UsageError
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-    except OSError as exc:
-        raise UsageError(f"cannot write --json {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, json.dumps(data, indent=2), what="--json")
 
 
 def analysis_options(args):

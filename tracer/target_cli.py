@@ -75,11 +75,8 @@ def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> i
     write("\n" + render_comparison(comparison))
     if args.compare_json:
         from tracer.reports.compare_text import comparison_json
-        try:
-            with open(args.compare_json, "w") as f:
-                json.dump(comparison_json(comparison), f, indent=2)
-        except OSError as exc:
-            raise UsageError(f"cannot write --compare-json {args.compare_json}: {exc.strerror}") from exc
+        from tracer.outputs import write_output
+        write_output(args.compare_json, json.dumps(comparison_json(comparison), indent=2), what="--compare-json")
     return int(ExitCode.OK if comparison.ok else ExitCode.BUDGET_EXCEEDED)
 
 

@@ -151,12 +151,8 @@ def baseline_json(analysis: Analysis, *, top: int = 10) -> dict:
 def save_baseline(analysis: Analysis, path: str, *, top: int = 10) -> dict:
     """Write the baseline JSON to `path`. Raises UsageError if it cannot be written."""
     data = baseline_json(analysis, top=top)
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write baseline {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, json.dumps(data, indent=2) + "\n", what="baseline")
     return data
 
 
