@@ -107,11 +107,11 @@ def test_every_memory_budget_marker_is_checked(pytester):
             pass
 
         @pytest.mark.memory_budget(model={tiny!r}, peak="1GiB", batch=1, seq=8, target="cpu")
-        @pytest.mark.memory_budget(model={tiny!r}, activation=1, batch=1, seq=8, target="cpu")
+        @pytest.mark.memory_budget(model={tiny!r}, gradient=1, batch=1, seq=8, target="cpu")
         def test_stacked():
             pass
     """)
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*peak * > budget 1 B*"])
-    result.stdout.fnmatch_lines(["*activation * > budget 1 B*"])
+    result.stdout.fnmatch_lines(["*gradient * > budget 1 B*"])
