@@ -50,8 +50,9 @@ def test_save_ops_names_close_aten_ops(run_cli, no_analysis):
     ("loss_under_no_grad", ExitCode.ANALYSIS, "no parameter gets a gradient"),
     ("no_parameters", ExitCode.ANALYSIS, "no parameter gets a gradient"),
 ])
-def test_models_that_crashed_are_refused_with_one_line(run_cli, name, code, needle):
-    got, out, err = run_cli(model(name), *TINY, "--optimizer", "none")
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+def test_models_that_crashed_are_refused_with_one_line(run_cli, name, code, needle, capture):
+    got, out, err = run_cli(model(name), *TINY, "--optimizer", "none", "--capture", capture)
     assert got == code and needle in err and len(err.strip().splitlines()) == 1 and out == ""
 
 

@@ -18,7 +18,10 @@ file that parses the command line at import sees no tracer flags; nothing else i
 `running_user_code(name)` wraps every call into the user's code (import here; build, forward, optimizer in
 tracer.pipeline): its `print()` output goes to stderr, so the tool's report on stdout stays clean, and a
 `sys.exit(...)` or a `KeyboardInterrupt` the code raises itself becomes a `ModelRunError` (the model's
-failure, exit 3): it can never end the process with the model's exit code. A real Ctrl-C (SIGINT, seen by
+failure, exit 3): it can never end the process with the model's exit code. `sys.exit`, `exit` and `quit`
+raise `ModelCalledExit` (an ordinary exception) meanwhile, so every capture path unwinds as for any
+error; a bare `raise SystemExit` or a model's own KeyboardInterrupt is still caught here, but may leave
+torch tracing state behind in the process (the CLI exits right after). A real Ctrl-C (SIGINT, seen by
 a handler installed for the duration when on the main thread) stays a KeyboardInterrupt. Output written
 to file descriptor 1 directly (C extensions, os.write) is not redirected.
 """
@@ -104,6 +107,19 @@ def _load_file(path: str) -> ModelSource:
                        loss_index=getattr(module, "loss_index", None))
 
 
+class ModelCalledExit(Exception):
+    """What `sys.exit(...)`, `exit()` and `quit()` raise while the user's code runs: an ordinary exception,
+    so every capture path unwinds and restores its state as for any error in the model."""
+
+    def __init__(self, code):
+        super().__init__(f"the model called sys.exit({code!r})")
+        self.code = code
+
+
+def _exit_as_exception(code=None):
+    raise ModelCalledExit(code)
+
+
 @contextlib.contextmanager
 def running_user_code(name: str):
     """Run the user's code of model `name` inside: stdout to stderr; its SystemExit or its own
@@ -122,9 +138,14 @@ def running_user_code(name: str):
         if previous is not signal.SIG_IGN and previous is not None:
             signal.signal(signal.SIGINT, on_sigint)
             installed = True
+    import builtins
+    exits = sys.exit, getattr(builtins, "exit", None), getattr(builtins, "quit", None)
+    sys.exit = builtins.exit = builtins.quit = _exit_as_exception
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
+    except ModelCalledExit as exc:
+        raise ModelRunError(f"{name}: {exc}", hint="a model file must not exit; the step was not analysed") from exc
     except SystemExit as exc:
         raise ModelRunError(f"{name} called sys.exit({exc.code!r}) while being traced",
                             hint="a model file must not exit; the step was not analysed") from exc
@@ -134,6 +155,7 @@ def running_user_code(name: str):
         raise ModelRunError(f"{name} raised KeyboardInterrupt while being traced",
                             hint="the model's own KeyboardInterrupt is its failure; the step was not analysed") from exc
     finally:
+        sys.exit, builtins.exit, builtins.quit = exits
         if installed:
             signal.signal(signal.SIGINT, previous)
 
