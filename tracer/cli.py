@@ -1,7 +1,9 @@
 """Command line: `python -m tracer [MODEL] [options]`. A thin layer: parse, call the library, render.
 
 Exit codes (tracer.errors.ExitCode): 0 ok, 1 a memory check failed, 2 usage error (bad flags, missing
-or invalid model file, unknown zoo name), 3 analysis error (forward raised, export failed).
+or invalid model file, unknown zoo name, unwritable output path), 3 analysis error (the model's code raised
+or exited, export failed, any unexpected error), 130 interrupted (Ctrl-C); see tracer.entry. Every flag
+and output path is checked before the analysis runs.
 """
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import json
 import sys
 import time
 
-from tracer.errors import ExitCode, TracerError
+from tracer.errors import ExitCode
+from tracer.target_cli import check_target_flags
 from tracer.models import DEFAULT_MODEL, ZOO
 
 EPILOG = f"""subcommands: python -m tracer snapshot STEP.pickle [--json PATH]  (read a real CUDA memory snapshot)
              python -m tracer check MODEL --baseline PATH [--tolerance 2%]  (fail on memory regressions)
 zoo models: {', '.join(sorted(ZOO))}
-exit codes: 0 ok, 1 memory check failed, 2 usage error (flags, model file, zoo name), 3 analysis error"""
+exit codes: 0 ok, 1 memory check failed, 2 usage error (flags, model file, zoo name, output path),
+            3 analysis error (the model raised or exited, or an unexpected error), 130 interrupted"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,28 +115,48 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.batch_given = any(a == "--batch" or a.startswith("--batch=") for a in argv)
         runner = _run
-    try:
-        _make_output_folders(args)
+    from tracer.entry import run_entry_point
+
+    def body() -> int:
+        _check_output_paths(args)
         return runner(args)
-    except TracerError as exc:
-        _print_error(exc, args.verbose)
-        return int(exc.exit_code)
+    return run_entry_point(body, prog="tracer", verbose=args.verbose)
 
 
 _OUTPUT_FILES = ("json", "plot", "graph", "snapshot", "save_baseline", "compare_json")
 
 
-def _make_output_folders(args) -> None:
-    """Output paths may name folders that do not exist yet (`--plot out/step.png`): create them."""
+def _check_output_paths(args) -> None:
+    """Before any analysis: output paths may name folders that do not exist yet (`--plot out/step.png`):
+    create them; every output's folder must be writable and the path must not be a folder (--report: must
+    not be a file)."""
     import os
 
     from tracer.errors import UsageError
-    folders = [os.path.dirname(getattr(args, name, None) or "") for name in _OUTPUT_FILES]
-    for folder in filter(None, folders):
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"cannot create the output folder {folder}: {exc.strerror}") from exc
+    paths = [(f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in _OUTPUT_FILES]
+    for flag, path in paths:
+        if not path:
+            continue
+        if os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is a folder", hint="give a file path")
+        _writable_folder(flag, os.path.dirname(path) or ".")
+    report = getattr(args, "report", None)
+    if report:
+        if os.path.exists(report) and not os.path.isdir(report):
+            raise UsageError(f"--report {report} is a file", hint="give a folder path")
+        _writable_folder("--report", os.path.dirname(os.path.abspath(report)))
+
+
+def _writable_folder(flag: str, folder: str) -> None:
+    import os
+
+    from tracer.errors import UsageError
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{flag}: cannot create the output folder {folder}: {exc.strerror}") from exc
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}: the output folder {folder} is not writable")
 
 
 def _run_snapshot(args) -> int:
@@ -199,12 +223,8 @@ def _write_visual_outputs(args, analysis, policy: str) -> None:
 
 
 def _write_json(path: str, data: dict) -> None:
-    from tracer.errors import UsageError
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-    except OSError as exc:
-        raise UsageError(f"cannot write --json {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, json.dumps(data, indent=2), what="--json")
 
 
 def analysis_options(args):
@@ -221,6 +241,7 @@ def analysis_options(args):
             device_memory = parse_bytes(args.device_memory)
         except ValueError as exc:
             raise UsageError(f"--device-memory: {exc}") from exc
+    check_target_flags(args)
     names, budgets = policy_names_and_budgets(args)
     options = AnalysisOptions(
         batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer, foreach=args.foreach,
@@ -295,13 +316,6 @@ def policy_names_and_budgets(args) -> tuple[tuple[str, ...], tuple[float | None,
         if "compiled" not in names:
             names = names + ("compiled",)
     return names, budgets
-
-
-def _print_error(exc: TracerError, verbose: bool) -> None:
-    if verbose:
-        import traceback
-        traceback.print_exception(exc)
-    print(f"tracer: error: {exc}", file=sys.stderr)
 
 
 class _Progress:

@@ -13,7 +13,8 @@ class ExitCode(enum.IntEnum):
     OK = 0
     BUDGET_EXCEEDED = 1     # a memory check failed (regression, budget)
     USAGE = 2               # bad command line, missing or invalid model file, unknown model name
-    ANALYSIS = 3            # the model was loaded but could not be run, exported or analysed
+    ANALYSIS = 3            # the model failed (raised, exited) or could not be analysed; any unexpected error
+    INTERRUPTED = 130       # Ctrl-C (SIGINT) outside the model's own code
 
 
 class TracerError(Exception):
@@ -38,7 +39,8 @@ class UsageError(TracerError):
 
 
 class ModelRunError(TracerError):
-    """The user's forward (or example_batch, or optimizer) raised while being traced."""
+    """The user's code (the model file's import, build_model, example_batch, forward, loss_fn, make_optimizer)
+    raised, called sys.exit or raised KeyboardInterrupt while being traced: the model's failure."""
 
 
 class CaptureError(TracerError):

@@ -52,6 +52,55 @@ class AnalysisOptions:
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
     fsdp_mixed_precision: bool = False     # fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
 
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Every field against its valid values (the model options against tracer.checks.options.MODEL_OPTIONS,
+        the rest below): one validation for the CLI, `tracer check`, the marker and `tracer.analyze`. Raises
+        UsageError naming the field and its valid values."""
+        from tracer.checks.options import MODEL_OPTIONS
+        from tracer.errors import UsageError
+
+        values = dataclasses.asdict(self)
+        values["zero_grad"] = None
+        for option in MODEL_OPTIONS:
+            if option.name == "zero_grad":
+                continue
+            value = values[option.name]
+            if isinstance(option.default, bool):
+                ok, wanted = isinstance(value, bool), "True or False"
+            elif isinstance(option.default, int):
+                ok, wanted = _positive_int(value), "a positive integer"
+            elif option.name == "target":
+                continue                   # "cuda:<gpu>" is valid too: target_label() checks it below
+            else:
+                ok = value in option.choices or (option.default is None and value is None)
+                wanted = "one of " + ", ".join(option.choices) + (" or None" if option.default is None else "")
+            if not ok:
+                raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
+        for name in ("zero_grad_set_to_none", "reshard_after_forward"):
+            if not isinstance(values[name], bool):
+                raise UsageError(f"{name}={values[name]!r} is not valid", hint=f"{name} must be True or False")
+        if not isinstance(self.policies, tuple) or not self.policies:
+            raise UsageError(f"policies={self.policies!r} is not valid", hint="give at least one policy name")
+        for budget in self.memory_budgets:
+            if budget is not None and not (isinstance(budget, (int, float)) and not isinstance(budget, bool)
+                                           and 0.0 <= budget <= 1.0):
+                raise UsageError(f"memory_budget={budget!r} is not valid",
+                                 hint="a fraction of activation bytes between 0 and 1, or None")
+        if not _positive_int(self.checkpoint_every):
+            raise UsageError("--checkpoint-every must be a positive integer")
+        if self.device_memory_bytes is not None and not _positive_int(self.device_memory_bytes):
+            raise UsageError(f"device_memory_bytes={self.device_memory_bytes!r} is not valid",
+                             hint="a positive number of bytes, e.g. --device-memory 80GiB")
+        if self.world_size is not None and not _positive_int(self.world_size):
+            raise UsageError(f"--world-size {self.world_size!r} is not valid", hint="a positive integer")
+        _check_save_ops(self.save_ops)
+        self.policy_specs()
+        self.target_label()
+        self.sharding_setup()
+
     def policy_specs(self) -> tuple:
         """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
         from tracer.errors import UsageError
@@ -144,6 +193,8 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     from tracer.capture import capture_steps, load_model_source
     from tracer.passes.analysis import analyze_graphs
 
+    from tracer.capture.model_input import running_user_code
+
     specs = options.policy_specs()
     capture = options.capture_options()
     device = options.device_setup()
@@ -155,9 +206,35 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
         source = model
     say = on_progress or (lambda message: None)
     say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
-    graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
+    with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
+        graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
     say("analysing ...")
     return analyze_graphs(graphs, device=device, sharding=sharding, settings=options.settings())
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_save_ops(names) -> None:
+    """Every --save-ops name must be an aten op ('mm', 'aten.mm', 'aten.mm.default')."""
+    from tracer.errors import UsageError
+    from tracer.policies import op_packet
+
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"save_ops={names!r} is not valid", hint="a tuple of aten op names, e.g. ('mm', 'bmm')")
+    wanted = [n.strip() for n in names if n.strip()]
+    if not wanted:
+        return
+    import difflib
+
+    import torch
+    unknown = [n for n in wanted if not hasattr(torch.ops.aten, op_packet(n))]
+    if unknown:
+        close = difflib.get_close_matches(op_packet(unknown[0]), dir(torch.ops.aten), n=3)
+        raise UsageError(f"--save-ops: {unknown[0]!r} is not an aten op",
+                         hint=("close names: " + ", ".join(close)) if close else
+                         "name aten ops as in the report's per-line table, e.g. mm,bmm,_scaled_dot_product_flash_attention")
 
 
 def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> AnalysisOptions:
@@ -169,6 +246,8 @@ def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> 
     if unknown:
         raise UsageError(f"unknown option {unknown[0]!r}", hint=f"valid: memory_budget, {', '.join(sorted(names))}")
     for name in ("policies", "save_ops", "hf_config"):
-        if name in keywords:
+        if name in keywords and not isinstance(keywords[name], str):
             keywords[name] = tuple(keywords[name])
+    if isinstance(keywords.get("policies"), str):
+        keywords["policies"] = (keywords["policies"],)
     return AnalysisOptions(memory_budgets=(memory_budget,), **keywords)

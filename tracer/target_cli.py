@@ -28,10 +28,29 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the prediction with a real snapshot (torch.cuda.memory._dump_snapshot pickle); "
                              "exit 1 beyond --tolerance")
-    parser.add_argument("--tolerance", default="2%",
+    parser.add_argument("--tolerance", default=None,
                         help="--compare: allowed error of the peak, phase peaks and bytes before the step, "
                              "as 2%% or 0.02 (default 2%%)")
     parser.add_argument("--compare-json", metavar="PATH", help="--compare: write the comparison as JSON")
+
+
+def check_target_flags(args) -> None:
+    """Before the analysis: --tolerance and --compare-json need --compare, and --tolerance must read."""
+    from tracer.checks.baseline import parse_tolerance
+
+    for flag, value in (("--tolerance", args.tolerance), ("--compare-json", args.compare_json)):
+        if value is not None and not args.compare:
+            raise UsageError(f"{flag} needs --compare", hint="--compare SNAPSHOT.pickle")
+    try:
+        parse_tolerance(_tolerance(args))
+    except ValueError as exc:
+        raise UsageError(f"--tolerance: {exc}") from exc
+    if args.compare and not os.path.isfile(args.compare):
+        raise UsageError(f"snapshot file not found: {args.compare}")
+
+
+def _tolerance(args) -> str:
+    return "2%" if args.tolerance is None else args.tolerance
 
 
 def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> int:
@@ -44,7 +63,7 @@ def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> i
     if device is None and not args.compare:
         return int(ExitCode.OK)
     try:
-        tolerance = parse_tolerance(args.tolerance)
+        tolerance = parse_tolerance(_tolerance(args))
     except ValueError as exc:
         raise UsageError(f"--tolerance: {exc}") from exc
     if device is None:                    # a cpu prediction compared with a snapshot: no device extras
@@ -56,11 +75,8 @@ def run_target_outputs(args, analysis, policy: str, write=sys.stdout.write) -> i
     write("\n" + render_comparison(comparison))
     if args.compare_json:
         from tracer.reports.compare_text import comparison_json
-        try:
-            with open(args.compare_json, "w") as f:
-                json.dump(comparison_json(comparison), f, indent=2)
-        except OSError as exc:
-            raise UsageError(f"cannot write --compare-json {args.compare_json}: {exc.strerror}") from exc
+        from tracer.outputs import write_output
+        write_output(args.compare_json, json.dumps(comparison_json(comparison), indent=2), what="--compare-json")
     return int(ExitCode.OK if comparison.ok else ExitCode.BUDGET_EXCEEDED)
 
 

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from tracer.capture.model_input import ModelSource
 from tracer.capture.source import WRAPPED_ATTR, loc_from_python_stack
-from tracer.errors import ModelRunError
+from tracer.errors import ModelRunError, UsageError
 
 SMALL_NUMEL = 1 << 16                 # outputs up to this many elements are computed for real while building
 KNOWN_BYTES_LIMIT = 64 << 20          # real bytes kept for known values, in all; beyond, values are not kept
@@ -85,6 +85,12 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
         keys, args = tuple(args), tuple(args.values())
     elif not isinstance(args, tuple):
         args = (args,)
+    grads = [keys[i] if keys else str(i) for i, leaf in enumerate(args)
+             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(leaf))]
+    if grads:
+        raise UsageError(f"example_batch of {source.name} returned a tensor with requires_grad=True (argument "
+                         f"{grads[0]}): tracer predicts steps whose inputs are data, and a gradient of an input "
+                         f"is not modelled", hint="return the batch without requires_grad")
     if precision == "bf16-pure":
         with fake_mode:
             args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a

@@ -20,7 +20,7 @@ from tracer.capture.build import step_module
 from tracer.capture.joint import _where, build_fake
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.model_input import ModelSource
-from tracer.capture.optimizer import make_standard_optimizer
+from tracer.capture.optimizer import make_standard_optimizer, no_gradient_error, not_an_optimizer_error
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.source import loc_from_python_stack, normalize_module_path
 from tracer.capture.storages import StorageTable
@@ -89,6 +89,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     with fake_mode:
         opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
                else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
+    if source.make_optimizer is not None and (opt is None or not callable(getattr(opt, "step", None))):
+        raise not_an_optimizer_error(opt)
     steady = options.step == "steady"
     table = StorageTable()
     names = {id(m): path for path, m in model.named_modules()}
@@ -115,6 +117,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             with modules, _NodeStamper(modules), autocast():
                 loss = step(*batch)
             phase["now"] = Phase.BACKWARD
+            if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+                raise no_gradient_error()
             (scaler.scale(loss) if scaler is not None else loss).backward()
             phase["now"] = Phase.OPTIMIZER
             if opt is not None and scaler is not None:
@@ -138,6 +142,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
                 table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
         loss = run_step(record=True)
         recorder.stop_tracking()
+    except ModelRunError:
+        raise
     except Exception as exc:
         from tracer.capture.joint import _routing_error
         if _routing_error(exc) is not None:

@@ -12,18 +12,32 @@ A model file defines:
                                       element is the target
   make_optimizer(params) -> Optimizer optional; otherwise --optimizer picks one
 Outputs besides the loss are taken as dropped when the loss is taken (`loss = model(**batch).loss`).
-The file is imported as a fresh module (its top level runs); nothing else is executed here.
+The file is imported as a fresh module (its top level runs) with `sys.argv` set to just its path, so a
+file that parses the command line at import sees no tracer flags; nothing else is executed here.
+
+`running_user_code(name)` wraps every call into the user's code (import here; build, forward, optimizer in
+tracer.pipeline): its `print()` output goes to stderr, so the tool's report on stdout stays clean, and a
+`sys.exit(...)` or a `KeyboardInterrupt` the code raises itself becomes a `ModelRunError` (the model's
+failure, exit 3): it can never end the process with the model's exit code. `sys.exit`, `exit` and `quit`
+raise `ModelCalledExit` (an ordinary exception) meanwhile, so every capture path unwinds as for any
+error; a bare `raise SystemExit` or a model's own KeyboardInterrupt is still caught here, but may leave
+torch tracing state behind in the process (the CLI exits right after). A real Ctrl-C (SIGINT, seen by
+a handler installed for the duration when on the main thread) stays a KeyboardInterrupt. Output written
+to file descriptor 1 directly (C extensions, os.write) is not redirected.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import os
+import signal
 import sys
+import threading
 import traceback
 from typing import Callable
 
-from tracer.errors import ModelInputError
+from tracer.errors import ModelInputError, ModelRunError
 from tracer.models import ZOO, zoo_entry
 
 
@@ -68,11 +82,18 @@ def _load_file(path: str) -> ModelSource:
     spec = importlib.util.spec_from_file_location(module_name, abspath)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    argv = sys.argv
     try:
-        spec.loader.exec_module(module)
+        with running_user_code(f"{path} (at import)"):
+            sys.argv = [abspath]
+            spec.loader.exec_module(module)
+    except ModelRunError:
+        raise
     except Exception as exc:
-        raise ModelInputError(f"{_user_location(exc, abspath)}: importing the model file raised "
-                              f"{type(exc).__name__}: {exc}", hint="fix the model file") from exc
+        raise ModelRunError(f"{_user_location(exc, abspath)}: importing the model file raised "
+                            f"{type(exc).__name__}: {exc}", hint="fix the model file") from exc
+    finally:
+        sys.argv = argv
     build = getattr(module, "build_model", None)
     if not callable(build):
         raise ModelInputError(f"{path} defines no build_model()",
@@ -84,6 +105,59 @@ def _load_file(path: str) -> ModelSource:
     return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
                        loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None),
                        loss_index=getattr(module, "loss_index", None))
+
+
+class ModelCalledExit(Exception):
+    """What `sys.exit(...)`, `exit()` and `quit()` raise while the user's code runs: an ordinary exception,
+    so every capture path unwinds and restores its state as for any error in the model."""
+
+    def __init__(self, code):
+        super().__init__(f"the model called sys.exit({code!r})")
+        self.code = code
+
+
+def _exit_as_exception(code=None):
+    raise ModelCalledExit(code)
+
+
+@contextlib.contextmanager
+def running_user_code(name: str):
+    """Run the user's code of model `name` inside: stdout to stderr; its SystemExit or its own
+    KeyboardInterrupt -> ModelRunError. Nests (each level sees the SIGINT through the one inside it)."""
+    sigint_seen = []
+    installed = False
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGINT)
+
+        def on_sigint(signum, frame):
+            sigint_seen.append(signum)
+            if callable(previous):
+                previous(signum, frame)
+            raise KeyboardInterrupt
+
+        if previous is not signal.SIG_IGN and previous is not None:
+            signal.signal(signal.SIGINT, on_sigint)
+            installed = True
+    import builtins
+    exits = sys.exit, getattr(builtins, "exit", None), getattr(builtins, "quit", None)
+    sys.exit = builtins.exit = builtins.quit = _exit_as_exception
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except ModelCalledExit as exc:
+        raise ModelRunError(f"{name}: {exc}", hint="a model file must not exit; the step was not analysed") from exc
+    except SystemExit as exc:
+        raise ModelRunError(f"{name} called sys.exit({exc.code!r}) while being traced",
+                            hint="a model file must not exit; the step was not analysed") from exc
+    except KeyboardInterrupt as exc:
+        if sigint_seen:
+            raise
+        raise ModelRunError(f"{name} raised KeyboardInterrupt while being traced",
+                            hint="the model's own KeyboardInterrupt is its failure; the step was not analysed") from exc
+    finally:
+        sys.exit, builtins.exit, builtins.quit = exits
+        if installed:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _user_location(exc: BaseException, path: str) -> str:

@@ -18,7 +18,11 @@ import torch
 from tracer.capture.convert import OpDraft
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.storages import StorageTable
-from tracer.errors import ModelRunError
+from tracer.errors import ModelRunError, UsageError
+
+
+class _NotAnOptimizer(Exception):
+    """make_optimizer returned something without step(); the argument is what it returned."""
 from tracer.stepgraph import StorageRole, TensorValue
 
 OPTIMIZERS = ("adamw", "sgd", "none")
@@ -58,15 +62,34 @@ def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fa
                                       set_to_none=set_to_none, grad_scaler=grad_scaler)
 
 
+def no_gradient_error() -> ModelRunError:
+    """A step in which no parameter gets a gradient: the real loss.backward() raises (the loss does not
+    require grad), so it is the model's failure, refused for every capture path."""
+    return ModelRunError("no parameter gets a gradient in this step (every parameter is frozen, the model has "
+                         "none, or the loss is computed under torch.no_grad): a real loss.backward() raises",
+                         hint="the step needs a loss that requires grad; unfreeze a parameter or compute the "
+                              "loss outside no_grad")
+
+
+def not_an_optimizer_error(opt) -> UsageError:
+    return UsageError(f"make_optimizer(params) returned {type(opt).__name__}, not an optimizer",
+                      hint="return a torch.optim.Optimizer; for no optimizer, drop make_optimizer and pass "
+                           "--optimizer none")
+
+
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                            make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
                            set_to_none: bool, grad_scaler) -> OptimizerRecording:
     params = [p for p in model.parameters() if id(p) in params_with_grad]
+    if not params:
+        raise no_gradient_error()
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     try:
         with fake_mode:
             if make_optimizer is not None:
                 opt = make_optimizer(model.parameters())
+                if opt is None or not callable(getattr(opt, "step", None)):
+                    raise _NotAnOptimizer(opt)
             else:
                 opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
             if grad_scaler is not None:
@@ -75,6 +98,8 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                 _set_fake_grads(params)
                 _optimizer_step(opt, grad_scaler)
                 opt.zero_grad(set_to_none=True)
+    except _NotAnOptimizer as exc:
+        raise not_an_optimizer_error(exc.args[0]) from None
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc

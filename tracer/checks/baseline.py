@@ -16,6 +16,12 @@ versions) plus a `baseline` section:
         layers: [{layer, bytes_at_peak, saved_bytes}]}}}
 
 Comparison contract:
+  * `load_baseline` checks the whole file: schema_version, format_version, every number a count, every row
+    shaped as above, at least one policy with numbers; anything else is a UsageError naming what is wrong.
+    A comparison that gates no number (no policy of the baseline was analysed) is a UsageError too: a
+    check that compares nothing could only pass. `tracer check` analyses with the settings the baseline
+    records (`options_from_baseline`: model options, target, policies, budgets, hf and sharding options);
+    a flag given replaces one, and the comparison reports it instead of refusing it.
   * The config (model, batch, seq, precision, optimizer, step, zero_grad_set_to_none, capture_path) must
     match; otherwise UsageError naming each setting that differs. Capture paths that build the joint
     graph (aot-joint, export-joint, compile-joint) count as one: they give the same graph. Different tracer or torch versions are
@@ -41,6 +47,7 @@ import re
 
 from tracer.errors import UsageError
 from tracer.passes.analysis import Analysis, PolicyAnalysis
+from tracer.reports.json_report import SCHEMA_VERSION
 
 FORMAT_VERSION = 1
 
@@ -144,30 +151,88 @@ def baseline_json(analysis: Analysis, *, top: int = 10) -> dict:
 def save_baseline(analysis: Analysis, path: str, *, top: int = 10) -> dict:
     """Write the baseline JSON to `path`. Raises UsageError if it cannot be written."""
     data = baseline_json(analysis, top=top)
-    try:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-    except OSError as exc:
-        raise UsageError(f"cannot write baseline {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, json.dumps(data, indent=2) + "\n", what="baseline")
     return data
+
+
+MAX_BASELINE_BYTES = 256 << 20
+_REWRITE = "write it with --save-baseline PATH or tracer check --update-baseline"
 
 
 def load_baseline(path: str) -> dict:
-    """Read a baseline file. Raises UsageError if it is missing, not JSON, or has no `baseline` section."""
+    """Read a baseline file and check its whole structure (see the module docstring): UsageError naming
+    the first thing wrong if it is missing, not JSON, of another schema or format version, malformed, or
+    gates no number (a baseline with no policy compares nothing, so it could only ever pass)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        if os.path.getsize(path) > MAX_BASELINE_BYTES:
+            raise UsageError(f"{path} is over {MAX_BASELINE_BYTES >> 20} MiB: not a tracer baseline", hint=_REWRITE)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f, parse_constant=_refuse_constant)
     except FileNotFoundError as exc:
-        raise UsageError(f"baseline not found: {path}",
-                         hint="write it with --save-baseline PATH or tracer check --update-baseline") from exc
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot read baseline {path}: {exc}") from exc
-    section = data.get("baseline") if isinstance(data, dict) else None
-    if not isinstance(section, dict) or section.get("format_version") != FORMAT_VERSION:
-        raise UsageError(f"{path} is not a tracer baseline (format {FORMAT_VERSION})",
-                         hint="write it with --save-baseline PATH or tracer check --update-baseline")
+        raise UsageError(f"baseline not found: {path}", hint=_REWRITE) from exc
+    except (OSError, ValueError, RecursionError) as exc:
+        raise UsageError(f"cannot read baseline {path}: {type(exc).__name__}: {exc}") from exc
+    problem = _baseline_problem(data)
+    if problem:
+        raise UsageError(f"{path} is not a tracer baseline (schema {SCHEMA_VERSION}, format "
+                         f"{FORMAT_VERSION}): {problem}", hint=_REWRITE)
     return data
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number a baseline holds")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _baseline_problem(data) -> str | None:
+    """What is wrong with a parsed baseline, or None."""
+    from tracer.reports.json_report import SCHEMA_VERSION as report_schema
+
+    if not isinstance(data, dict):
+        return f"the top level is a {type(data).__name__}, not an object"
+    if data.get("schema_version") != report_schema:
+        return f"schema_version {data.get('schema_version')!r} (this tracer reads {report_schema})"
+    if not isinstance(data.get("config"), dict):
+        return "no config object"
+    section = data.get("baseline")
+    if not isinstance(section, dict):
+        return "no baseline section"
+    if section.get("format_version") != FORMAT_VERSION:
+        return f"baseline.format_version {section.get('format_version')!r} (this tracer reads {FORMAT_VERSION})"
+    policies = section.get("policies")
+    if not isinstance(policies, dict):
+        return "baseline.policies is not an object"
+    if not policies:
+        return "baseline.policies is empty: it gates nothing"
+    for name, record in policies.items():
+        where = f"baseline.policies.{name}"
+        if not isinstance(record, dict):
+            return f"{where} is not an object"
+        numbers = record.get("numbers")
+        if not isinstance(numbers, dict) or not numbers:
+            return f"{where}.numbers is missing or empty: it gates nothing"
+        bad = next((k for k, v in numbers.items() if not _is_count(v)), None)
+        if bad is not None:
+            return f"{where}.numbers.{bad} is {numbers[bad]!r}, not a byte or FLOP count"
+        categories = record.get("by_category_at_peak")
+        if not isinstance(categories, dict) or not all(_is_count(v) for v in categories.values()):
+            return f"{where}.by_category_at_peak is not an object of byte counts"
+        for table, key in (("lines", "key"), ("layers", "layer")):
+            rows = record.get(table)
+            if not isinstance(rows, list):
+                return f"{where}.{table} is not a list"
+            for i, row in enumerate(rows):
+                if not (isinstance(row, dict) and isinstance(row.get(key), str) and _is_count(row.get("bytes_at_peak"))
+                        and _is_count(row.get("saved_bytes"))):
+                    return f"{where}.{table}[{i}] needs {key} (text), bytes_at_peak and saved_bytes (counts)"
+                for text in ("label", "code"):
+                    if row.get(text) is not None and not isinstance(row.get(text), str):
+                        return f"{where}.{table}[{i}].{text} is not text"
+    return None
 
 
 def compare_to_baseline(analysis: Analysis, baseline: dict, tolerance: float | str = 0.02, *,
@@ -200,6 +265,10 @@ def compare_to_baseline(analysis: Analysis, baseline: dict, tolerance: float | s
             lines=_diff_rows(_rows(old["lines"], "key"), _rows(new["lines"], "key")),
             layers=_diff_rows(_rows(old["layers"], "layer"), _rows(new["layers"], "layer")),
             categories=_diff_rows(_category_rows(old), _category_rows(new))))
+    if not numbers:
+        raise UsageError("the comparison with the baseline gates no number (" + "; ".join(notes or ["no policy"])
+                         + "): it could only pass", hint="analyse the baseline's policies, or rewrite it with "
+                                                         "--update-baseline")
     regressions = tuple(n for n in numbers if n.current > n.baseline * (1 + tol))
     improvements = tuple(n for n in numbers if n.current < n.baseline * (1 - tol))
     return CheckResult(config=tuple(current["config"].items()), tolerance=tol, numbers=tuple(numbers),
@@ -270,9 +339,19 @@ def _refuse_config_mismatch(old: dict, new: dict, overridden: tuple[str, ...] = 
             return value if value.startswith("dispatch") else "joint graph"
         return os.path.normpath(value) if key == "model" and isinstance(value, str) and value.endswith(".py") else value
 
+    def same(key, a, b):
+        if norm(key, a) == norm(key, b):
+            return True
+        if key == "model" and isinstance(a, str) and isinstance(b, str) and a.endswith(".py"):
+            try:                       # the same file reached by another relative path
+                return os.path.samefile(a, b)
+            except OSError:
+                return False
+        return False
+
     keys = [key for key in dict.fromkeys([*old, *new]) if key in old or not _settings_only(key)]
     differ = {key: f"{key} (baseline {old.get(key)!r}, now {new.get(key)!r})"
-              for key in keys if norm(key, old.get(key)) != norm(key, new.get(key))}
+              for key in keys if not same(key, old.get(key), new.get(key))}
     refused = [text for key, text in differ.items() if key not in overridden]
     if refused:
         raise UsageError("the baseline was made with other settings: " + "; ".join(refused),

@@ -6,7 +6,8 @@ tolerance and the lines and layers that account for it. A setting given as a fla
 baseline's, and the report says so. `--update-baseline` rewrites the baseline from this analysis instead
 (the flags given, else the defaults; the file need not exist).
 Exit codes (tracer.errors.ExitCode): 0 ok, 1 regression, 2 usage (flags, missing or foreign baseline, a
-baseline made with other settings, model file), 3 analysis error.
+baseline made with other settings, a baseline that gates nothing, model file), 3 analysis error (the
+model raised or exited, or any unexpected error: never 0 or 1), 130 interrupted (see tracer.entry).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import argparse
 import sys
 
 from tracer.checks.options import MODEL_OPTIONS, add_model_arguments, analyze_kwargs
-from tracer.errors import ExitCode, TracerError, UsageError
+from tracer.errors import ExitCode, UsageError
 
 POLICY_CHOICES = ("eager", "compiled", "selective", "full", "all")
 
@@ -24,7 +25,8 @@ def build_check_parser() -> argparse.ArgumentParser:
         "Re-analyse MODEL and compare with a baseline written by --save-baseline: exit 1 if a peak, a "
         "phase peak, the saved bytes, the bytes live after the step or the recompute FLOPs grew beyond "
         "the tolerance, with the lines and layers that account for the growth."),
-        epilog="exit codes: 0 ok, 1 regression, 2 usage error (flags, baseline, model file), 3 analysis error")
+        epilog="exit codes: 0 ok, 1 regression, 2 usage error (flags, baseline, model file), 3 analysis error "
+               "(the model raised or exited, or an unexpected error), 130 interrupted")
     p.add_argument("model", help="zoo name or path to a model file (as given when the baseline was saved)")
     p.add_argument("--baseline", metavar="PATH", required=True, help="baseline JSON written by --save-baseline")
     p.add_argument("--tolerance", default="2%",
@@ -53,14 +55,8 @@ def check_main(argv: list[str] | None = None) -> int:
         args = build_check_parser().parse_args(argv)
     except SystemExit as exc:                      # --help (0) or a bad flag (2, message already printed)
         return int(exc.code or 0)
-    try:
-        return _run_check(args)
-    except TracerError as exc:
-        if args.verbose:
-            import traceback
-            traceback.print_exception(exc)
-        print(f"tracer check: error: {exc}", file=sys.stderr)
-        return int(exc.exit_code)
+    from tracer.entry import run_entry_point
+    return run_entry_point(lambda: _run_check(args), prog="tracer check", verbose=args.verbose)
 
 
 def _run_check(args) -> int:

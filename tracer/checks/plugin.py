@@ -22,7 +22,8 @@ Marker keywords:
   batch, seq, precision, optimizer, foreach, step, zero_grad
               the model options of `python -m tracer` (defaults 2, 1024, "fp32", "adamw", True, "steady",
               "none").
-At least one budget is required. A budget is bytes (int) or a size string read by
+Every `memory_budget` marker on a test is checked (stacked markers, class- and module-level
+`pytestmark`); the test fails if any one fails. At least one budget is required per marker. A budget is bytes (int) or a size string read by
 `tracer.reports.units.parse_bytes` ("7.5GiB", "512 MB", "1024"). A bad keyword or value, an unknown
 policy, a missing model file or an analysis error fails the test with one line saying what to fix.
 Analyses are cached for the session by (model, options): several budgets on one model cost one analysis.
@@ -49,12 +50,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     result = yield
-    marker = item.get_closest_marker("memory_budget")
-    if marker is not None:
+    messages = []
+    for marker in item.iter_markers("memory_budget"):      # every marker: stacked, class- and module-level
         message = check_budget_marker(marker.args, marker.kwargs, test_dir=os.path.dirname(str(item.path)),
                                       cache=item.config.stash[_CACHE])
         if message:
-            pytest.fail(message, pytrace=False)
+            messages.append(message)
+    if messages:
+        pytest.fail("\n".join(messages), pytrace=False)
     return result
 
 
@@ -76,6 +79,8 @@ def check_budget_marker(args: tuple, kwargs: dict, *, test_dir: str, cache: dict
                 cache[key] = analysis
     except TracerError as exc:
         return f"memory_budget: {exc}"
+    except Exception as exc:  # noqa: BLE001 - an unexpected error fails the test with one line, never passes it
+        return f"memory_budget: internal error: {type(exc).__name__}: {exc} (run tracer on the model with --verbose)"
     return _budget_message(model, policy, options, analysis.policies[policy], budgets)
 
 

@@ -344,8 +344,5 @@ def write_layer_graph(dot: str, path) -> None:
     if fmt not in GRAPH_FORMATS:
         raise UsageError(f"cannot write the layer graph as {path}: use a .dot, .gv, .svg, .png or .pdf file name")
     data = dot.encode("utf-8") if fmt in ("dot", "gv") else run_dot(dot, fmt)
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-    except OSError as exc:
-        raise UsageError(f"cannot write the layer graph to {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, data, what="the layer graph")

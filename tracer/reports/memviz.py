@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import pickle
 
-from tracer.errors import UsageError
 from tracer.passes.allocator import MIB, round_size, simulate_allocator
 from tracer.passes.analysis import Analysis
 from tracer.passes.device import step_requests
@@ -145,9 +144,6 @@ def _frames(op: OpNode | None) -> list[dict]:
 
 def write_memviz_snapshot(analysis: Analysis, path, policy: str = "eager") -> dict:
     data = predicted_snapshot(analysis, policy)
-    try:
-        with open(path, "wb") as f:
-            pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
-    except OSError as exc:
-        raise UsageError(f"cannot write the snapshot to {path}: {exc.strerror}") from exc
+    from tracer.outputs import write_output
+    write_output(path, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL), what="the snapshot")
     return data

@@ -10,12 +10,14 @@ Contract:
         layer.dot              the layer graph (tracer.reports.layer_graph); layer.svg too when graphviz
                                `dot` is installed (the HTML then inlines the same SVG)
         predicted_snapshot.pickle   the memory_viz export of `policy` (tracer.reports.memviz)
-    Existing files of those names are overwritten; nothing else in `out_dir` is touched.
+    Existing files of those names are overwritten; nothing else in `out_dir` is touched. Every file is
+    made in memory first (a failing graphviz writes nothing) and then written whole (tracer.outputs).
 Raises UsageError when the directory cannot be created or written.
 """
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 from tracer.errors import UsageError
@@ -23,8 +25,9 @@ from tracer.passes.analysis import Analysis
 from tracer.reports.html_report import render_html
 from tracer.reports.layer_graph import dot_to_svg, render_layer_graph
 from tracer.reports.line_table import build_line_table, line_table_json, render_line_table
-from tracer.reports.memviz import write_memviz_snapshot
-from tracer.reports.timeline import render_timeline
+from tracer.outputs import write_output
+from tracer.reports.memviz import predicted_snapshot
+from tracer.reports.timeline import timeline_image
 
 
 def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", layer: str | None = None,
@@ -38,8 +41,8 @@ def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", laye
         ("html", "report.html"), ("timeline_png", "timeline.png"), ("timeline_svg", "timeline.svg"),
         ("lines_txt", "lines.txt"), ("lines_json", "lines.json"), ("layer_dot", "layer.dot"),
         ("layer_svg", "layer.svg"), ("snapshot", "predicted_snapshot.pickle"))}
-    render_timeline(analysis, paths["timeline_png"], device_memory_bytes=device_memory_bytes)
-    render_timeline(analysis, paths["timeline_svg"], device_memory_bytes=device_memory_bytes)
+    images = {kind: timeline_image(analysis, fmt, device_memory_bytes=device_memory_bytes)[0]
+              for kind, fmt in (("timeline_png", "png"), ("timeline_svg", "svg"))}
     table = build_line_table(analysis, policy)
     dot = render_layer_graph(analysis, layer, policy)
     svg = dot_to_svg(dot)
@@ -52,14 +55,7 @@ def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", laye
         texts["layer_svg"] = svg
     texts["html"] = render_html(analysis, policy=policy, layer=layer, device_memory_bytes=device_memory_bytes,
                                 top=top, graph_svg=svg)
-    for kind, text in texts.items():
-        _write(paths[kind], text)
-    write_memviz_snapshot(analysis, paths["snapshot"], policy)
+    images["snapshot"] = pickle.dumps(predicted_snapshot(analysis, policy), protocol=pickle.HIGHEST_PROTOCOL)
+    for kind, data in {**texts, **images}.items():
+        write_output(paths[kind], data, what="the report file")
     return paths
-
-
-def _write(path: Path, text: str) -> None:
-    try:
-        path.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise UsageError(f"cannot write {path}: {exc.strerror}") from exc

@@ -182,15 +182,24 @@ def render_timeline(analysis: Analysis, path, *, device_memory_bytes: int | None
 
     Returns the `PolicyTimeline`s plotted. Raises UsageError for another suffix or an unwritable path.
     """
+    from tracer.outputs import write_output
+
     fmt = (fmt or os.path.splitext(str(path))[1].lstrip(".")).lower()
     if fmt not in FORMATS:
         raise UsageError(f"cannot write the timeline as {path}: use a .png or .svg file name")
-    fig, timelines = timeline_figure(analysis, policies=policies, device_memory_bytes=device_memory_bytes)
-    try:
-        _save(fig, path, fmt, dpi)
-    except OSError as exc:
-        raise UsageError(f"cannot write the timeline to {path}: {exc.strerror}") from exc
+    data, timelines = timeline_image(analysis, fmt, device_memory_bytes=device_memory_bytes, policies=policies,
+                                     dpi=dpi)
+    write_output(path, data, what="the timeline")
     return timelines
+
+
+def timeline_image(analysis: Analysis, fmt: str, *, device_memory_bytes: int | None = None,
+                   policies: list[str] | None = None, dpi: int = 120) -> tuple[bytes, list]:
+    """The timeline as PNG or SVG bytes, and the `PolicyTimeline`s plotted."""
+    fig, timelines = timeline_figure(analysis, policies=policies, device_memory_bytes=device_memory_bytes)
+    buf = io.BytesIO()
+    _save(fig, buf, fmt, dpi)
+    return buf.getvalue(), timelines
 
 
 def timeline_svg(analysis: Analysis, *, device_memory_bytes: int | None = None,

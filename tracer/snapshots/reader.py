@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
+import os
 import pickle
+import pickletools
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -192,24 +193,174 @@ def load_snapshot_dict(path: str | Path) -> dict:
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            file_bytes = os.fstat(f.fileno()).st_size
+            if file_bytes > MAX_SNAPSHOT_BYTES:
+                raise SnapshotError(f"{path}: {file_bytes:,} bytes is over the reader's limit of "
+                                    f"{MAX_SNAPSHOT_BYTES:,} bytes", hint="record fewer steps or a shorter trace")
+            head = f.read(2)
+            if len(head) < 2 or head[:1] not in _PICKLE_OPCODES:
+                raise SnapshotError(f"{path}: not a readable pickle (it starts with {head!r}); "
+                                    "torch.cuda.memory._dump_snapshot() writes one")
+            f.seek(0)
+            data = _load_plain_data(f, path)
     except OSError as exc:
         raise SnapshotError(f"{path}: cannot read the snapshot ({exc.strerror or exc})") from exc
+    if isinstance(data, list):
+        data = {"segments": data}
+    if not isinstance(data, dict):
+        raise SnapshotError(f"{path}: not a CUDA memory snapshot (top level is {type(data).__name__}, "
+                            "expected the dict written by torch.cuda.memory._dump_snapshot())")
+    check_snapshot_structure(data, source=str(path), file_bytes=file_bytes)
+    return data
+
+
+def _load_plain_data(f, path: Path):
     try:
-        data = _PlainDataUnpickler(io.BytesIO(raw)).load()
+        return _PlainDataUnpickler(f).load()
     except _ForbiddenGlobal as exc:
         raise SnapshotError(
             f"{path}: refused to load: the pickle refers to {exc}. A snapshot is untrusted input and only "
             "plain data (dicts, lists, strings, numbers) is accepted",
             hint="regenerate it with torch.cuda.memory._dump_snapshot()") from exc
+    except OSError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means "not a snapshot"; chained below
-        raise SnapshotError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc})") from exc
-    if isinstance(data, list):
-        return {"segments": data}
-    if not isinstance(data, dict):
-        raise SnapshotError(f"{path}: not a CUDA memory snapshot (top level is {type(data).__name__}, "
-                            "expected the dict written by torch.cuda.memory._dump_snapshot())")
-    return data
+        raise SnapshotError(f"{path}: not a readable pickle ({type(exc).__name__}: {_short(exc)})") from exc
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_snapshot_structure(data: dict, *, source: str = "<snapshot>", file_bytes: int | None = None) -> None:
+    """Refuse (SnapshotError, one line) a dict that is not a snapshot the reader can read: no `segments` and
+    no `device_traces`; a value of the wrong type where the reader looks (a size that is not an integer,
+    negative, or over 2**64; frames that are not a list of frame dicts; a device that is not an integer);
+    or, with `file_bytes`, more entries than `EXPANSION_PER_BYTE` per byte of the file (plus
+    `EXPANSION_FLOOR`) once shared references are counted as often as they are reached: the work of
+    reading it is bounded by the file's size. Walks only the keys the reader uses, level by level, counting
+    each level's size before it walks the next; distinct frame lists are checked once each."""
+    if "segments" not in data and "device_traces" not in data:
+        keys = ", ".join(repr(k) for k in list(data)[:5]) or "none"
+        raise SnapshotError(f"{source}: not a CUDA memory snapshot (no segments and no device_traces; keys: {keys})",
+                            hint="write it with torch.cuda.memory._dump_snapshot()")
+    budget = None if file_bytes is None else EXPANSION_FLOOR + EXPANSION_PER_BYTE * file_bytes
+    walk = _StructureCheck(source, budget)
+    segments = walk.seq(data.get("segments"), "segments")
+    traces = walk.seq(data.get("device_traces"), "device_traces")
+    traces = [walk.seq(t, f"device_traces[{d}]") for d, t in enumerate(traces)]
+    walk.spend(len(segments) + sum(len(t) for t in traces))
+    blocks = []
+    for i, seg in enumerate(segments):
+        where = f"segments[{i}]"
+        walk.mapping(seg, where)
+        for key in ("address", "total_size"):
+            walk.count(seg.get(key), f"{where}.{key}")
+        device = seg.get("device")
+        if device is not None and not _is_count(device, limit=1 << 16):
+            raise SnapshotError(f"{source}: {where}.device is {_show(device)}, not a device index")
+        if not isinstance(seg.get("segment_type", ""), (str, type(None))):
+            raise SnapshotError(f"{source}: {where}.segment_type is {_show(seg.get('segment_type'))}, not text")
+        seg_blocks = walk.seq(seg.get("blocks"), f"{where}.blocks")
+        walk.spend(len(seg_blocks))
+        blocks += [(f"{where}.blocks[{j}]", b) for j, b in enumerate(seg_blocks)]
+    for where, blk in blocks:
+        walk.mapping(blk, where)
+        walk.count(blk.get("size"), f"{where}.size", required=True)
+        for key in ("address", "requested_size"):
+            walk.count(blk.get(key), f"{where}.{key}")
+        if not isinstance(blk.get("state", ""), str):
+            raise SnapshotError(f"{source}: {where}.state is {_show(blk.get('state'))}, not text")
+        walk.frames(blk.get("frames"), f"{where}.frames")
+        history = walk.seq(blk.get("history"), f"{where}.history")
+        walk.spend(len(history))
+        for k, event in enumerate(history):
+            walk.mapping(event, f"{where}.history[{k}]")
+            walk.count(event.get("real_size"), f"{where}.history[{k}].real_size")
+            walk.frames(event.get("frames"), f"{where}.history[{k}].frames")
+    for d, trace in enumerate(traces):
+        for k, entry in enumerate(trace):
+            where = f"device_traces[{d}][{k}]"
+            walk.mapping(entry, where)
+            if not isinstance(entry.get("action"), str):
+                raise SnapshotError(f"{source}: {where}.action is {_show(entry.get('action'))}, not text")
+            for key in ("addr", "size"):
+                walk.count(entry.get(key), f"{where}.{key}")
+            walk.frames(entry.get("frames"), f"{where}.frames")
+
+
+_PICKLE_OPCODES = frozenset(op.code.encode("latin-1") for op in pickletools.opcodes)
+MAX_SNAPSHOT_BYTES = 4 << 30          # larger files are refused before anything is read
+EXPANSION_PER_BYTE = 16               # entries reached (with shared references counted each time) per file byte
+EXPANSION_FLOOR = 1 << 20
+_MAX_COUNT = 1 << 64                  # addresses and sizes are 64-bit
+
+
+def _is_count(value, *, limit: int = _MAX_COUNT) -> bool:
+    return type(value) is int and 0 <= value < limit
+
+
+def _show(value) -> str:
+    if isinstance(value, (dict, list, tuple)):
+        return f"a {type(value).__name__}"
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 128 else f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class _StructureCheck:
+    def __init__(self, source: str, budget: int | None):
+        self.source, self.budget, self.reached = source, budget, 0
+        self._frames_seen: set[int] = set()
+        self._keep: list = []                      # keeps checked frame lists alive, so their ids stay unique
+
+    def fail(self, message: str):
+        raise SnapshotError(f"{self.source}: {message}", hint="write it with torch.cuda.memory._dump_snapshot()")
+
+    def spend(self, n: int) -> None:
+        self.reached += n
+        if self.budget is not None and self.reached > self.budget:
+            raise SnapshotError(f"{self.source}: refused: its shared references expand to more than "
+                                f"{self.budget:,} entries ({EXPANSION_PER_BYTE} per byte of the file); a real "
+                                "snapshot stays far below this", hint="this bounds the reader's memory and time")
+
+    def seq(self, value, where: str) -> list | tuple:
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)):
+            self.fail(f"{where} is {_show(value)}, not a list")
+        return value
+
+    def mapping(self, value, where: str) -> None:
+        if not isinstance(value, dict):
+            self.fail(f"{where} is {_show(value)}, not a dict")
+
+    def count(self, value, where: str, *, required: bool = False) -> None:
+        if value is None and not required:
+            return
+        if not _is_count(value):
+            self.fail(f"{where} is {_show(value)}, not a byte count or address (an integer from 0 to 2**64)")
+
+    def frames(self, value, where: str) -> None:
+        frames = self.seq(value, where)
+        self.spend(len(frames))
+        if id(frames) in self._frames_seen:
+            return
+        self._frames_seen.add(id(frames))
+        self._keep.append(frames)             # (frame dicts are kept alive by the lists that hold them)
+        for i, frame in enumerate(frames):
+            if id(frame) in self._frames_seen:
+                continue
+            self._frames_seen.add(id(frame))
+            if not isinstance(frame, dict):
+                self.fail(f"{where}[{i}] is {_show(frame)}, not a frame dict")
+            for key in ("filename", "name"):
+                if not isinstance(frame.get(key, ""), (str, type(None))):
+                    self.fail(f"{where}[{i}].{key} is {_show(frame.get(key))}, not text")
+            line = frame.get("line", 0)
+            if line is not None and not (type(line) is int and -(1 << 31) <= line < (1 << 31)):
+                self.fail(f"{where}[{i}].line is {_show(line)}, not a line number")
 
 
 def read_snapshot(path: str | Path, *, device: int | None = None, free_at: str = "free_completed",

@@ -1,0 +1,44 @@
+"""The exit-code contract of every entry point (`python -m tracer`, `tracer check`, `tracer snapshot`).
+
+    run_entry_point(body, *, prog, verbose) -> int
+
+`body()` returns the exit code. What it raises becomes one line on stderr and a code (tracer.errors.ExitCode):
+  * a `TracerError`: its message and its `exit_code` (2 usage, 3 analysis or the model's own failure);
+  * `KeyboardInterrupt` (Ctrl-C outside the model's code; the model's own is a ModelRunError): 130;
+  * anything else is a bug or an environment failure: exit 3, never 1 (which means "a memory check
+    failed"), with the hint to rerun with --verbose for the traceback.
+With `verbose` the chained traceback is printed before the line. Exit 0 and 1 only come from `body`'s
+return value, so no crash can read as a pass or as a regression.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from tracer.errors import ExitCode, TracerError
+
+VERBOSE_HINT = "rerun with --verbose for the traceback"
+
+
+def run_entry_point(body: Callable[[], int], *, prog: str, verbose: bool) -> int:
+    try:
+        return int(body())
+    except TracerError as exc:
+        _say(prog, f"error: {exc}", exc, verbose)
+        return int(exc.exit_code)
+    except KeyboardInterrupt as exc:
+        _say(prog, "interrupted (Ctrl-C)", exc, verbose=False)
+        return int(ExitCode.INTERRUPTED)
+    except Exception as exc:  # noqa: BLE001 - the contract: an unexpected error is exit 3 and one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        detail = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        hint = "" if verbose else f" ({VERBOSE_HINT})"
+        _say(prog, f"internal error: {detail}{hint}", exc, verbose)
+        return int(ExitCode.ANALYSIS)
+
+
+def _say(prog: str, line: str, exc: BaseException, verbose: bool) -> None:
+    if verbose:
+        import traceback
+        traceback.print_exception(exc)
+    print(f"{prog}: {line}", file=sys.stderr)
