@@ -74,6 +74,8 @@ class AnalysisOptions:
                 ok, wanted = _positive_int(value), "a positive integer"
             elif option.name == "target":
                 continue                   # "cuda:<gpu>" is valid too: target_label() checks it below
+            elif option.choices is None:
+                continue                   # free text (moe_routing: a name or a file), parsed below
             else:
                 ok = value in option.choices or (option.default is None and value is None)
                 wanted = "one of " + ", ".join(option.choices) + (" or None" if option.default is None else "")
@@ -100,6 +102,8 @@ class AnalysisOptions:
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
+        from tracer.capture.routing import parse_routing
+        parse_routing(self.moe_routing)
 
     def policy_specs(self) -> tuple:
         """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
