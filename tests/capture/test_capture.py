@@ -58,3 +58,11 @@ def test_no_real_memory_is_allocated_for_a_7b_model():
     model = build_fake(load_model_source("llama-7b"), 1, 16, "fp32", FakeTensorMode()).model
     assert sum(p.numel() for p in model.parameters()) == 6_738_415_616
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1_000_000   # KiB: far below 27 GB
+
+
+def test_a_fused_rnn_module_is_flagged_in_the_report():
+    """nn.LSTM runs a fused kernel in eager that the traced step decomposes: never silently off."""
+    path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lstm_lm.py")
+    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu"))
+    (note,) = [n for n in graph.config.notes if "fused RNN kernel" in n]
+    assert note.startswith("rnn: nn.LSTM runs a fused RNN kernel")
