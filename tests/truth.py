@@ -291,3 +291,30 @@ def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_n
         else:
             model.zero_grad(set_to_none=set_to_none)
     return forward_end
+
+
+def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
+    """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption: its weight
+    reads the first `experts` features, and a pre-hook feeds it token t's preference for experts
+    (t * k + j) % experts, j < k, 1000 above the others, plus a thousandth of the real hidden state (so the
+    router still gets a gradient). One AdamW step moves the weight by about 1e-3: the choice stays fixed."""
+    for module in model.modules():
+        if is_topk_router(module):
+            experts, k = module.num_experts, module.top_k
+            with torch.no_grad():
+                module.weight.zero_()
+                module.weight[:, :experts] = torch.eye(experts)
+
+            def prefer(mod, args, experts=experts, k=k):
+                hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
+                slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
+                wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
+                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3,)
+
+            module.register_forward_pre_hook(prefer)
+    return model
+
+
+def is_topk_router(module: torch.nn.Module) -> bool:
+    """A transformers mixture-of-experts router (MixtralTopKRouter, Qwen2MoeTopKRouter, ...)."""
+    return type(module).__name__.endswith("TopKRouter")

@@ -9,7 +9,7 @@ import torch
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
 from tracer.errors import ExitCode
 from tracer.passes.analysis import analyze_graphs
-from truth import measure_step
+from truth import balanced_routers, measure_step
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 MOE = os.path.join(FIXTURES, "moe_router.py")
@@ -113,28 +113,6 @@ HF_EXPERTS = {"hf:mixtral": ("num_local_experts=4",),
               "hf:qwen3_moe": ("num_experts=4", "moe_intermediate_size=64", "head_dim=8")}
 
 
-def _balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
-    """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption: its weight
-    reads the first `experts` features, and a pre-hook feeds it token t's preference for experts
-    (t * k + j) % experts, j < k, 1000 above the others, plus a thousandth of the real hidden state (so the
-    router still gets a gradient). One AdamW step moves the weight by about 1e-3: the choice stays fixed."""
-    for module in model.modules():
-        if type(module).__name__.endswith("TopKRouter"):
-            experts, k = module.num_experts, module.top_k
-            with torch.no_grad():
-                module.weight.zero_()
-                module.weight[:, :experts] = torch.eye(experts)
-
-            def prefer(mod, args, experts=experts, k=k):
-                hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
-                slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
-                wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
-                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3,)
-
-            module.register_forward_pre_hook(prefer)
-    return model
-
-
 @pytest.mark.parametrize("name", sorted(HF_EXPERTS))
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 def test_a_transformers_moe_with_balanced_routers_is_exact_against_a_real_step(name, experts):
@@ -146,7 +124,7 @@ def test_a_transformers_moe_with_balanced_routers_is_exact_against_a_real_step(n
     import dataclasses
     overrides = HF_MOE + HF_EXPERTS[name] + (f"experts_implementation={experts}",)
     plain = load_model_source(name, hf_config=overrides)
-    source = dataclasses.replace(plain, build_model=lambda: _balanced_routers(plain.build_model()))
+    source = dataclasses.replace(plain, build_model=lambda: balanced_routers(plain.build_model()))
     graph, predicted = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
     notes = "\n".join(graph.config.notes)
     if experts == "eager":

@@ -1,0 +1,261 @@
+"""Corpus sweep: every architecture transformers builds from a tiny default config, plus hand-written styles,
+each predicted by tracer (--target cpu, eager policy, dropout 0) and measured in a real CPU step.
+
+    python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S]
+
+Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING with a causal-lm, masked-lm,
+seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` picks it) and
+`style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
+overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
+vocab 256, image 32, patch 8, dropouts 0, ...), also inside nested sub-configs.
+
+One row per model: built (the real model builds), traced (the capture rung), peak / phase peaks / saved bytes
+predicted vs measured (tests/truth.py's `measure_step`, AdamW foreach, steady step), seconds. A model is
+`exact` when every phase peak is within 0.1% and saved bytes are equal, `off` otherwise; `fail` names the
+stage (build, trace, measure) and the error's first line; mixtures of experts are compared with their
+transformers routers made to route as the `balanced` assumption (truth.balanced_routers), or reported as
+`not compared (routing)` when routing decides sizes and no router could be fixed. Each model runs in its own
+try/except under a wall-clock limit (SIGALRM), so the sweep never stops early.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import signal
+import sys
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+STYLES = os.path.join(ROOT, "benchmarks", "wild_styles")
+
+import torch  # noqa: E402
+
+from tracer.capture.build import StepModule  # noqa: E402
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
+from tracer.passes.analysis import analyze_graphs  # noqa: E402
+from truth import balanced_routers, is_topk_router, measure_step  # noqa: E402
+
+BATCH, SEQ = 2, 16
+PHASES = ("forward", "backward", "optimizer")
+SWEPT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-classification")
+
+# generic tiny sizes (value: the keys it is set on), set only where a config already has the key
+TINY = (
+    (2, ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
+         "num_decoder_layers", "num_encoder_layers", "num_key_value_heads", "num_kv_heads",
+         "multi_query_group_num", "num_experts_per_tok", "moe_topk")),
+    (64, ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "word_embed_proj_dim", "embedding_size",
+          "projection_dim", "d_embed")),
+    (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+         "decoder_attention_heads", "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
+    (16, ("head_dim", "d_kv", "kv_channels", "num_mel_bins", "qk_rope_head_dim", "v_head_dim", "rotary_dim")),
+    (128, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim", "n_inner",
+           "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "decoder_hidden_size")),
+    (256, ("vocab_size",)),
+    (32, ("image_size", "max_source_positions", "qk_nope_head_dim")),
+    (8, ("patch_size",)),
+)
+TINY_BY_KEY = {key: value for value, keys in TINY for key in keys}
+LAYER_KEYS = TINY[0][1][:8]
+
+
+def tiny_overrides(config: dict) -> dict:
+    """Generic shrinking of one config dict (and of its nested sub-configs): keys of TINY where present and
+    larger, dropouts 0, list-valued per-stage sizes shortened, per-layer lists cut to the new layer count,
+    token ids kept inside the shrunk vocabulary."""
+    out = {}
+    layers_before = next((config[k] for k in LAYER_KEYS if isinstance(config.get(k), int)), None)
+    for key, value in config.items():
+        if isinstance(value, dict) and "model_type" in value:
+            out[key] = {**value, **tiny_overrides(value)}
+        elif key in TINY_BY_KEY and isinstance(value, int) and not isinstance(value, bool) and value > TINY_BY_KEY[key]:
+            out[key] = TINY_BY_KEY[key]
+        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate")):
+            out[key] = 0.0
+        elif key == "depths" and isinstance(value, list):
+            out[key] = [1] * len(value)
+        elif key in ("hidden_sizes", "embed_dims", "embedding_dims") and isinstance(value, list):
+            out[key] = [16 * (i + 1) for i in range(len(value))]
+        elif key in ("num_heads", "num_attention_heads") and isinstance(value, list):
+            out[key] = [2] * len(value)
+        elif (isinstance(value, list) and layers_before and len(value) == layers_before
+              and key not in ("depths", "hidden_sizes")):
+            out[key] = value[:2]
+    vocab = out.get("vocab_size", config.get("vocab_size"))
+    if isinstance(vocab, int):
+        for key, value in config.items():
+            if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
+                out[key] = value % vocab
+    return out
+
+
+def hf_names() -> list[str]:
+    from tracer.models.hf import _heads, _model_types
+    return [f"hf:{t}" for t in _model_types() if any(task in _heads(t) for task in SWEPT_TASKS)]
+
+
+def style_names() -> list[str]:
+    return [f"style:{f[:-3]}" for f in sorted(os.listdir(STYLES)) if f.endswith(".py")]
+
+
+def source_for(name: str):
+    if name.startswith("style:"):
+        return load_model_source(os.path.join(STYLES, name[6:] + ".py"))
+    from transformers import AutoConfig
+    import transformers
+    from tracer.models.hf import hf_spec
+    spec = hf_spec(name[3:])
+    overrides = tiny_overrides(AutoConfig.for_model(spec.model_type).to_dict())
+    # sdpa where the architecture has it, else eager attention (transformers' own default choice)
+    attn = "sdpa" if getattr(getattr(transformers, spec.model_class), "_supports_sdpa", False) else "eager"
+    return load_model_source(name, hf_config=tuple(f"{k}={json.dumps(v)}" for k, v in overrides.items()),
+                             hf_attn=attn)
+
+
+class TimeLimit(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise TimeLimit("time limit")
+
+
+@dataclasses.dataclass
+class Row:
+    name: str
+    built: bool = False
+    traced: str = ""                       # the capture rung
+    status: str = "fail"                   # exact | off | fail | not compared (routing)
+    reason: str = ""
+    predicted: dict = dataclasses.field(default_factory=dict)    # peak, forward, backward, optimizer, saved
+    measured: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}"[:220]
+
+
+def _has_experts(model: torch.nn.Module) -> bool:
+    config = getattr(getattr(model, "model", None), "config", None)
+    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    return any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in keys)
+
+
+def run_one(name: str, time_limit_s: int) -> Row:
+    row, stage = Row(name), "build"
+    start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(time_limit_s)
+    try:
+        source = source_for(name)
+        torch.manual_seed(0)
+        model = source.build_model()
+        routers = [m for m in model.modules() if is_topk_router(m)]
+        if routers:
+            model = balanced_routers(model)
+            built_model = model
+            plain = source
+            source = dataclasses.replace(plain, build_model=lambda: balanced_routers(plain.build_model()))
+        else:
+            built_model = model
+        row.built = True
+        stage = "trace"
+        graphs = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", moe_routing="balanced"),
+                               (PolicySpec(name="eager"),))
+        graph = graphs["eager"]
+        row.traced = graph.config.capture_path
+        predicted = analyze_graphs(graphs).policies["eager"]
+        row.predicted = {"peak": predicted.peak_bytes, "saved": predicted.saved.total_bytes,
+                         **{p: predicted.phases[p].peak_bytes for p in PHASES}}
+        routed = any("routing assumed" in note for note in graph.config.notes)
+        if routed and not routers and _has_experts(built_model):
+            row.status, row.reason = "not compared (routing)", "sizes depend on routing; no router to fix"
+            return row
+        stage = "measure"
+        torch.manual_seed(1)
+        batch = source.example_batch(BATCH, SEQ)
+        # the loss as tracer takes it (a tuple's 0-dim loss, a mapping's "loss")
+        step = StepModule(built_model, loss_fn=source.loss_fn, loss_index=source.loss_index)
+        optimizer = torch.optim.AdamW(built_model.parameters(), lr=1e-3, foreach=True)
+        measured = measure_step(step, batch, optimizer)
+        row.measured = {"peak": measured.peak_bytes, "saved": measured.saved_bytes,
+                        **{p: measured.phase_peaks.get(p, 0) for p in PHASES}}
+        close = all(abs(row.predicted[p] - row.measured[p]) <= 1e-3 * row.measured[p] for p in PHASES)
+        row.status = "exact" if close and row.predicted["saved"] == row.measured["saved"] else "off"
+        if row.status == "off":
+            row.reason = ", ".join(f"{k} {row.predicted[k] - row.measured[k]:+,}" for k in ("saved",) + PHASES
+                                   if row.predicted[k] != row.measured[k])
+    except (Exception, TimeLimit) as exc:          # the sweep reports every failure and goes on
+        row.status, row.reason = "fail", f"{stage}: {_one_line(exc)}"
+    finally:
+        signal.alarm(0)
+        row.seconds = time.perf_counter() - start
+        gc.collect()
+    return row
+
+
+def _kib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024:,.0f}"
+
+
+def render_row(row: Row) -> str:
+    def pair(key):
+        p, m = row.predicted.get(key), row.measured.get(key)
+        return f"{_kib(p)}/{_kib(m)}" if p is not None or m is not None else "-"
+    return (f"{row.name:<34} {'yes' if row.built else 'no':<5} {row.traced or '-':<14} {pair('peak'):>17} "
+            f"{pair('forward'):>17} {pair('backward'):>17} {pair('optimizer'):>17} {pair('saved'):>17} "
+            f"{row.seconds:6.1f}  {row.status}")
+
+
+HEADER = (f"{'model':<34} {'built':<5} {'traced':<14} {'peak KiB p/m':>17} {'forward':>17} {'backward':>17} "
+          f"{'optimizer':>17} {'saved':>17} {'sec':>6}  status")
+
+
+def summary(rows: list[Row]) -> str:
+    counts = {s: sum(r.status == s for r in rows) for s in ("exact", "off", "fail", "not compared (routing)")}
+    return (f"{len(rows)} models: {counts['exact']} exact, {counts['off']} off, {counts['fail']} fail, "
+            f"{counts['not compared (routing)']} not compared (routing)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated names (hf:<model_type> or style:<file>)")
+    parser.add_argument("--limit", type=int, help="the first N names only")
+    parser.add_argument("--json", help="write the rows as JSON here")
+    parser.add_argument("--time-limit", type=int, default=120, help="seconds per model (default 120)")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    if args.only:
+        names = [n if ":" in n else f"hf:{n}" for n in args.only.split(",") if n]
+    else:
+        names = style_names() + hf_names()
+    if args.limit:
+        names = names[:args.limit]
+    rows = []
+    print(HEADER, flush=True)
+    for name in names:
+        row = run_one(name, args.time_limit)
+        rows.append(row)
+        print(render_row(row), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    print()
+    print(summary(rows))
+    for row in rows:
+        if row.status != "exact":
+            print(f"  {row.name}: {row.status}: {row.reason}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""A fast slice of the corpus sweep (benchmarks/wild.py): varied architectures not covered by test_hf.py or
+tests/models/test_hf_models.py, each shrunk by the sweep's generic tiny overrides, predicted (--target cpu,
+eager) and measured in a real CPU step (tests/truth.py): every phase peak within 0.1%, saved bytes equal.
+Hand-written styles (benchmarks/wild_styles/) and transformers architectures: an ALBERT masked LM (one layer
+shared by all), BEiT and ConvNeXt image classifiers, BLOOM (ALiBi, eager attention), a Cohere2 mixture of
+experts with balanced routers, BART (seq2seq)."""
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+pytest.importorskip("einops")
+pytest.importorskip("peft")
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _sweep():
+    if "wild_sweep" in sys.modules:
+        return sys.modules["wild_sweep"]
+    spec = importlib.util.spec_from_file_location("wild_sweep", os.path.join(ROOT, "benchmarks", "wild.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["wild_sweep"] = module         # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:convnet",
+         "hf:albert", "hf:beit", "hf:bloom", "hf:convnext", "hf:cohere2_moe", "hf:bart"]
+
+
+@pytest.mark.parametrize("name", SLICE)
+def test_a_wild_model_is_exact_against_a_real_step(name):
+    row = _sweep().run_one(name, time_limit_s=120)
+    assert row.status == "exact", f"{name}: {row.status}: {row.reason} (predicted {row.predicted}, measured " \
+                                  f"{row.measured})"
