@@ -15,8 +15,10 @@ reduced to the input's shape by the node's trailing sums before they leave, or r
 final gradient). The storages the node made since its previous result are held until that result's op.
 Forward ops re-run in backward (checkpointing) are Python-level ops and are left alone.
 
-Not modelled: the order of evaluation inside one expression (the graph's order is the formula's own),
-and formulas written in Python (custom autograd Functions), whose temporaries die at their last use.
+Not modelled: the order of evaluation inside one expression (the graph's order is the formula's own);
+formulas written in Python (custom autograd Functions), whose temporaries die at their last use; and
+in-place ops inside a formula (`maximum`'s backward ends in `masked_fill_`), which the functionalized
+graph records as out-of-place ops with a new output (an over-prediction of one tensor at that op).
 """
 from __future__ import annotations
 
