@@ -49,6 +49,7 @@ def _loss_cases():
         "aten.kl_div.default": lambda r: aten.kl_div(x, p, r),
         "aten.hinge_embedding_loss.default": lambda r: aten.hinge_embedding_loss(x, sign, 1.0, r),
         "aten.mse_loss.default broadcast": lambda r: aten.mse_loss(x, t[0], r),
+        "aten.mse_loss.default bf16 input": lambda r: aten.mse_loss(x.bfloat16(), t, r),
     }
 
 
@@ -70,8 +71,8 @@ def test_the_elementwise_storage_table_matches_the_real_cpu_kernels(name, reduct
         args = (TensorValue(0, (4, 32), "float32"), TensorValue(1, shape, "float32"))
         if target == "aten.binary_cross_entropy.default":
             args += (None,)
-        assert reduced_loss_nbytes(target, args + (reduction,), {}) == real_bytes
-        assert reduced_loss_nbytes(target, args + (0,), {}) is None       # reduction='none': its own shape
+        assert reduced_loss_nbytes(target, args + (reduction,), {}, "float32") == real_bytes
+        assert reduced_loss_nbytes(target, args + (0,), {}, "float32") is None       # reduction='none': its own shape
 
 
 @pytest.mark.parametrize("name, needle", [

@@ -290,7 +290,7 @@ def _eager_reduced_loss_storages(ops: list[OpDraft], table: StorageTable) -> Non
     for d in ops:
         if d.phase is not Phase.FORWARD or len(d.outputs) != 1:
             continue
-        nbytes = reduced_loss_nbytes(d.target, d.args, dict(d.kwargs))
+        nbytes = reduced_loss_nbytes(d.target, d.args, dict(d.kwargs), d.outputs[0].dtype)
         if nbytes is not None and nbytes > table.get(d.outputs[0].storage_id).nbytes:
             table.update(d.outputs[0].storage_id, nbytes=nbytes)
 

@@ -67,10 +67,11 @@ REDUCED_KEEPS_ELEMENTWISE = {
 _REDUCTION_NONE = 0
 
 
-def reduced_loss_nbytes(target: str, args: tuple, kwargs: dict) -> int | None:
+def reduced_loss_nbytes(target: str, args: tuple, kwargs: dict, result_dtype: str) -> int | None:
     """The bytes eager's storage of this op's result holds, where `REDUCED_KEEPS_ELEMENTWISE` says it keeps
     the elementwise loss's storage; None for any other op or for reduction='none'. `args` hold the op's
-    two loss inputs first, as objects with `shape`; `dtype` names the result's dtype ("float32")."""
+    two loss inputs first, as objects with `shape`; `result_dtype` names the result's dtype ("float32"):
+    mixed input dtypes promote, and the elementwise storage has the promoted dtype."""
     position = REDUCED_KEEPS_ELEMENTWISE.get(target)
     if position is None or len(args) < 2:
         return None
@@ -78,7 +79,7 @@ def reduced_loss_nbytes(target: str, args: tuple, kwargs: dict) -> int | None:
     if reduction == _REDUCTION_NONE:
         return None
     shape = torch.broadcast_shapes(tuple(args[0].shape), tuple(args[1].shape))   # the elementwise loss
-    itemsize = getattr(torch, args[0].dtype).itemsize
+    itemsize = getattr(torch, result_dtype).itemsize
     numel = 1
     for d in shape:
         numel *= int(d)
