@@ -189,6 +189,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
             held = table.get(sid).held_until_op
             table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
         _eager_saved_for_shape(part.ops)
+        _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         _eager_checkpoint_semantics(part.ops, table)
     _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
@@ -278,6 +279,20 @@ def _producer_of(attr, ops: list[OpDraft]) -> int | None:
                 and d.source.line == attr.source.line and any(v.shape == attr.shape for v in d.outputs)):
             found = i
     return found
+
+
+def _eager_reduced_loss_storages(ops: list[OpDraft], table: StorageTable) -> None:
+    """A reduced loss whose eager kernel keeps the elementwise loss's storage (`eager_kernels.
+    REDUCED_KEEPS_ELEMENTWISE`: F.mse_loss, smooth_l1, soft_margin, binary_cross_entropy) holds those bytes,
+    not the 4 of its fake 0-dim value."""
+    from tracer.capture.eager_kernels import reduced_loss_nbytes
+
+    for d in ops:
+        if d.phase is not Phase.FORWARD or len(d.outputs) != 1:
+            continue
+        nbytes = reduced_loss_nbytes(d.target, d.args, dict(d.kwargs), d.outputs[0].dtype)
+        if nbytes is not None and nbytes > table.get(d.outputs[0].storage_id).nbytes:
+            table.update(d.outputs[0].storage_id, nbytes=nbytes)
 
 
 def _eager_saved_for_shape(ops: list[OpDraft]) -> None:

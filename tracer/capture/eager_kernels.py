@@ -42,3 +42,45 @@ def dropout_as_in_eager():
 # shape: index_add's source gradient is `grad.index_select(dim, index).expand_as(source)` (derivatives.yaml),
 # so eager keeps `source` until its node runs; the traced backward has only an expand to its shape.
 SAVED_FOR_SHAPE = {"aten.index_add.default": (3,)}
+
+
+# aten op -> position of its `reduction` argument, for loss ops whose eager kernel returns a reduced (0-dim)
+# result that keeps a storage of the elementwise loss's size (the inputs' broadcast shape, in the result's
+# dtype). mse_loss and smooth_l1_loss are structured TensorIterator kernels: their meta step allocates the
+# result at the broadcast shape, then the kernel computes the elementwise loss into a buffer of its own and
+# reduces it into the result with mean_out / sum_out, which resize_ it to 0-dim; a smaller resize_ keeps the
+# storage. soft_margin_loss and binary_cross_entropy compute into a result made like the input, then
+# resize_ it to the reduced shape. Measured on CPU (torch 2.13, every dtype and broadcast tried): the loss
+# holds the elementwise bytes for the rest of the step. The fake (meta) result is 4 bytes, so the prediction
+# was low by the elementwise size in every phase. CUDA: mse_loss and smooth_l1_loss share the structured
+# kernel and soft_margin_loss has one implementation for every device, so CUDA does the same; CUDA's
+# binary_cross_entropy is a kernel of its own that also reduces into a result made like the input (read,
+# not measured: no GPU was at hand). huber_loss, l1_loss, kl_div, nll_loss, BCE-with-logits and the other
+# losses return a fresh 0-dim tensor (measured on CPU); tests/capture/test_eager_kernels.py checks this table
+# against real CPU kernels.
+REDUCED_KEEPS_ELEMENTWISE = {
+    "aten.mse_loss.default": 2,
+    "aten.smooth_l1_loss.default": 2,
+    "aten.soft_margin_loss.default": 2,
+    "aten.binary_cross_entropy.default": 3,
+}
+_REDUCTION_NONE = 0
+
+
+def reduced_loss_nbytes(target: str, args: tuple, kwargs: dict, result_dtype: str) -> int | None:
+    """The bytes eager's storage of this op's result holds, where `REDUCED_KEEPS_ELEMENTWISE` says it keeps
+    the elementwise loss's storage; None for any other op or for reduction='none'. `args` hold the op's
+    two loss inputs first, as objects with `shape`; `result_dtype` names the result's dtype ("float32"):
+    mixed input dtypes promote, and the elementwise storage has the promoted dtype."""
+    position = REDUCED_KEEPS_ELEMENTWISE.get(target)
+    if position is None or len(args) < 2:
+        return None
+    reduction = args[position] if position < len(args) else kwargs.get("reduction", 1)
+    if reduction == _REDUCTION_NONE:
+        return None
+    shape = torch.broadcast_shapes(tuple(args[0].shape), tuple(args[1].shape))   # the elementwise loss
+    itemsize = getattr(torch, result_dtype).itemsize
+    numel = 1
+    for d in shape:
+        numel *= int(d)
+    return numel * itemsize

@@ -122,6 +122,8 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
+        if isinstance(exc, ModelRunError):      # the model's own failure, found while tracing
+            raise
         routing_error = _routing_error(exc)
         if routing_error is not None:
             raise routing_error from exc
@@ -271,6 +273,8 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         meta = fx_traceback.current_meta
         saved = {key: meta[key] for key in ("stack_trace", "nn_module_stack") if key in meta}
         meta["stack_trace"] = _user_stack_trace()
+        if args and _is_inplace(func) and torch.is_grad_enabled():
+            _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
         meta["nn_module_stack"] = dict(self._modules)
         try:
             return func(*args, **(kwargs or {}))
@@ -278,6 +282,44 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
             for key in ("stack_trace", "nn_module_stack"):
                 meta.pop(key, None)
             meta.update(saved)
+
+
+# Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
+_NOT_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"})
+
+
+def _is_inplace(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS:
+        return True
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_INPLACE
+
+
+def _refuse_inplace_on_parameter(root: nn.Module, func, tensor, stack_trace: str) -> None:
+    """Eager autograd refuses an in-place op, with grad enabled, on a leaf that requires grad or on a view
+    of one ("a [view of a] leaf Variable that requires grad is being used in an in-place operation"). The
+    direct trace does not: AOT's parameters are not leaves and functionalization turns the op into a
+    copy, so the step would be predicted as if it ran. The parameters are found by identity (the trace
+    swaps them into the module), so under torch.no_grad() (EMA, weight renormalisation) nothing is refused."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    target = tensor._base if tensor._base is not None else tensor
+    if not target.requires_grad:
+        return
+    name = next((n for n, p in root.named_parameters(remove_duplicate=False) if p is target), None)
+    if name is None:
+        return
+    loc = loc_from_stack_trace(stack_trace)
+    where = f"{loc.file}:{loc.line}" if loc else "model"
+    what = "a view of the parameter" if tensor is not target else "the parameter"
+    op = getattr(func, "__name__", str(func))
+    raise ModelRunError(f"{where}: forward runs {op} in place on {what} {normalize_module_path(name)} with grad "
+                        "enabled, which eager PyTorch refuses (a leaf Variable that requires grad is being used in "
+                        "an in-place operation)",
+                        hint="run it under torch.no_grad(), or use an out-of-place op such as w = w * 2")
 
 
 def _user_stack_trace() -> str:
