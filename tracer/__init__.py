@@ -3,7 +3,7 @@
 Public API:
     analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=True, step="steady",
             zero_grad_set_to_none=True, policies=("eager",), memory_budget=None, blocks=None,
-            checkpoint_every=1, save_policy="matmul-attention", save_ops=(), hf_config=(), config_json=None,
+            checkpoint_every=1, save_policy=None, save_ops=(), hf_config=(), config_json=None,
             hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",
             cublas_workspace_config=None, device_memory_bytes=None) -> Analysis
 `model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (README, "Model files"), or

@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default: the repeated `name.N` modules)")
     p.add_argument("--checkpoint-every", type=int, default=1, metavar="K",
                    help="checkpoint every K-th block (default 1: all)")
-    p.add_argument("--save-policy", default="matmul-attention",
-                   help="selective: a named save policy (matmul-attention, matmul, nothing; default matmul-attention)")
+    p.add_argument("--save-policy", default=None,
+                   help="selective: a named save policy (matmul-attention, matmul, nothing, torchtitan); default: "
+                        "the model file's save_policy(ctx, op, *args, **kwargs) if it defines one, else matmul-attention")
     p.add_argument("--save-ops", metavar="OPS",
                    help="selective: comma-separated aten ops whose outputs are kept, e.g. "
                         "mm,_scaled_dot_product_flash_attention (overrides --save-policy)")

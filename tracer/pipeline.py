@@ -34,7 +34,8 @@ class AnalysisOptions:
     memory_budgets: tuple[float | None, ...] = (None,)   # compiled: one compiled policy per budget
     blocks: str | None = None
     checkpoint_every: int = 1
-    save_policy: str = "matmul-attention"
+    save_policy: str | None = None         # selective: a named policy; None: the model file's save_policy(), else
+                                           # matmul-attention
     save_ops: tuple[str, ...] = ()
     hf_config: tuple[str, ...] = ()
     config_json: str | None = None
@@ -105,8 +106,10 @@ class AnalysisOptions:
         from tracer.capture.routing import parse_routing
         parse_routing(self.moe_routing)
 
-    def policy_specs(self) -> tuple:
-        """The PolicySpecs to simulate. Raises UsageError for an unknown policy or save policy."""
+    def policy_specs(self, model_save_policy=None) -> tuple:
+        """The PolicySpecs to simulate; `model_save_policy`, the model file's `save_policy` function, is the
+        selective policy unless save_policy or save_ops names one. Raises UsageError for an unknown policy or
+        save policy."""
         from tracer.errors import UsageError
         from tracer.policies import POLICIES, PolicySpec, save_predicate
 
@@ -115,9 +118,11 @@ class AnalysisOptions:
             raise UsageError(f"unknown policy {unknown[0]!r}", hint=f"valid: {', '.join(POLICIES)}")
         if self.checkpoint_every < 1:
             raise UsageError("--checkpoint-every must be a positive integer")
+        save_fn = model_save_policy if self.save_policy is None and not self.save_ops else None
         specs = tuple(PolicySpec(name=name, memory_budget=budget, blocks=self.blocks,
-                                 checkpoint_every=self.checkpoint_every, save=self.save_policy,
-                                 save_ops=tuple(self.save_ops))
+                                 checkpoint_every=self.checkpoint_every, save=self.save_policy or "matmul-attention",
+                                 save_ops=tuple(self.save_ops), save_fn=save_fn if name == "selective" else None,
+                                 model_save_fn_unused=model_save_policy is not None and save_fn is None)
                       for name in self.policies
                       for budget in (self.memory_budgets if name == "compiled" else (None,)))
         for spec in specs:
@@ -199,7 +204,6 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
 
     from tracer.capture.model_input import running_user_code
 
-    specs = options.policy_specs()
     capture = options.capture_options()
     device = options.device_setup()
     sharding = options.sharding_setup()
@@ -208,6 +212,7 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
                                    hf_attn=options.hf_attn, hf_task=options.hf_task)
     else:
         source = model
+    specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
     say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
     with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt

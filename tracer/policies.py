@@ -5,10 +5,16 @@ partitioner, parameters as static inputs, optional activation memory budget), `f
 block keeps only its input and reruns its forward in backward) and `selective` (checkpointed blocks
 keep the outputs of the ops a save predicate names, and recompute the rest).
 
-Save predicates are small named functions of an aten op name (`"aten.mm.default"` -> save?) in a
-registry filled by `@save_policy(name)`, which refuses duplicates; `save_predicate(name)` raises
-`UsageError` listing the valid names. `--save-ops mm,_scaled_dot_product_flash_attention` builds an
-ad-hoc predicate from op names (with or without the `aten.` prefix and overload).
+Save predicates are small named functions of an op name (`"aten.mm.default"` -> save?) in a registry
+filled by `@save_policy(name)`, which refuses duplicates; a policy that counts ops (torchtitan's "every
+mm except every second one") registers a factory with `per_region=True`, and `save_predicate(spec)`
+returns a fresh predicate for each checkpointed region, asked about the region's ops in forward order.
+`save_predicate` raises `UsageError` listing the valid names. `--save-ops mm,_scaled_dot_product_flash_attention`
+builds an ad-hoc predicate from op names (with or without the `aten.` prefix and overload).
+
+A selective policy can also be a Python function with torch's signature, `save_fn(ctx, op, *args,
+**kwargs) -> CheckpointPolicy | bool` (a model file's `save_policy`): `PolicySpec.save_fn` carries it, and
+tracer.capture.policies asks it about each op as torch's selective-checkpointing dispatch mode would.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ from tracer.errors import UsageError
 
 POLICIES = ("eager", "compiled", "selective", "full")
 SavePredicate = Callable[[str], bool]
-SAVE_POLICIES: dict[str, SavePredicate] = {}
+SAVE_POLICIES: dict[str, Callable[[], SavePredicate]] = {}     # name -> a fresh predicate per region
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,6 +34,8 @@ class PolicySpec:
     blocks: str | None = None                  # glob over block module paths ("layers.*"); None = detect
     checkpoint_every: int = 1                  # checkpoint every K-th block
     save: str = "matmul-attention"             # selective: a SAVE_POLICIES name
+    save_fn: Callable | None = None            # selective: torch's policy_fn(ctx, op, *args, **kwargs); wins over save
+    model_save_fn_unused: bool = False         # selective: the model file defines save_policy, and save/save_ops won
     save_ops: tuple[str, ...] = ()             # selective: explicit op names (override `save`)
     memory_budget: float | None = None         # compiled: torch._functorch activation_memory_budget
 
@@ -38,11 +46,13 @@ class PolicySpec:
         return self.name
 
 
-def save_policy(name: str) -> Callable[[SavePredicate], SavePredicate]:
-    def register(fn: SavePredicate) -> SavePredicate:
+def save_policy(name: str, *, per_region: bool = False) -> Callable:
+    """Register a save predicate under `name`; with `per_region`, a factory of predicates (one per region:
+    state such as an op count starts afresh in each checkpointed region)."""
+    def register(fn):
         if name in SAVE_POLICIES:
             raise ValueError(f"save policy {name!r} is already registered")
-        SAVE_POLICIES[name] = fn
+        SAVE_POLICIES[name] = fn if per_region else (lambda: fn)
         return fn
     return register
 
@@ -77,12 +87,49 @@ def _save_nothing(target: str) -> bool:
     return False
 
 
+# torchtitan's op-level selective checkpointing (torchtitan/distributed/activation_checkpoint.py, `_save_list`
+# and `_custom_policy`): these ops' outputs are saved, except every second aten.mm of a region.
+_TORCHTITAN_SAVED = {"aten.mm.default", "aten._scaled_dot_product_efficient_attention.default",
+                     "aten._scaled_dot_product_flash_attention.default",
+                     "aten._scaled_dot_product_cudnn_attention.default",
+                     "_c10d_functional.reduce_scatter_tensor.default",
+                     "aten.abs.default", "aten.max.default"}        # max(abs(x)) of float8 scaling
+
+
+@save_policy("torchtitan", per_region=True)
+def _torchtitan_policy() -> SavePredicate:
+    """torchtitan's default op-level SAC: keep mm outputs except every second one (counted per region, the
+    1st, 3rd, ... are kept), SDPA outputs (the CUDA kernels; the CPU flash kernel is not on its list) and
+    reduce-scatter results; recompute the rest."""
+    mm_count = 0
+
+    def keep(target: str) -> bool:
+        nonlocal mm_count
+        if target == "aten.mm.default":
+            mm_count += 1
+            return mm_count % 2 == 1
+        return target in _TORCHTITAN_SAVED
+    return keep
+
+
+def save_policy_label(spec: PolicySpec) -> str:
+    """Which selective policy `spec` simulates, for the report."""
+    if spec.save_fn is not None:
+        return f"the policy function {getattr(spec.save_fn, '__qualname__', type(spec.save_fn).__name__)}"
+    named = "--save-ops " + ",".join(spec.save_ops) if spec.save_ops else f"--save-policy {spec.save}"
+    if spec.model_save_fn_unused:
+        return named + " (given explicitly: the model file's save_policy() is not used)"
+    return named
+
+
 def save_predicate(spec: PolicySpec) -> SavePredicate:
+    """A fresh predicate (a per-region policy's count starts at zero). Raises UsageError for an unknown name."""
     if spec.save_ops:
         wanted = {op_packet(name.strip()) for name in spec.save_ops if name.strip()}
         return lambda target: op_packet(target) in wanted
     try:
-        return SAVE_POLICIES[spec.save]
+        factory = SAVE_POLICIES[spec.save]
     except KeyError:
         raise UsageError(f"unknown save policy {spec.save!r}",
                          hint=f"valid: {', '.join(sorted(SAVE_POLICIES))}") from None
+    return factory()

@@ -138,3 +138,58 @@ def test_the_users_selective_policy_function_is_simulated():
     assert any("selective, policy save_every_second_matmul" in n for n in predicted.graph.config.notes)
     recomputed_matmuls = [op for op in predicted.graph.ops if op.recomputed and op.target == "aten.addmm.default"]
     assert 0 < len(recomputed_matmuls) < 6        # full checkpointing would rerun the blocks' six matmuls
+
+
+def _save_policy_file(*, in_model: bool):
+    """tests/fixtures/save_policy_file.py, its blocks plain (the policy given as `save_policy`) or checkpointing
+    themselves with the same policy (context_fn=partial(create_selective_checkpoint_contexts, save_policy))."""
+    source = load_model_source(os.path.join(FIXTURES, "save_policy_file.py"))
+    module = __import__("sys").modules[source.build_model.__module__]
+
+    def build():
+        module.checkpoint_in_model = in_model
+        return source.build_model()
+    return dataclasses.replace(source, build_model=build), module
+
+
+def test_a_save_policy_in_the_model_file_is_the_policy_written_in_the_model():
+    """`save_policy` defined in the model file and --policy selective predicts exactly what the same policy
+    passed to checkpoint(..., context_fn=...) inside the model predicts: same phase peaks, same recomputed ops."""
+    from tracer.pipeline import AnalysisOptions, run_analysis
+
+    options = dict(batch=BATCH, seq=SEQ, target="cpu")
+    file_source, module = _save_policy_file(in_model=False)
+    try:
+        as_file = run_analysis(file_source, AnalysisOptions(policies=("selective",), **options)).policies["selective"]
+        in_model = run_analysis(_save_policy_file(in_model=True)[0],
+                                AnalysisOptions(policies=("eager",), **options)).policies["eager"]
+        named = run_analysis(file_source, AnalysisOptions(policies=("selective",), save_policy="matmul",
+                                                          **options)).policies["selective"]
+    finally:
+        module.checkpoint_in_model = False
+    assert "selective: the policy function save_policy" in as_file.graph.config.notes
+    assert sum("selective, policy save_policy" in n for n in in_model.graph.config.notes) == 3
+    for phase in ("forward", "backward", "optimizer"):
+        assert as_file.phases[phase].peak_bytes == in_model.phases[phase].peak_bytes, phase
+    assert as_file.start_bytes == in_model.start_bytes
+    assert [o.target for o in as_file.graph.ops if o.recomputed] == [o.target for o in in_model.graph.ops if o.recomputed]
+    # the up projection and gelu are saved: each block reruns its middle matmul for tanh's backward (the down
+    # projection's output feeds only the residual add, whose backward reads nothing)
+    assert sum(o.recomputed and o.target == "aten.addmm.default" for o in as_file.graph.ops) == 3
+    assert any("--save-policy matmul (given explicitly: the model file's save_policy() is not used)" in n
+               for n in named.graph.config.notes)
+
+
+@pytest.mark.xfail(strict=True, reason="backward peak 6,080 B (0.17%) above the real step: the selective-checkpointing "
+                   "simulation holds a few small tensors longer than torch does at the blocks' bias-gradient sum; "
+                   "tests/fixtures/checkpoint_selective.py shows the same 6,080 B at seq 128")
+def test_a_save_policy_in_the_model_file_matches_the_real_step():
+    source, module = _save_policy_file(in_model=False)
+    try:
+        from tracer.pipeline import AnalysisOptions, run_analysis
+        predicted = run_analysis(source, AnalysisOptions(batch=BATCH, seq=SEQ, target="cpu",
+                                                         policies=("selective",))).policies["selective"]
+        measured = _measure(_save_policy_file(in_model=True)[0])
+    finally:
+        module.checkpoint_in_model = False
+    _assert_phases(predicted, measured)

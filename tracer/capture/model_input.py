@@ -11,6 +11,8 @@ A model file defines:
   loss_fn(output, target) -> loss     optional; then forward gets example_batch(...)[:-1] and the last
                                       element is the target
   make_optimizer(params) -> Optimizer optional; otherwise --optimizer picks one
+  save_policy(ctx, op, *args, **kwargs) optional; --policy selective's policy (torch's selective-checkpointing
+      -> CheckpointPolicy | bool      signature), unless --save-policy or --save-ops is given
 Outputs besides the loss are taken as dropped when the loss is taken (`loss = model(**batch).loss`).
 The file is imported as a fresh module (its top level runs) with `sys.argv` set to just its path, so a
 file that parses the command line at import sees no tracer flags; nothing else is executed here.
@@ -52,6 +54,7 @@ class ModelSource:
     failure_hint: str | None = None             # what to do when building or running it fails, where the code
                                                 # is a library's (hf:), not the user's to fix
     loss_index: int | None = None               # position of the loss in a tuple the forward returns
+    save_policy: Callable | None = None         # torch's selective-checkpointing policy_fn, for --policy selective
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
@@ -104,7 +107,15 @@ def _load_file(path: str) -> ModelSource:
                               hint="define example_batch(batch, seq) returning the tuple of forward's arguments")
     return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
                        loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None),
-                       loss_index=getattr(module, "loss_index", None))
+                       loss_index=getattr(module, "loss_index", None), save_policy=_save_policy(module, path))
+
+
+def _save_policy(module, path: str):
+    policy = getattr(module, "save_policy", None)
+    if policy is not None and not callable(policy):
+        raise ModelInputError(f"{path}: save_policy is a {type(policy).__name__}, not a function",
+                              hint="define save_policy(ctx, op, *args, **kwargs) returning a CheckpointPolicy or bool")
+    return policy
 
 
 class ModelCalledExit(Exception):

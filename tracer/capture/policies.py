@@ -31,8 +31,8 @@ import torch
 from tracer.capture.convert import HELD_KEY, REGION_KEY, RERUN_KEY, Schedule, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
-from tracer.errors import UsageError
-from tracer.policies import PolicySpec, save_predicate
+from tracer.errors import ModelRunError, UsageError
+from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
 _BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -99,10 +99,11 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
             blocks = [""]       # nothing repeats: the whole forward is one checkpointed region
             notes = ("no repeated blocks: the whole forward is checkpointed as one region (its inputs are kept, "
                      "everything else is recomputed in backward); name blocks with --blocks",)
-        keep = save_predicate(spec) if spec.name == "selective" else (lambda target: False)
         regions = blocks[::spec.checkpoint_every]
         _tag_regions(joint, _regions_by_module(joint, regions, first_id=len(user_calls)),
-                     lambda node, region: _save_if(keep(target_name(node.target))))
+                     _region_deciders(spec, cap.fake_mode))
+        if spec.name == "selective":
+            notes += (f"selective: {save_policy_label(spec)}",)
         partition, budget = default_partition, None
     elif spec.name == "eager":
         partition, budget = default_partition, None
@@ -176,22 +177,46 @@ def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode) -> tuple[st
     return tuple(notes)
 
 
+def _region_deciders(spec: PolicySpec, fake_mode):
+    """decide(node, region) -> CheckpointPolicy for the policy's own blocks: full recomputes everything;
+    selective asks the policy function (`spec.save_fn`) or a fresh save predicate per region, as torch
+    gives each checkpoint call its own selective-checkpointing context."""
+    if spec.name != "selective":
+        return lambda node, region: _save_if(False)
+    deciders: dict = {}
+
+    def decide(node, region):
+        if region not in deciders:
+            if spec.save_fn is not None:
+                deciders[region] = _user_policy(spec.save_fn, fake_mode)
+            else:
+                keep = save_predicate(spec)
+                deciders[region] = lambda n: _save_if(keep(target_name(n.target)))
+        return deciders[region](node)
+    return decide
+
+
 def _user_policy(policy_fn, fake_mode):
     """The user's selective-checkpointing policy (torch's signature: policy_fn(ctx, op, *args, **kwargs) ->
     CheckpointPolicy or bool), asked for each forward op of the region in forward order, on the op's fake
     arguments, as torch's caching dispatch mode asks it in the forward; ops torch never asks about
     (SAC_IGNORED_OPS) are recomputed."""
     from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
-    ctx = SelectiveCheckpointContext(is_recompute=False)
-
     def decide(node):
         target = node.target
         if not isinstance(target, torch._ops.OpOverload) or target in SAC_IGNORED_OPS:
             return CheckpointPolicy.PREFER_RECOMPUTE
         args = torch.fx.node.map_arg(node.args, lambda n: n.meta.get("val"))
         kwargs = torch.fx.node.map_arg(dict(node.kwargs), lambda n: n.meta.get("val"))
-        with fake_mode:
-            policy = policy_fn(ctx, target, *args, **kwargs)
+        ctx = SelectiveCheckpointContext(is_recompute=False, op_output=node.meta.get("val"))
+        try:
+            with fake_mode:
+                policy = policy_fn(ctx, target, *args, **kwargs)
+        except Exception as exc:
+            name = getattr(policy_fn, "__qualname__", type(policy_fn).__name__)
+            raise ModelRunError(f"the selective policy {name} raised {type(exc).__name__} on {target}: {exc}",
+                                hint="the policy is called as torch calls it: policy(ctx, op, *args, **kwargs) "
+                                     "-> CheckpointPolicy or bool") from exc
         if isinstance(policy, bool):
             return _save_if(policy)
         return _save_if(policy in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE))
