@@ -185,7 +185,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)
-        for sid, op_index in expression_holds(part.ops).items():    # C++ backward formulas' temporaries
+        for sid, op_index in expression_holds(part.ops, cap.python_backward_nodes).items():    # C++ backward formulas' temporaries
             held = table.get(sid).held_until_op
             table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
         _eager_saved_for_shape(part.ops)

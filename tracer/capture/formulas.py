@@ -13,10 +13,12 @@ before the third is allocated.
 `seq_nr`), the formula results: fresh storages that leave the node (read by an op of another node, or
 reduced to the input's shape by the node's trailing sums before they leave, or read by nothing: a
 final gradient). The storages the node made since its previous result are held until that result's op.
-Forward ops re-run in backward (checkpointing) are Python-level ops and are left alone.
+Forward ops re-run in backward (checkpointing) are Python-level ops and are left alone, and so are the
+nodes of custom autograd Functions (their backward is Python code, e.g. BLOOM's GeLU; the capture records
+their sequence numbers as `Function.apply` creates them), whose temporaries die at their last use.
 
 Not modelled: the order of evaluation inside one expression (the graph's order is the formula's own);
-formulas written in Python (custom autograd Functions), whose temporaries die at their last use; and
+custom autograd Functions that the trace does not reach through `Function.apply`; and
 in-place ops inside a formula (`maximum`'s backward ends in `masked_fill_`), which the functionalized
 graph records as out-of-place ops with a new output (an over-prediction of one tensor at that op).
 """
@@ -30,8 +32,9 @@ from tracer.stepgraph import Phase, TensorValue
 _REDUCTIONS = ("aten.sum.dim_IntList", "aten.sum.default")   # validate_outputs' sum_to_size
 
 
-def expression_holds(ops: Sequence) -> dict[int, int]:
-    """ops: OpDrafts in execution order. Returns storage id -> index of the op until which a backward
+def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) -> dict[int, int]:
+    """ops: OpDrafts in execution order; python_nodes: the sequence numbers of autograd nodes whose backward
+    is Python code (custom Functions). Returns storage id -> index of the op until which a backward
     formula's full expression holds it."""
     readers: dict[int, list[int]] = defaultdict(list)
     for index, op in enumerate(ops):
@@ -39,6 +42,8 @@ def expression_holds(ops: Sequence) -> dict[int, int]:
             readers[sid].append(index)
     holds: dict[int, int] = {}
     for start, end in _backward_nodes(ops):
+        if ops[start].seq_nr in python_nodes:
+            continue                                     # a custom Function's Python backward
         pending: list[int] = []
         for index in range(start, end):
             op = ops[index]

@@ -44,6 +44,7 @@ class JointCapture:
     path: str = "export-joint"            # the capture path, as the report names it
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
     build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
+    python_backward_nodes: frozenset[int] = frozenset()   # seq_nrs of custom autograd Functions' nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
-                        build_notes=built.notes + traced.notes())
+                        build_notes=built.notes + traced.notes(),
+                        python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()))
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
@@ -176,6 +178,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     from tracer.capture.target import cuda_capture
     autocast = autocast_context(precision)
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
+    custom = _CustomFunctionNodes()
     _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
     linecache.checkcache()
     tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
@@ -183,8 +186,9 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
-                dropout_as_in_eager():
+                dropout_as_in_eager(), custom:
             jd = aot_export_joint_with_descriptors(stack, module, args)
+        jd.python_backward_nodes = frozenset(custom.seq_nrs)
     finally:
         kept_tensors = 0
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
@@ -192,6 +196,35 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
                 kept_tensors += attributes.get(id(m), {}).get(attr) is not t
                 setattr(m, attr, attributes.get(id(m), {}).get(attr))
     return jd, kept_tensors
+
+
+class _CustomFunctionNodes:
+    """While the joint graph is traced: the sequence numbers of the autograd nodes that custom
+    `torch.autograd.Function`s create (their backward is Python code, whose temporaries die at their last
+    use: capture/formulas.py). `Function.apply` is wrapped for the trace only."""
+
+    def __init__(self):
+        self.seq_nrs: set[int] = set()
+        self._apply = None
+
+    def __enter__(self):
+        function = torch.autograd.function.Function
+        self._apply = function.__dict__["apply"]
+        original, seq_nrs = self._apply.__func__, self.seq_nrs
+
+        def apply(cls, *args, **kwargs):
+            out = original(cls, *args, **kwargs)
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+                if node is not None:
+                    seq_nrs.add(node._sequence_nr())
+            return out
+
+        function.apply = classmethod(apply)
+        return self
+
+    def __exit__(self, *exc):
+        torch.autograd.function.Function.apply = self._apply
 
 
 @contextlib.contextmanager
