@@ -167,7 +167,7 @@ def test_a_save_policy_in_the_model_file_is_the_policy_written_in_the_model():
                                                           **options)).policies["selective"]
     finally:
         module.checkpoint_in_model = False
-    assert "selective: the policy function save_policy" in as_file.graph.config.notes
+    assert "save policy: the policy function save_policy" in as_file.graph.config.notes
     assert sum("selective, policy save_policy" in n for n in in_model.graph.config.notes) == 3
     for phase in ("forward", "backward", "optimizer"):
         assert as_file.phases[phase].peak_bytes == in_model.phases[phase].peak_bytes, phase

@@ -103,7 +103,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         _tag_regions(joint, _regions_by_module(joint, regions, first_id=len(user_calls)),
                      _region_deciders(spec, cap.fake_mode))
         if spec.name == "selective":
-            notes += (f"selective: {save_policy_label(spec)}",)
+            notes += (f"save policy: {save_policy_label(spec)}",)
         partition, budget = default_partition, None
     elif spec.name == "eager":
         partition, budget = default_partition, None
