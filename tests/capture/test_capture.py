@@ -66,3 +66,14 @@ def test_a_fused_rnn_module_is_flagged_in_the_report():
     graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu"))
     (note,) = [n for n in graph.config.notes if "fused RNN kernel" in n]
     assert note.startswith("rnn: nn.LSTM runs a fused RNN kernel")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_no_op_is_attributed_to_tracers_own_code(precision):
+    """Lines point at model code (the zoo's files count as model code), never at tracer's pipeline or
+    capture wrappers (fp16's loss scaling runs in the capture's step module)."""
+    import tracer
+    tracer_dir = os.path.dirname(os.path.abspath(tracer.__file__)) + os.sep
+    graph = tracer.analyze("llama-debug", batch=1, seq=8, precision=precision).policies["eager"].graph
+    files = {os.path.abspath(op.source.file) for op in graph.ops if op.source is not None}
+    assert not [f for f in files if f.startswith(tracer_dir) and not f.startswith(tracer_dir + "models" + os.sep)]

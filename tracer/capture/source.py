@@ -18,7 +18,8 @@ from tracer.stepgraph import SourceLoc
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
-_CAPTURE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TRACER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ZOO_DIR = os.path.join(_TRACER_DIR, "models") + os.sep      # the zoo's model files are model code
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 _GRAD_ACC_SUFFIX = "Gradient addition node due to multiple use of tensor around:"
 WRAPPED_ATTR = "_tracer_wrapped"   # attribute name of the user model inside the loss wrapper
@@ -26,10 +27,12 @@ _PREFIXES = ("L__self__", "_export_root.", "L['self'].", "L['self']", "L__self__
 
 
 def is_user_file(path: str) -> bool:
+    """Model code: not torch (but torch.optim, whose lines the optimizer step is attributed to), and not
+    tracer's own code (its pipeline and capture wrap the user's forward), except the zoo's model files."""
     path = os.path.abspath(path) if not path.startswith("<") else path
     if path.startswith("<"):
         return False
-    if path.startswith(_CAPTURE_DIR):
+    if path.startswith(_TRACER_DIR) and not path.startswith(_ZOO_DIR):
         return False
     return not path.startswith(_TORCH_DIR) or path.startswith(_OPTIM_DIR)
 
