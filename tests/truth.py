@@ -209,6 +209,21 @@ def _checkpoint_holds_counted(saved: dict, param_keys: set):
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in param_keys:
                 saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
 
+    @contextlib.contextmanager
+    def rng_states_counted():
+        """The CPU RNG states checkpoint takes while inside count as saved (made outside the dispatcher)."""
+        real_get = torch.get_rng_state
+
+        def get_rng_state():
+            state = real_get()
+            count([state])
+            return state
+        torch.get_rng_state = get_rng_state
+        try:
+            yield
+        finally:
+            torch.get_rng_state = real_get
+
     def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, determinism_check="default",
                   debug=False, *args, **kwargs):
         held, inner_fn = [kwargs], fn
@@ -216,35 +231,17 @@ def _checkpoint_holds_counted(saved: dict, param_keys: set):
             held += [inner_fn.args, inner_fn.keywords]
             inner_fn = inner_fn.func
         count(tree_leaves(held))
-        real_get = torch.get_rng_state
-
-        def get_rng_state():
-            state = real_get()
-            count([state])
-            return state
-        torch.get_rng_state = get_rng_state
-        try:
+        with rng_states_counted():
             inner = real(fn, preserve_rng_state, context_fn, determinism_check, debug, *args, **kwargs)
             next(inner)
-        finally:
-            torch.get_rng_state = real_get
         yield
         next(inner, None)
 
     real_forward = ckpt.CheckpointFunction.forward
 
     def reentrant_forward(ctx, run_function, preserve_rng_state, *args):    # saves the CPU RNG state on ctx
-        real_get = torch.get_rng_state
-
-        def get_rng_state():
-            state = real_get()
-            count([state])
-            return state
-        torch.get_rng_state = get_rng_state
-        try:
+        with rng_states_counted():
             return real_forward(ctx, run_function, preserve_rng_state, *args)
-        finally:
-            torch.get_rng_state = real_get
 
     ckpt._checkpoint_without_reentrant_generator = generator
     ckpt.CheckpointFunction.forward = staticmethod(reentrant_forward)
