@@ -254,11 +254,7 @@ def analysis_options(args):
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision)
-    options.policy_specs()                  # an unknown --save-policy fails here, before any capture
-    options.target_label()                  # so does --gpu with --target cpu
-    options.sharding_setup()                # and --world-size without --shard
-    options.capture_options()               # and a --moe-routing that is neither a choice nor a readable file
-    return options
+    return options                          # AnalysisOptions validates every field when made: before any capture
 
 
 def _run(args) -> int:

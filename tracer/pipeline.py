@@ -60,31 +60,18 @@ class AnalysisOptions:
         """Every field against its valid values (the model options against tracer.checks.options.MODEL_OPTIONS,
         the rest below): one validation for the CLI, `tracer check`, the marker and `tracer.analyze`. Raises
         UsageError naming the field and its valid values."""
-        from tracer.checks.options import MODEL_OPTIONS
+        from tracer.checks.options import MODEL_OPTIONS, check_option_value
         from tracer.errors import UsageError
 
-        values = dataclasses.asdict(self)
-        values["zero_grad"] = None
         for option in MODEL_OPTIONS:
             if option.name == "zero_grad":
-                continue
-            value = values[option.name]
-            if isinstance(option.default, bool):
-                ok, wanted = isinstance(value, bool), "True or False"
-            elif isinstance(option.default, int):
-                ok, wanted = _positive_int(value), "a positive integer"
-            elif option.name == "target":
+                continue                   # the field is zero_grad_set_to_none, checked below
+            if option.name == "target":
                 continue                   # "cuda:<gpu>" is valid too: target_label() checks it below
-            elif option.choices is None:
-                continue                   # free text (moe_routing: a name or a file), parsed below
-            else:
-                ok = value in option.choices or (option.default is None and value is None)
-                wanted = "one of " + ", ".join(option.choices) + (" or None" if option.default is None else "")
-            if not ok:
-                raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
-        for name in ("zero_grad_set_to_none", "reshard_after_forward"):
-            if not isinstance(values[name], bool):
-                raise UsageError(f"{name}={values[name]!r} is not valid", hint=f"{name} must be True or False")
+            check_option_value(option, getattr(self, option.name))
+        for name in ("zero_grad_set_to_none", "reshard_after_forward", "fsdp_mixed_precision"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name}={getattr(self, name)!r} is not valid", hint=f"{name} must be True or False")
         if not isinstance(self.policies, tuple) or not self.policies:
             raise UsageError(f"policies={self.policies!r} is not valid", hint="give at least one policy name")
         for budget in self.memory_budgets:
@@ -103,8 +90,6 @@ class AnalysisOptions:
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
-        from tracer.capture.routing import parse_routing
-        parse_routing(self.moe_routing)
 
     def policy_specs(self, model_save_policy=None) -> tuple:
         """The PolicySpecs to simulate; `model_save_policy`, the model file's `save_policy` function, is the
@@ -170,12 +155,9 @@ class AnalysisOptions:
                 "fsdp_mixed_precision": self.fsdp_mixed_precision}
 
     def capture_options(self):
-        """Raises UsageError for a --moe-routing that is neither balanced, worst nor a readable JSON file.
-        FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
+        """FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
         sharding pass gives the sharded state its fp32 bytes."""
         from tracer.capture import CaptureOptions
-        from tracer.capture.routing import parse_routing
-        parse_routing(self.moe_routing)
         fields = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
         if self.fsdp_mixed_precision:
             fields["precision"] = "bf16-pure"

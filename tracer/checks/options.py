@@ -84,12 +84,23 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
                                 help=option.help)
 
 
-def _free_text_ok(name: str, value: str) -> bool:
-    """Free-text options parse themselves; their UsageError names what is wrong."""
-    if name == "moe_routing":
-        from tracer.capture.routing import parse_routing
-        parse_routing(value)
-    return True
+def check_option_value(option: ModelOption, value) -> None:
+    """Raises UsageError naming `option` and its valid values when `value` is not one of them (free-text
+    options parse themselves: moe_routing)."""
+    if isinstance(option.default, bool):
+        ok, wanted = isinstance(value, bool), "True or False"
+    elif isinstance(option.default, int):
+        ok, wanted = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a positive integer"
+    elif option.choices is None:
+        ok, wanted = isinstance(value, str), "a string"
+        if ok and option.name == "moe_routing":
+            from tracer.capture.routing import parse_routing
+            parse_routing(value)
+    else:
+        ok = value in option.choices or (option.default is None and value is None)
+        wanted = "one of " + ", ".join(option.choices) + (" or None" if option.default is None else "")
+    if not ok:
+        raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
 
 
 def analyze_kwargs(values: Mapping[str, object]) -> dict:
@@ -98,19 +109,7 @@ def analyze_kwargs(values: Mapping[str, object]) -> dict:
     out: dict[str, object] = {}
     for option in MODEL_OPTIONS:
         value = values.get(option.name, option.default)
-        if isinstance(option.default, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(option.default, int):
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        elif option.choices is None:         # free text checked by its own parser (moe_routing)
-            ok = isinstance(value, str) and _free_text_ok(option.name, value)
-        else:
-            ok = value in option.choices or (option.default is None and value is None)
-        if not ok:
-            wanted = ("True or False" if isinstance(option.default, bool) else "a positive integer"
-                      if isinstance(option.default, int) else "a string" if option.choices is None
-                      else "one of " + ", ".join(option.choices))
-            raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
+        check_option_value(option, value)
         out[option.name] = value
     zero_grad = out.pop("zero_grad")
     out["zero_grad_set_to_none"] = zero_grad == "none"
