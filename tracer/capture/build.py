@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Mapping
 
 import torch

@@ -26,7 +26,7 @@ from torch import nn
 from tracer.capture.build import step_module
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
-from tracer.capture.source import WRAPPED_ATTR, loc_from_stack_trace, normalize_module_path
+from tracer.capture.source import loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
 
