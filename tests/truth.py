@@ -153,7 +153,9 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
         st = t.untyped_storage()
         if st._cdata not in param_keys:
             saved.setdefault(st._cdata, st.nbytes())
-        return t
+        # a detached alias (same storage): returning `t` itself makes a saved output hold its own grad_fn, a
+        # cycle through C++ that keeps a branch the loss never reaches (BERT's pooler) alive to the step's end
+        return t.detach()
 
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")

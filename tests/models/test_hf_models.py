@@ -29,6 +29,13 @@ CONFIGS = {
                 "bos_token_id=1", "eos_token_id=2", "decoder_start_token_id=1"),
     "t5": ("num_layers=1", "d_model=32", "d_ff=64", "num_heads=2", "d_kv=16", "vocab_size=128"),
     "mixtral": TINY + ("num_key_value_heads=1", "num_local_experts=4", "num_experts_per_tok=2"),
+    "resnet": ("embedding_size=8", "hidden_sizes=[8,8,8,8]", "depths=[1,1,1,1]", "layer_type=basic"),
+    "clip": ("vision_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
+             "\"num_attention_heads\":2,\"image_size\":32,\"patch_size\":8}",),
+    "gemma3": ("text_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
+               "\"num_attention_heads\":2,\"num_key_value_heads\":1,\"head_dim\":16,\"vocab_size\":128}",
+               "vision_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
+               "\"num_attention_heads\":2,\"image_size\":32,\"patch_size\":8}", "mm_tokens_per_image=4"),
 }
 
 
@@ -144,6 +151,31 @@ def test_whisper_gets_log_mel_features_of_the_length_its_encoder_takes():
     assert tuple(features.shape) == (2, 8, 32) and tuple(labels.shape) == (2, 16)   # (b, mels, 2 * source positions)
     with pytest.raises(ModelInputError, match="max_target_positions 32"):
         hf_example_batch(spec, 2, 64)
+
+
+def test_a_conv_net_without_an_image_size_gets_imagenet_images_and_says_so():
+    spec = hf_spec("resnet", overrides=parse_overrides(CONFIGS["resnet"]))
+    pixels, labels = hf_example_batch(spec, 2, 16)
+    assert tuple(pixels.shape) == (2, 3, 224, 224) and tuple(labels.shape) == (2,)
+    graph, _ = _predict("resnet")
+    assert any("no image_size" in note and "3 x 224 x 224" in note for note in graph.config.notes)
+
+
+def test_a_vision_sub_config_gives_the_image_size_and_the_model_is_built_without_sdpa_where_it_has_none():
+    spec = hf_spec("clip", overrides=parse_overrides(CONFIGS["clip"]))
+    assert spec.model_class == "CLIPForImageClassification"
+    pixels, _ = hf_example_batch(spec, 2, 16)
+    assert tuple(pixels.shape) == (2, 3, 32, 32)
+    resnet = build_hf_model(hf_spec("resnet", overrides=parse_overrides(CONFIGS["resnet"]))).model
+    assert resnet.config._attn_implementation == "eager"      # ResNet has no sdpa path; sdpa is not refused
+
+
+def test_a_multimodal_causal_lm_draws_its_token_ids_from_the_text_sub_config():
+    spec = hf_spec("gemma3", overrides=parse_overrides(CONFIGS["gemma3"]))
+    tokens, labels = hf_example_batch(spec, 2, 16)
+    assert tokens.max() < 128 and tuple(labels.shape) == (2, 16)
+    graph, source = _predict("gemma3")
+    assert graph.parameter_count == sum(p.numel() for p in source.build_model().parameters())
 
 
 def _predict(name):

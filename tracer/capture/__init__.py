@@ -64,7 +64,7 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
         warnings.filterwarnings("ignore", message="Error detected in")
         with routing_assumption(parse_routing(options.moe_routing)) as routing:
             graphs = _capture_steps(source, options, specs, on_policy)
-        notes = routing.notes
+        notes = source.notes + routing.notes
         if routing.grouped_mm_lines and options.target != "cpu":
             notes += ("whether the CUDA grouped matmul takes "
                       + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))

@@ -55,6 +55,7 @@ class ModelSource:
                                                 # is a library's (hf:), not the user's to fix
     loss_index: int | None = None               # position of the loss in a tuple the forward returns
     save_policy: Callable | None = None         # torch's selective-checkpointing policy_fn, for --policy selective
+    notes: tuple[str, ...] = ()                 # assumptions the example batch makes that the model does not state
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
@@ -62,12 +63,13 @@ def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_jso
     """A zoo name, `hf:<name>` (a transformers model built from a config; `hf_task` picks its head, None: the
     architecture's default, see tracer/models/hf.py), or a model file path."""
     if model.startswith("hf:"):
-        from tracer.models.hf import build_hf_model, hf_example_batch, hf_failure_hint, hf_spec, parse_overrides
+        from tracer.models.hf import (build_hf_model, hf_batch_notes, hf_example_batch, hf_failure_hint, hf_spec,
+                                      parse_overrides)
         spec = hf_spec(model[3:], overrides=parse_overrides(hf_config), config_json=config_json,
                        attn_implementation=hf_attn, task=hf_task)
         return ModelSource(name=model, path=None, build_model=lambda: build_hf_model(spec),
                            example_batch=lambda batch, seq: hf_example_batch(spec, batch, seq),
-                           failure_hint=hf_failure_hint(spec))
+                           failure_hint=hf_failure_hint(spec), notes=hf_batch_notes(spec))
     if model in ZOO:
         entry = zoo_entry(model)
         return ModelSource(name=model, path=None, build_model=entry.build_model, example_batch=entry.example_batch)

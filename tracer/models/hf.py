@@ -175,9 +175,18 @@ def hf_spec(name: str, *, overrides: dict | None = None, config_json: str | None
 def build_hf_model(spec: HFSpec) -> nn.Module:
     transformers = _import_transformers()
     config = _make_config(spec)
-    config._attn_implementation = spec.attn_implementation
-    model = getattr(transformers, spec.model_class)(config)
+    model_class = getattr(transformers, spec.model_class)
+    config._attn_implementation = _attn_implementation(spec, model_class)
+    model = model_class(config)
     return LossFromLabels(model, _input_names(spec))
+
+
+def _attn_implementation(spec: HFSpec, model_class) -> str:
+    """sdpa where the class supports it, else eager (as transformers picks when none is asked for: models
+    without attention, or with their own attention code, have no sdpa path)."""
+    if spec.attn_implementation == "sdpa" and not getattr(model_class, "_supports_sdpa", True):
+        return "eager"
+    return spec.attn_implementation
 
 
 def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, ...]:
@@ -188,7 +197,7 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
         inputs = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
     elif task.inputs == "image":
         height, width = _image_size(config, spec)
-        inputs = torch.randn(batch, config.num_channels, height, width)                     # (b, c, h, w)
+        inputs = torch.randn(batch, _num_channels(config), height, width)                     # (b, c, h, w)
     else:
         inputs = torch.randn(batch, *_audio_shape(config, spec, seq))                       # (b, mels, frames)
     if task.labels == "sequence":
@@ -294,19 +303,56 @@ def _tasks_hint(model_type: str, heads: dict[str, str]) -> str:
 
 
 def _vocab_size(config, spec: HFSpec) -> int:
+    """The token vocabulary: the config's own, else its text (decoder) sub-config's, as a multimodal model's
+    language head reads it."""
     vocab = getattr(config, "vocab_size", None)
+    if vocab is None:
+        vocab = getattr(_text_config(config), "vocab_size", None)
     if vocab is None:
         raise ModelInputError(f"hf:{spec.name}: the {spec.model_type} config has no vocab_size to draw token ids from",
                               hint="pass --hf-config vocab_size=N, or write a model file")
     return int(vocab)
 
 
+def _text_config(config):
+    try:
+        return config.get_text_config(decoder=True)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+DEFAULT_IMAGE_SIZE = 224        # the ImageNet crop, where a config leaves the size to the input (conv nets)
+DEFAULT_NUM_CHANNELS = 3
+
+
 def _image_size(config, spec: HFSpec) -> tuple[int, int]:
-    size = getattr(config, "image_size", None)
-    if size is None or getattr(config, "num_channels", None) is None:
-        raise ModelInputError(f"hf:{spec.name}: the {spec.model_type} config has no image_size/num_channels",
-                              hint="write a model file with its example batch")
+    size = _vision_field(config, "image_size") or DEFAULT_IMAGE_SIZE
     return (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def _num_channels(config) -> int:
+    return int(_vision_field(config, "num_channels") or DEFAULT_NUM_CHANNELS)
+
+
+def _vision_field(config, key: str):
+    """`key` of the config, else of its vision sub-config (CLIP, SigLIP); None where neither has it."""
+    value = getattr(config, key, None)
+    if value is None:
+        value = getattr(getattr(config, "vision_config", None), key, None)
+    return value
+
+
+def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
+    """The assumptions `hf_example_batch` makes for `spec` that the config does not state, for the report."""
+    if TASKS[spec.task].inputs != "image":
+        return ()
+    config = _make_config(spec)
+    missing = [key for key in ("image_size", "num_channels") if _vision_field(config, key) is None]
+    if not missing:
+        return ()
+    height, width = _image_size(config, spec)
+    return (f"hf:{spec.name}: the {spec.model_type} config has no {'/'.join(missing)}; the example batch is "
+            f"{_num_channels(config)} x {height} x {width} images (pass --hf-config image_size=N to change it)",)
 
 
 def _audio_shape(config, spec: HFSpec, seq: int) -> tuple[int, int]:
