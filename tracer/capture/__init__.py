@@ -198,7 +198,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
-                        policy=spec.label, target=options.target, notes=_capture_notes(cap) + schedule.notes)
+                        policy=spec.label, target=options.target,
+                        notes=_capture_notes(cap) + schedule.notes + recordings[0].notes)
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)
