@@ -17,6 +17,7 @@ import torch
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.recorder import StepRecorder
+from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError, UsageError
 
@@ -207,25 +208,8 @@ def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module,
         released = recording.table.get(grad_sid).released_after_op
         if released is not None:
             table.update(grad_sid_by_param[param_id], released_after_op=released + ops_offset)
-    for sid in range(len(recording.table)):
-        if sid not in sid_map:
-            fields = dataclasses.asdict(recording.table.get(sid))
-            if fields["released_after_op"] is not None:
-                fields["released_after_op"] += ops_offset
-            sid_map[sid] = table.add(None, **fields)
-    return [dataclasses.replace(op, name=f"{op.phase.value}_{ops_offset + i}", args=_remap(op.args, sid_map),
-                                kwargs=_remap(op.kwargs, sid_map), outputs=_remap(op.outputs, sid_map))
-            for i, op in enumerate(recording.ops)]
-
-
-def _remap(value, sid_map: dict[int, int]):
-    if isinstance(value, TensorValue):
-        return dataclasses.replace(value, storage_id=sid_map[value.storage_id])
-    if isinstance(value, tuple):
-        return tuple(_remap(v, sid_map) for v in value)
-    if isinstance(value, list):
-        return [_remap(v, sid_map) for v in value]
-    return value
+    copy_storages(recording.table, table, sid_map, ops_offset=ops_offset)
+    return relocated_ops(recording.ops, sid_map, ops_offset=ops_offset)
 
 
 def _optimizer_step(opt, grad_scaler) -> None:

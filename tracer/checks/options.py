@@ -41,6 +41,9 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "(momentum 0.9; sgd is its old name), sgd-plain (no momentum); adafactor (torch.optim), "
                 "adafactor-hf (transformers'); lion; adamw8bit, paged-adamw8bit (bitsandbytes' state layout, "
                 "simulated); none"),
+    ModelOption("accumulate", 1, None,
+                "gradient accumulation: micro-batches of --batch per optimizer step; from the second on the "
+                "gradients are resident and accumulated in place (default 1)"),
     ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
     ModelOption("step", "steady", ("steady", "first"),
                 "steady: optimizer state exists before the step; first: it is created in step() (default steady)"),

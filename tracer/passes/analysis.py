@@ -49,7 +49,7 @@ class PolicyAnalysis:
 
     @property
     def peak_phase(self) -> str:
-        return self.peak_op.phase.value
+        return self.peak_op.phase_name
 
     @property
     def step_flops(self) -> int:
@@ -150,10 +150,13 @@ def _recompute_flops_by_line(graph: StepGraph) -> dict[str, int]:
 
 
 def phase_peaks(graph: StepGraph, liveness: Liveness) -> dict[str, PhasePeak]:
+    """The peak of each phase, in step order (under gradient accumulation, one forward and one backward per
+    micro-batch: "forward (micro-batch 2)")."""
     peaks: dict[str, PhasePeak] = {}
     for op in graph.ops:
         bytes_now = liveness.live_during[op.index]
-        best = peaks.get(op.phase.value)
+        name = op.phase_name
+        best = peaks.get(name)
         if best is None or bytes_now > best.peak_bytes:
-            peaks[op.phase.value] = PhasePeak(op.phase.value, bytes_now, op.index)
-    return {p.value: peaks[p.value] for p in Phase if p.value in peaks}
+            peaks[name] = PhasePeak(name, bytes_now, op.index)
+    return peaks
