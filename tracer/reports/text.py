@@ -19,7 +19,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     graph = result.graph
     cfg = graph.config
     lines = [
-        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
         f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
         f"parameters: {graph.parameter_count:,}",
         *(f"note: {note}" for note in cfg.notes),
@@ -77,7 +77,7 @@ def render_policy_table(analysis: Analysis) -> str:
     cfg = analysis.graph.config
     device = all(r.device is not None for r in analysis.policies.values())
     rank = all(r.rank_device is not None for r in analysis.policies.values())
-    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
              f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"
@@ -150,6 +150,10 @@ def group_layers(layers: tuple[LayerBytes, ...]) -> list[tuple[str, LayerBytes]]
             out.append((rows[i].layer, rows[i]))
         i = j
     return out
+
+
+def _micro_batches(cfg) -> str:
+    return f" x {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else ""
 
 
 def _where(source) -> str:
