@@ -57,6 +57,7 @@ class Storage:
     held_until_op: int | None = None
     fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
+    host: bool = False                # held in host memory (--offload): not on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,7 @@ class StepConfig:
     policy: str = "eager"
     target: str = "cpu"               # cpu | cuda | cuda:<gpu>: which device's kernels and autocast lists
     accumulate: int = 1               # micro-batches of forward + backward per optimizer step
+    offload: str | None = None        # optimizer | optimizer+params: what is held in host memory
     notes: tuple[str, ...] = ()       # what the capture saw and how it is simulated, for the report
 
 

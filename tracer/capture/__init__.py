@@ -28,6 +28,7 @@ from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
+from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
@@ -49,6 +50,7 @@ class CaptureOptions:
     target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
     moe_routing: str = "balanced"    # balanced | worst | a JSON file of per-expert token counts (routing.py)
     accumulate: int = 1              # micro-batches of forward + backward per optimizer step (accumulation.py)
+    offload: str | None = None       # None | optimizer | optimizer+params: held in host memory (offload.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -147,6 +149,9 @@ def _ladder(capture: str) -> list:
 
 def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
+    if options.offload is not None:
+        raise CaptureError(f"--offload rewrites a captured graph's optimizer step, and none could be captured: "
+                           f"{reason}", hint="fix what export reports, or drop --offload")
     if options.accumulate > 1:
         raise CaptureError(f"--accumulate {options.accumulate} repeats a captured graph's forward and backward, "
                            f"and none could be captured: {reason}", hint="fix what export reports, or drop --accumulate")
@@ -186,13 +191,20 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
-    ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops + opt_ops))
+    ops, offload_notes = ops + opt_ops, ()
+    if options.offload is not None:
+        trainable = [p for p in cap.model.parameters() if id(p) in part.grad_sid_by_param]
+        ops, offload_notes = offload_step(ops, table, mode=options.offload, compiled=schedule.compiled,
+                                          param_sids=tuple(dict.fromkeys(table.lookup(p) for p in trainable)),
+                                          grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param.values())))
+    ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
-                        policy=spec.label, target=options.target, accumulate=options.accumulate,
-                        notes=_capture_notes(cap) + schedule.notes + recordings[0].notes + accumulation_notes)
+                        policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
+                        notes=_capture_notes(cap) + schedule.notes + recordings[0].notes + accumulation_notes
+                        + offload_notes)
     n_params = sum(p.numel() for p in cap.model.parameters())
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid)

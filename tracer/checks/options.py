@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
+from tracer.capture.offload import OFFLOAD_MODES
 from tracer.capture.optimizer import OPTIMIZERS
 from tracer.capture.target import DEFAULT_GPU, DEFAULT_TARGET, GPUS, TARGET_DEVICES
 from tracer.errors import UsageError
@@ -44,6 +45,10 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("accumulate", 1, None,
                 "gradient accumulation: micro-batches of --batch per optimizer step; from the second on the "
                 "gradients are resident and accumulated in place (default 1)"),
+    ModelOption("offload", None, OFFLOAD_MODES,
+                "CPU offload (ZeRO-Offload, FSDP2 CPUOffloadPolicy): optimizer = optimizer state and step in host "
+                "memory, gradients copied there as each completes; optimizer+params = the parameters too, copied "
+                "to the device around their forward and backward uses (default: none)"),
     ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
     ModelOption("step", "steady", ("steady", "first"),
                 "steady: optimizer state exists before the step; first: it is created in step() (default steady)"),

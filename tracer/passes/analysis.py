@@ -12,6 +12,7 @@ import dataclasses
 
 from tracer.passes.attribution import Attribution, attribute, categorize, layer_of
 from tracer.passes.device import DeviceMemory, DeviceSetup, predict_device_memory, sharded_device_memory
+from tracer.passes.host import HostMemory, host_memory
 from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
@@ -46,6 +47,7 @@ class PolicyAnalysis:
     device: "DeviceMemory | None" = None      # the CUDA device view (allocated/reserved), for a CUDA target
     sharded: "ShardedMemory | None" = None    # per rank under --shard (passes/sharding.py)
     rank_device: "DeviceMemory | None" = None # rank 0's device view under --shard, for a CUDA target
+    host: "HostMemory | None" = None          # host memory under --offload (passes/host.py)
 
     @property
     def peak_phase(self) -> str:
@@ -127,6 +129,7 @@ def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:
         recompute_flops=sum(op_flops(op) or 0 for op in graph.ops if op.recomputed),
         recompute_flops_by_line=_recompute_flops_by_line(graph),
         flops_by_layer=_flops_by_layer(graph),
+        host=host_memory(graph),
     )
 
 

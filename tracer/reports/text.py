@@ -38,6 +38,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         nbytes = result.at_peak.by_category[cat]
         share = 100.0 * nbytes / result.peak_bytes if result.peak_bytes else 0.0
         lines.append(f"  {cat:<16} {format_bytes(nbytes):>14}  {share:5.1f}%")
+    lines += _host_lines(result)
     lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
     for row in result.at_peak.lines[:top]:
         code = f"  {row.source.code}" if row.source and row.source.code else ""
@@ -150,6 +151,16 @@ def group_layers(layers: tuple[LayerBytes, ...]) -> list[tuple[str, LayerBytes]]
             out.append((rows[i].layer, rows[i]))
         i = j
     return out
+
+
+def _host_lines(result: PolicyAnalysis) -> list[str]:
+    """--offload: what the host holds (not in the device bill above)."""
+    host = result.host
+    if host is None:
+        return []
+    held = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in host.resident_bytes.items() if nbytes)
+    return [f"  in host memory (offloaded, not counted above): {held}; host peak {format_bytes(host.peak_bytes)} "
+            "with the optimizer step's temporaries"]
 
 
 def _micro_batches(cfg) -> str:
