@@ -7,10 +7,10 @@ import tracer.pipeline
 from tracer.cli import main
 from tracer.errors import ExitCode, UsageError
 
-FLAGS = ["--batch", "3", "--seq", "40", "--precision", "bf16", "--optimizer", "sgd", "--no-foreach",
+FLAGS = ["--batch", "3", "--seq", "40", "--precision", "bf16", "--optimizer", "lion", "--no-foreach", "--accumulate", "4",
          "--step", "first", "--zero-grad", "zeros", "--target", "cuda", "--gpu", "a100", "--capture", "export",
          "--hf-attn", "eager", "--moe-routing", "worst"]
-EXPECTED = dict(precision="bf16", optimizer="sgd", foreach=False, step="first", zero_grad_set_to_none=False,
+EXPECTED = dict(precision="bf16", optimizer="lion", accumulate=4, foreach=False, step="first", zero_grad_set_to_none=False,
                 target="cuda", gpu="a100", capture="export", hf_attn="eager", moe_routing="worst")
 MAIN_ONLY = ["--policy", "full", "--blocks", "layers.*", "--checkpoint-every", "2", "--save-policy", "matmul",
              "--hf-config", "n_layer=2", "--hf-task", "causal-lm", "--alloc-conf", "expandable_segments:True",
@@ -59,10 +59,13 @@ def test_the_main_command_passes_sharding(reached):
 
 
 def test_tracer_check_passes_every_option(reached, tmp_path):
+    # --accumulate is refused with --shard: given once without it, once as 1 with it
+    main(["check", "llama-debug", "--baseline", str(tmp_path / "a.json"), "--update-baseline", *FLAGS])
+    _check(reached[0], {**EXPECTED, "batch": 3, "seq": 40})
     main(["check", "llama-debug", "--baseline", str(tmp_path / "b.json"), "--update-baseline", *FLAGS,
-          "--policy", "full", "--hf-task", "causal-lm", "--shard", "zero2", "--world-size", "4"])
-    _check(reached[0], {**EXPECTED, "batch": 3, "seq": 40, "policies": ("full",), "hf_task": "causal-lm",
-                        "shard": "zero2", "world_size": 4})
+          "--accumulate", "1", "--policy", "full", "--hf-task", "causal-lm", "--shard", "zero2", "--world-size", "4"])
+    _check(reached[1], {**EXPECTED, "accumulate": 1, "batch": 3, "seq": 40, "policies": ("full",),
+                        "hf_task": "causal-lm", "shard": "zero2", "world_size": 4})
 
 
 def test_the_python_api_and_the_marker_keywords_reach_the_pipeline(reached):

@@ -17,7 +17,7 @@ from typing import Callable
 from tracer.capture.target import DEFAULT_TARGET
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
-                   "moe_routing")
+                   "moe_routing", "accumulate", "offload")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +43,8 @@ class AnalysisOptions:
     hf_task: str | None = None             # hf: the head (tracer.models.hf.TASKS); None: the architecture's default
     capture: str = "auto"
     moe_routing: str = "balanced"          # balanced | worst | JSON file of per-expert counts (capture/routing.py)
+    accumulate: int = 1                    # micro-batches of `batch` per optimizer step (capture/accumulation.py)
+    offload: str | None = None             # optimizer | optimizer+params: held in host memory (capture/offload.py)
     target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
     gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
@@ -87,6 +89,9 @@ class AnalysisOptions:
         if self.world_size is not None and not _positive_int(self.world_size):
             raise UsageError(f"--world-size {self.world_size!r} is not valid", hint="a positive integer")
         _check_save_ops(self.save_ops)
+        from tracer.capture.offload import check_offload
+        check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
+                      shard=self.shard)
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
@@ -126,6 +131,9 @@ class AnalysisOptions:
         from tracer.passes.analysis import ShardingSetup
         from tracer.passes.sharding import STRATEGIES
 
+        if self.shard is not None and self.accumulate > 1:
+            raise UsageError("--accumulate with --shard is not modelled (DDP's no_sync and FSDP's gradient "
+                             "synchronisation between micro-batches)", hint="drop one of them")
         if self.shard is None:
             if self.fsdp_mixed_precision:
                 raise UsageError("--fsdp-mixed-precision needs --shard fsdp --world-size N")
@@ -152,7 +160,8 @@ class AnalysisOptions:
                 "cublas_workspace_config": self.cublas_workspace_config,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
                 "reshard_after_forward": self.reshard_after_forward,
-                "fsdp_mixed_precision": self.fsdp_mixed_precision}
+                "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
+                "offload": self.offload}
 
     def capture_options(self):
         """FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the

@@ -57,6 +57,7 @@ class Storage:
     held_until_op: int | None = None
     fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
+    host: bool = False                # held in host memory (--offload): not on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,12 @@ class OpNode:
     is_view: bool = False             # outputs alias an input storage (no allocation)
     autograd_node: int | None = None  # backward ops of one autograd Node share this id (eager frees at its end)
     recomputed: bool = False          # a forward op re-run during backward (checkpointing, compiled remat)
+    micro_batch: int | None = None    # gradient accumulation: the micro-batch of a forward/backward op (1-based)
+
+    @property
+    def phase_name(self) -> str:
+        """The phase as reports name it: "forward", or "forward (micro-batch 2)" under accumulation."""
+        return self.phase.value if self.micro_batch is None else f"{self.phase.value} (micro-batch {self.micro_batch})"
 
     def input_values(self) -> tuple[TensorValue, ...]:
         return tuple(_iter_values((self.args, tuple(v for _, v in self.kwargs))))
@@ -105,6 +112,8 @@ class StepConfig:
     capture_path: str
     policy: str = "eager"
     target: str = "cpu"               # cpu | cuda | cuda:<gpu>: which device's kernels and autocast lists
+    accumulate: int = 1               # micro-batches of forward + backward per optimizer step
+    offload: str | None = None        # optimizer | optimizer+params: what is held in host memory
     notes: tuple[str, ...] = ()       # what the capture saw and how it is simulated, for the report
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import warnings
 
+from tracer.capture.accumulation import KeptPairs, MicroBatch, chain_micro_batches
 from tracer.capture.convert import OpDraft, convert_step
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
@@ -27,6 +28,7 @@ from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
+from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.storages import StorageTable
 from tracer.policies import PolicySpec
@@ -47,6 +49,8 @@ class CaptureOptions:
     capture: str = "auto"            # auto (every graph rung, then dispatch) | export | compile | dispatch
     target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
     moe_routing: str = "balanced"    # balanced | worst | a JSON file of per-expert token counts (routing.py)
+    accumulate: int = 1              # micro-batches of forward + backward per optimizer step (accumulation.py)
+    offload: str | None = None       # None | optimizer | optimizer+params: held in host memory (offload.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -145,6 +149,12 @@ def _ladder(capture: str) -> list:
 
 def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
+    if options.offload is not None:
+        raise CaptureError(f"--offload rewrites a captured graph's optimizer step, and none could be captured: "
+                           f"{reason}", hint="fix what export reports, or drop --offload")
+    if options.accumulate > 1:
+        raise CaptureError(f"--accumulate {options.accumulate} repeats a captured graph's forward and backward, "
+                           f"and none could be captured: {reason}", hint="fix what export reports, or drop --accumulate")
     others = [spec.label for spec in specs if spec.name != "eager"]
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
@@ -165,17 +175,45 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                      recordings: list) -> StepGraph:
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one."""
     schedule = policy_schedule(cap, spec)
-    table = StorageTable()
     steady = options.step == "steady"
-    grads_preexisting = steady and not options.zero_grad_set_to_none
-    part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
+    first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
+                         grads_preexisting=steady and not options.zero_grad_set_to_none)
+    part, table = first.part, first.table
     if not recordings:
         recordings.append(record_optimizer_step(
             cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
             optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
             set_to_none=options.zero_grad_set_to_none, target=options.target,
             grad_scaler=make_grad_scaler(options.precision)))
-    opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(part.ops))
+    ops, accumulation_notes = part.ops, ()
+    if options.accumulate > 1:
+        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True)
+        ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
+                                                      _shared_storages(cap, first, later))
+    opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
+    ops, offload_notes = ops + opt_ops, ()
+    if options.offload is not None:
+        trainable = [p for p in cap.model.parameters() if id(p) in part.grad_sid_by_param]
+        ops, offload_notes = offload_step(ops, table, mode=options.offload, compiled=schedule.compiled,
+                                          param_sids=tuple(dict.fromkeys(table.lookup(p) for p in trainable)),
+                                          grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param.values())))
+    ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
+    config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
+                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
+                        zero_grad_set_to_none=options.zero_grad_set_to_none,
+                        capture_path=cap.path,
+                        policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
+                        notes=_capture_notes(cap) + schedule.notes + recordings[0].notes + accumulation_notes
+                        + offload_notes)
+    n_params = sum(p.numel() for p in cap.model.parameters())
+    return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
+                     loss_storage_id=part.loss_sid)
+
+
+def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool) -> MicroBatch:
+    """One forward + backward over `table`, with eager's lifetimes (Python locals, backward formulas'
+    temporaries, checkpointing, tensors kept on module attributes)."""
+    part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
@@ -192,16 +230,19 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         _eager_checkpoint_semantics(part.ops, table)
-    _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
-    ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
-    config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
-                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
-                        zero_grad_set_to_none=options.zero_grad_set_to_none,
-                        capture_path=cap.path,
-                        policy=spec.label, target=options.target, notes=_capture_notes(cap) + schedule.notes)
-    n_params = sum(p.numel() for p in cap.model.parameters())
-    return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
-                     loss_storage_id=part.loss_sid)
+    kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
+    return MicroBatch(part=part, table=table, kept=kept)
+
+
+def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int]:
+    """`later`'s storages of the parameters, buffers and gradients -> `first`'s."""
+    shared = {}
+    for owner in list(cap.param_by_fqn.values()) + list(cap.buffer_by_fqn.values()):
+        if owner in later.table and owner in first.table:
+            shared[later.table.lookup(owner)] = first.table.lookup(owner)
+    for param_id, sid in later.part.grad_sid_by_param.items():
+        shared[sid] = first.part.grad_sid_by_param[param_id]
+    return shared
 
 
 def _capture_notes(cap) -> tuple[str, ...]:
@@ -253,19 +294,24 @@ def checkpoint_notes(calls) -> list[str]:
     return [f"checkpointed region {c.index}: {c.describe()}" for c in calls]
 
 
-def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, steady: bool) -> None:
+def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, steady: bool) -> KeptPairs:
     """A tensor stored on a module attribute lives until the next step overwrites it: the new one lives to
-    the end of the step; in steady state the previous step's lives until the new one is assigned."""
+    the end of the step; in steady state the previous step's lives until the new one is assigned.
+    Returns (the previous step's storage or None, the new one) per attribute."""
+    pairs = []
     for attr in kept:
         op_index = _producer_of(attr, ops)
         if op_index is None:
             continue
         value = next(v for v in ops[op_index].outputs if v.shape == attr.shape)
         table.update(value.storage_id, persistent=True)
+        previous = None
         if steady:
-            table.add(None, StorageRole.INTERMEDIATE, nbytes=attr.nbytes, dtype=str(attr.dtype).removeprefix("torch."),
+            previous = table.add(None, StorageRole.INTERMEDIATE, nbytes=attr.nbytes, dtype=str(attr.dtype).removeprefix("torch."),
                       shape=attr.shape, preexisting=True, released_after_op=op_index,
                       name=f"{attr.module}.{attr.attribute} from the previous step")
+        pairs.append((previous, value.storage_id))
+    return tuple(pairs)
 
 
 def _producer_of(attr, ops: list[OpDraft]) -> int | None:
@@ -402,4 +448,4 @@ def _freeze(index: int, d: OpDraft, *, eager_autograd: bool) -> OpNode:
     node = d.seq_nr if eager_autograd and d.phase is Phase.BACKWARD else None
     return OpNode(index=index, name=d.name, target=d.target, phase=d.phase, args=d.args, kwargs=d.kwargs,
                   outputs=d.outputs, source=d.source, module=d.module, is_view=d.is_view,
-                  autograd_node=node, recomputed=d.recomputed)
+                  autograd_node=node, recomputed=d.recomputed, micro_batch=d.micro_batch)

@@ -70,6 +70,7 @@ class OpDraft:
     must_save: bool = False             # selective checkpointing keeps this op's outputs
     rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
     held_to_region_end: bool = False    # its outputs are held until the region's backward ends
+    micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
 
 
 @dataclasses.dataclass

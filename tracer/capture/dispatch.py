@@ -20,7 +20,8 @@ from tracer.capture.build import step_module
 from tracer.capture.joint import _where, build_fake
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.model_input import ModelSource
-from tracer.capture.optimizer import make_standard_optimizer, no_gradient_error, not_an_optimizer_error
+from tracer.capture.optimizer import (make_standard_optimizer, no_gradient_error, not_an_optimizer_error,
+                                      optimizer_notes, simulated_if_bitsandbytes)
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.source import loc_from_python_stack, normalize_module_path
 from tracer.capture.storages import StorageTable
@@ -91,6 +92,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
                else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
     if source.make_optimizer is not None and (opt is None or not callable(getattr(opt, "step", None))):
         raise not_an_optimizer_error(opt)
+    opt = simulated_if_bitsandbytes(opt)
     steady = options.step == "steady"
     table = StorageTable()
     names = {id(m): path for path, m in model.named_modules()}
@@ -168,7 +170,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and table.lookup(value) is not None:
                     table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=str(key))
-    notes = list(built.notes + step.notes())
+    notes = list(built.notes + step.notes() + optimizer_notes(opt))
     notes += [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "

@@ -17,6 +17,7 @@ import torch
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.recorder import StepRecorder
+from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError, UsageError
 
@@ -25,17 +26,50 @@ class _NotAnOptimizer(Exception):
     """make_optimizer returned something without step(); the argument is what it returned."""
 from tracer.stepgraph import StorageRole, TensorValue
 
-OPTIMIZERS = ("adamw", "sgd", "none")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", "adafactor-hf", "lion",
+              "adamw8bit", "paged-adamw8bit", "none")
 
 
 def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.Optimizer | None:
+    """The optimizer of `--optimizer name`. `sgd` keeps its old meaning (momentum 0.9, = sgd-momentum);
+    adafactor-hf is transformers' Adafactor as its docs advise for fine-tuning (scale_parameter=False,
+    relative_step=False, lr=1e-3: the relative step reads a tensor's value, which fake tensors lack);
+    adamw8bit and paged-adamw8bit are bitsandbytes' AdamW8bit and PagedAdamW8bit, simulated (bnb8bit.py)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
-    if name == "sgd":
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-3, foreach=foreach)
+    if name in ("sgd", "sgd-momentum"):
         return torch.optim.SGD(params, lr=1e-2, momentum=0.9, foreach=foreach)
+    if name == "sgd-plain":
+        return torch.optim.SGD(params, lr=1e-2, foreach=foreach)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2, foreach=foreach)
+    if name == "adafactor-hf":
+        from transformers.optimization import Adafactor
+        return Adafactor(params, lr=1e-3, scale_parameter=False, relative_step=False, warmup_init=False)
+    if name == "lion":
+        from tracer.capture.lion import Lion
+        return Lion(params, lr=1e-4)
+    if name in ("adamw8bit", "paged-adamw8bit"):
+        from tracer.capture.bnb8bit import STANDARD, SimulatedBnbOptimizer
+        return SimulatedBnbOptimizer(params, STANDARD[name], label=name)
     if name == "none":
         return None
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def optimizer_notes(opt) -> tuple[str, ...]:
+    """What the report must say about how `opt` is simulated (bitsandbytes' state layout, paging)."""
+    notes = getattr(opt, "notes", None)
+    return tuple(notes()) if callable(notes) else ()
+
+
+def simulated_if_bitsandbytes(opt):
+    """A user's bitsandbytes optimizer (recognised by its class's module) is replaced by its simulation:
+    its CUDA kernels cannot run on fake CPU tensors."""
+    from tracer.capture.bnb8bit import is_bitsandbytes_optimizer, simulate_bitsandbytes
+    return simulate_bitsandbytes(opt) if is_bitsandbytes_optimizer(opt) else opt
 
 
 @dataclasses.dataclass
@@ -46,6 +80,7 @@ class OptimizerRecording:
     table: StorageTable
     param_sids: dict[int, int]                 # id(parameter) -> its entry in `table`
     grad_sids: dict[int, int]                  # id(parameter) -> the entry of its gradient in `table`
+    notes: tuple[str, ...] = ()                # how the optimizer is simulated, for the report
 
 
 def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
@@ -84,22 +119,29 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     if not params:
         raise no_gradient_error()
     names = {id(p): fqn for fqn, p in model.named_parameters()}
+    # torch's Adafactor reads a norm's value (`p.norm().item()`) for its step size: a standard optimizer's
+    # scalar reads size nothing, so they read as 0 (a user's optimizer may branch on them: refused)
+    reads_as_zero = make_optimizer is None
     try:
         with fake_mode:
             if make_optimizer is not None:
                 opt = make_optimizer(model.parameters())
                 if opt is None or not callable(getattr(opt, "step", None)):
                     raise _NotAnOptimizer(opt)
+                opt = simulated_if_bitsandbytes(opt)
             else:
                 opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
             if grad_scaler is not None:
                 grad_scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))   # made by the first scale()
             if steady and opt is not None:
-                _set_fake_grads(params)
-                _optimizer_step(opt, grad_scaler)
-                opt.zero_grad(set_to_none=True)
+                with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero):
+                    _set_fake_grads(params)
+                    _optimizer_step(opt, grad_scaler)
+                    opt.zero_grad(set_to_none=True)
     except _NotAnOptimizer as exc:
         raise not_an_optimizer_error(exc.args[0]) from None
+    except UsageError:
+        raise
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
@@ -108,7 +150,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     for fqn, p in model.named_parameters():
         if p not in table:
             param_sids[id(p)] = table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
-    recorder = StepRecorder(table, 0)
+    recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero)
     if grad_scaler is not None:
         for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
                                                                         "GradScaler growth tracker")):
@@ -144,7 +186,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)        # still referenced after the step (e.g. kept by the optimizer)
-    return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids)
+    reads = [f"{optimizer_name}.step() reads a tensor's value at {loc.short() if loc else 'an unknown line'}: "
+             "taken as 0 (it scales the update and sizes no tensor)" for loc in dict.fromkeys(recorder.scalar_reads)]
+    return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
+                              notes=optimizer_notes(opt) + tuple(reads))
 
 
 def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module, grad_sid_by_param: dict[int, int],
@@ -163,25 +208,8 @@ def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module,
         released = recording.table.get(grad_sid).released_after_op
         if released is not None:
             table.update(grad_sid_by_param[param_id], released_after_op=released + ops_offset)
-    for sid in range(len(recording.table)):
-        if sid not in sid_map:
-            fields = dataclasses.asdict(recording.table.get(sid))
-            if fields["released_after_op"] is not None:
-                fields["released_after_op"] += ops_offset
-            sid_map[sid] = table.add(None, **fields)
-    return [dataclasses.replace(op, name=f"{op.phase.value}_{ops_offset + i}", args=_remap(op.args, sid_map),
-                                kwargs=_remap(op.kwargs, sid_map), outputs=_remap(op.outputs, sid_map))
-            for i, op in enumerate(recording.ops)]
-
-
-def _remap(value, sid_map: dict[int, int]):
-    if isinstance(value, TensorValue):
-        return dataclasses.replace(value, storage_id=sid_map[value.storage_id])
-    if isinstance(value, tuple):
-        return tuple(_remap(v, sid_map) for v in value)
-    if isinstance(value, list):
-        return [_remap(v, sid_map) for v in value]
-    return value
+    copy_storages(recording.table, table, sid_map, ops_offset=ops_offset)
+    return relocated_ops(recording.ops, sid_map, ops_offset=ops_offset)
 
 
 def _optimizer_step(opt, grad_scaler) -> None:

@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
+from tracer.capture.offload import OFFLOAD_MODES
+from tracer.capture.optimizer import OPTIMIZERS
 from tracer.capture.target import DEFAULT_GPU, DEFAULT_TARGET, GPUS, TARGET_DEVICES
 from tracer.errors import UsageError
 
@@ -35,8 +37,18 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "fp32; bf16 = torch.autocast(bfloat16) around forward and loss with fp32 weights; "
                 "bf16-pure = bf16 weights and inputs, no autocast; fp16 = torch.autocast(float16) with fp32 "
                 "weights and torch.amp.GradScaler (scaled loss, unscale_, update) (default fp32)"),
-    ModelOption("optimizer", "adamw", ("adamw", "sgd", "none"),
-                "optimizer used when the model file defines no make_optimizer (default adamw; sgd has momentum 0.9)"),
+    ModelOption("optimizer", "adamw", OPTIMIZERS,
+                "optimizer used when the model file defines no make_optimizer (default adamw): adam; sgd-momentum "
+                "(momentum 0.9; sgd is its old name), sgd-plain (no momentum); adafactor (torch.optim), "
+                "adafactor-hf (transformers'); lion; adamw8bit, paged-adamw8bit (bitsandbytes' state layout, "
+                "simulated); none"),
+    ModelOption("accumulate", 1, None,
+                "gradient accumulation: micro-batches of --batch per optimizer step; from the second on the "
+                "gradients are resident and accumulated in place (default 1)"),
+    ModelOption("offload", None, OFFLOAD_MODES,
+                "CPU offload (ZeRO-Offload, FSDP2 CPUOffloadPolicy): optimizer = optimizer state and step in host "
+                "memory, gradients copied there as each completes; optimizer+params = the parameters too, copied "
+                "to the device around their forward and backward uses (default: none)"),
     ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
     ModelOption("step", "steady", ("steady", "first"),
                 "steady: optimizer state exists before the step; first: it is created in step() (default steady)"),

@@ -12,6 +12,7 @@ import dataclasses
 
 from tracer.passes.attribution import Attribution, attribute, categorize, layer_of
 from tracer.passes.device import DeviceMemory, DeviceSetup, predict_device_memory, sharded_device_memory
+from tracer.passes.host import HostMemory, host_memory
 from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
@@ -46,10 +47,11 @@ class PolicyAnalysis:
     device: "DeviceMemory | None" = None      # the CUDA device view (allocated/reserved), for a CUDA target
     sharded: "ShardedMemory | None" = None    # per rank under --shard (passes/sharding.py)
     rank_device: "DeviceMemory | None" = None # rank 0's device view under --shard, for a CUDA target
+    host: "HostMemory | None" = None          # host memory under --offload (passes/host.py)
 
     @property
     def peak_phase(self) -> str:
-        return self.peak_op.phase.value
+        return self.peak_op.phase_name
 
     @property
     def step_flops(self) -> int:
@@ -127,6 +129,7 @@ def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:
         recompute_flops=sum(op_flops(op) or 0 for op in graph.ops if op.recomputed),
         recompute_flops_by_line=_recompute_flops_by_line(graph),
         flops_by_layer=_flops_by_layer(graph),
+        host=host_memory(graph),
     )
 
 
@@ -150,10 +153,13 @@ def _recompute_flops_by_line(graph: StepGraph) -> dict[str, int]:
 
 
 def phase_peaks(graph: StepGraph, liveness: Liveness) -> dict[str, PhasePeak]:
+    """The peak of each phase, in step order (under gradient accumulation, one forward and one backward per
+    micro-batch: "forward (micro-batch 2)")."""
     peaks: dict[str, PhasePeak] = {}
     for op in graph.ops:
         bytes_now = liveness.live_during[op.index]
-        best = peaks.get(op.phase.value)
+        name = op.phase_name
+        best = peaks.get(name)
         if best is None or bytes_now > best.peak_bytes:
-            peaks[op.phase.value] = PhasePeak(op.phase.value, bytes_now, op.index)
-    return {p.value: peaks[p.value] for p in Phase if p.value in peaks}
+            peaks[name] = PhasePeak(name, bytes_now, op.index)
+    return peaks

@@ -7,7 +7,8 @@ Conventions (eager semantics at op granularity):
     never if it is persistent (it outlives the step), otherwise after its last use (the last op that
     reads it or produces a value on it: views extend the life of their storage), or after
     `held_until_op` if a Python local holds it longer.
-  * A storage marked `fused` (compiled code computes it inside its consumers' kernels) takes 0 bytes.
+  * A storage marked `fused` (compiled code computes it inside its consumers' kernels) takes 0 bytes, and
+    so does one in host memory (`host`, --offload) unless the host's memory is asked for.
   * Backward ops of one autograd Node (same `autograd_node`) run as one unit in eager: a storage made
     before the node and last used inside it (a saved tensor, the incoming gradient) is freed when the
     whole node has run, as the engine releases saved variables and input buffers after `apply`.
@@ -48,7 +49,8 @@ class Liveness:
                      and (iv.free_op is None or iv.free_op >= op_index))
 
 
-def compute_liveness(graph: StepGraph) -> Liveness:
+def compute_liveness(graph: StepGraph, *, host: bool = False) -> Liveness:
+    """The device's memory; `host`: the host memory of the storages an offload keeps there (`Storage.host`)."""
     first_use: dict[int, int] = {}
     last_use: dict[int, int] = {}
     for op in graph.ops:
@@ -60,7 +62,7 @@ def compute_liveness(graph: StepGraph) -> Liveness:
         span = node_span.get(last)
         if span is not None and first_use[sid] < span[0]:
             last_use[sid] = span[1]
-    intervals = tuple(_interval(s, first_use.get(s.storage_id), last_use.get(s.storage_id))
+    intervals = tuple(_interval(s, first_use.get(s.storage_id), last_use.get(s.storage_id), counted=s.host == host)
                       for s in graph.storages)
     n = len(graph.ops)
     alloc_at = [0] * n
@@ -99,7 +101,7 @@ def _autograd_node_spans(graph: StepGraph) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _interval(storage, first: int | None, last: int | None) -> Interval:
+def _interval(storage, first: int | None, last: int | None, *, counted: bool = True) -> Interval:
     if storage.preexisting:
         alloc = BEFORE_STEP
     elif first is None:
@@ -114,7 +116,8 @@ def _interval(storage, first: int | None, last: int | None) -> Interval:
         free = last if last is not None else alloc
         if storage.held_until_op is not None:
             free = max(free, storage.held_until_op)
-    return Interval(storage.storage_id, 0 if storage.fused else storage.nbytes, alloc_op=alloc, free_op=free)
+    return Interval(storage.storage_id, storage.nbytes if counted and not storage.fused else 0, alloc_op=alloc,
+                    free_op=free)
 
 
 def intervals_by_op(intervals) -> tuple[dict[int, list[Interval]], dict[int, list[Interval]]]:

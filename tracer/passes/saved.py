@@ -21,18 +21,23 @@ class SavedTensors:
 
 
 def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
+    """Under gradient accumulation each micro-batch's backward reads what its own forward saved: the
+    storages of every micro-batch count (a storage is saved when made before its reader's backward began)."""
     backward = [op for op in graph.ops if op.phase is Phase.BACKWARD]
     if not backward:
         return SavedTensors(frozenset(), 0, 0, 0)
-    first_backward = backward[0].index
-    read_in_backward = {v.storage_id for op in backward for v in op.input_values()}
+    first_backward: dict[int | None, int] = {}
+    for op in backward:
+        first_backward.setdefault(op.micro_batch, op.index)
     saved = set()
-    for sid in read_in_backward:
-        storage = graph.storage(sid)
-        alloc = liveness.intervals[sid].alloc_op
-        if storage.role in (StorageRole.PARAMETER, StorageRole.GRADIENT) or alloc is None or alloc >= first_backward:
-            continue
-        saved.add(sid)
+    for op in backward:
+        for value in op.input_values():
+            storage = graph.storage(value.storage_id)
+            alloc = liveness.intervals[value.storage_id].alloc_op
+            if storage.role in (StorageRole.PARAMETER, StorageRole.GRADIENT) or alloc is None \
+                    or alloc >= first_backward[op.micro_batch]:
+                continue
+            saved.add(value.storage_id)
     total = sum(graph.storage(s).nbytes for s in saved)
     before = sum(graph.storage(s).nbytes for s in saved if liveness.intervals[s].alloc_op == BEFORE_STEP)
     return SavedTensors(frozenset(saved), total, total - before, before)

@@ -5,7 +5,8 @@ policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_byt
 end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
 step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops, device (CUDA target only: requested_peak_bytes,
 allocated_peak_bytes, reserved_peak_bytes, peak_phase, phases_requested_bytes, before_bytes, extra,
-segment_count, capacity_bytes, out_of_memory)}}}.
+segment_count, capacity_bytes, out_of_memory), host (--offload only: peak_bytes, start_bytes,
+resident_bytes {optimizer_state, parameter, gradient})}}}.
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         "unknown_flop_ops": [{"target": t, "count": n} for t, n in result.flops.unknown_ops],
         **({"device": device_json(result.device)} if result.device is not None else {}),
         **({"per_rank": per_rank_json(result)} if result.sharded is not None else {}),
+        **({"host": {"peak_bytes": result.host.peak_bytes, "start_bytes": result.host.start_bytes,
+                     "resident_bytes": dict(result.host.resident_bytes)}} if result.host is not None else {}),
     }
 
 

@@ -19,7 +19,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     graph = result.graph
     cfg = graph.config
     lines = [
-        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
         f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
         f"parameters: {graph.parameter_count:,}",
         *(f"note: {note}" for note in cfg.notes),
@@ -38,6 +38,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         nbytes = result.at_peak.by_category[cat]
         share = 100.0 * nbytes / result.peak_bytes if result.peak_bytes else 0.0
         lines.append(f"  {cat:<16} {format_bytes(nbytes):>14}  {share:5.1f}%")
+    lines += _host_lines(result)
     lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
     for row in result.at_peak.lines[:top]:
         code = f"  {row.source.code}" if row.source and row.source.code else ""
@@ -77,7 +78,7 @@ def render_policy_table(analysis: Analysis) -> str:
     cfg = analysis.graph.config
     device = all(r.device is not None for r in analysis.policies.values())
     rank = all(r.rank_device is not None for r in analysis.policies.values())
-    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}  seq {cfg.seq}  {cfg.precision}  optimizer "
+    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
              f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"
@@ -150,6 +151,20 @@ def group_layers(layers: tuple[LayerBytes, ...]) -> list[tuple[str, LayerBytes]]
             out.append((rows[i].layer, rows[i]))
         i = j
     return out
+
+
+def _host_lines(result: PolicyAnalysis) -> list[str]:
+    """--offload: what the host holds (not in the device bill above)."""
+    host = result.host
+    if host is None:
+        return []
+    held = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in host.resident_bytes.items() if nbytes)
+    return [f"  in host memory (offloaded, not counted above): {held}; host peak {format_bytes(host.peak_bytes)} "
+            "with the optimizer step's temporaries"]
+
+
+def _micro_batches(cfg) -> str:
+    return f" x {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else ""
 
 
 def _where(source) -> str:
