@@ -7,7 +7,9 @@ Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING wi
 seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` picks it) and
 `style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
 overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
-vocab 256, image 32, patch 8, dropouts 0, ...), also inside nested sub-configs.
+vocab 256, image 32, patch 8, dropouts 0, ...), also inside nested sub-configs; where the real model does not
+run with that config (transformers raises on real tensors: the shrinking broke a constraint between keys),
+gentler shrinks are tried (`SHRINKS`), and the row names the one used.
 
 One row per model: built (the real model builds), traced (the capture rung), peak / phase peaks / saved bytes
 predicted vs measured (tests/truth.py's `measure_step`, AdamW foreach, steady step), seconds. A model is
@@ -65,28 +67,53 @@ TINY_BY_KEY = {key: value for value, keys in TINY for key in keys}
 LAYER_KEYS = TINY[0][1][:8]
 
 
-def tiny_overrides(config: dict) -> dict:
+# key groups a gentler shrink leaves at their defaults: the attention geometry (head sizes, key/value heads,
+# multi-latent attention's split dims), which several architectures constrain together
+HEAD_GEOMETRY = frozenset(("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "v_head_dim", "rotary_dim",
+                           "qk_nope_head_dim", "num_key_value_heads", "num_kv_heads", "multi_query_group_num",
+                           "num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
+                           "decoder_attention_heads"))
+# the shrinks tried in order: the first whose real model runs a forward and backward is used
+MAX_PARAMETERS = 30_000_000           # a real CPU step of a larger shrink is too slow for the sweep
+SHRINKS = ("tiny", "tiny, default heads", "tiny, default heads and per-layer lists", "layers and vocabulary only")
+# what the last shrink still shrinks: depth, vocabulary and expert counts (dropouts are always 0)
+DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", "num_local_experts", "num_experts", "n_routed_experts",
+                                                "moe_num_experts", "num_experts_per_tok", "moe_topk"}
+
+
+def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
     """Generic shrinking of one config dict (and of its nested sub-configs): keys of TINY where present and
     larger, dropouts 0, list-valued per-stage sizes shortened, per-layer lists cut to the new layer count,
-    token ids kept inside the shrunk vocabulary."""
+    token ids kept inside the shrunk vocabulary. The gentler `SHRINKS` keep the attention geometry
+    (HEAD_GEOMETRY), then also the per-layer lists at their defaults, then every width (only depth,
+    vocabulary and expert counts shrink)."""
     out = {}
+    keep = HEAD_GEOMETRY if shrink != "tiny" else frozenset()
+    if shrink == SHRINKS[3]:
+        keep = frozenset(TINY_BY_KEY) - DEPTH_AND_VOCABULARY
     layers_before = next((config[k] for k in LAYER_KEYS if isinstance(config.get(k), int)), None)
     for key, value in config.items():
+        if key in keep:
+            continue
         if isinstance(value, dict) and "model_type" in value:
-            out[key] = {**value, **tiny_overrides(value)}
+            out[key] = {**value, **tiny_overrides(value, shrink)}
         elif key in TINY_BY_KEY and isinstance(value, int) and not isinstance(value, bool) and value > TINY_BY_KEY[key]:
             out[key] = TINY_BY_KEY[key]
         elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate")):
             out[key] = 0.0
-        elif key == "depths" and isinstance(value, list):
+        elif key == "depths" and isinstance(value, list) and shrink != SHRINKS[3]:
             out[key] = [1] * len(value)
-        elif key in ("hidden_sizes", "embed_dims", "embedding_dims") and isinstance(value, list):
-            out[key] = [16 * (i + 1) for i in range(len(value))]
+        elif key in ("hidden_sizes", "embed_dims", "embedding_dims") and isinstance(value, list) \
+                and shrink != SHRINKS[3]:
+            out[key] = [32 * (i + 1) for i in range(len(value))]     # group norms take up to 32 groups
         elif key in ("num_heads", "num_attention_heads") and isinstance(value, list):
             out[key] = [2] * len(value)
         elif (isinstance(value, list) and layers_before and len(value) == layers_before
-              and key not in ("depths", "hidden_sizes")):
+              and key not in ("depths", "hidden_sizes") and shrink != SHRINKS[2]):
             out[key] = value[:2]
+    if shrink == SHRINKS[2]:
+        for key in LAYER_KEYS:
+            out.pop(key, None)             # per-layer lists at their defaults need the default layer count
     vocab = out.get("vocab_size", config.get("vocab_size"))
     if isinstance(vocab, int):
         for key, value in config.items():
@@ -104,18 +131,52 @@ def style_names() -> list[str]:
     return [f"style:{f[:-3]}" for f in sorted(os.listdir(STYLES)) if f.endswith(".py")]
 
 
-def source_for(name: str):
+class DefaultConfigBroken(Exception):
+    """transformers cannot build the architecture from its own default config: not a model the sweep tries."""
+
+
+def source_for(name: str, shrink: str | None = "tiny"):
+    """The model source of `name`, its config shrunk by `shrink` (None: transformers' default config)."""
     if name.startswith("style:"):
         return load_model_source(os.path.join(STYLES, name[6:] + ".py"))
     from transformers import AutoConfig
-    import transformers
     from tracer.models.hf import hf_spec
     spec = hf_spec(name[3:])
-    overrides = tiny_overrides(AutoConfig.for_model(spec.model_type).to_dict())
-    # sdpa where the architecture has it, else eager attention (transformers' own default choice)
-    attn = "sdpa" if getattr(getattr(transformers, spec.model_class), "_supports_sdpa", False) else "eager"
-    return load_model_source(name, hf_config=tuple(f"{k}={json.dumps(v)}" for k, v in overrides.items()),
-                             hf_attn=attn)
+    config = AutoConfig.for_model(spec.model_type).to_dict()
+    overrides = tiny_overrides(config, shrink) if shrink is not None else {}
+    return load_model_source(name, hf_config=tuple(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
+
+
+def runnable_source(name: str):
+    """(source, shrink): the first of SHRINKS whose real model builds and runs one real forward and backward
+    on its example batch. A config the shrinking broke fails in transformers' own code on real tensors too;
+    a config the real model runs is then traced, so a failure to trace is tracer's. Raises the first
+    shrink's error when none runs."""
+    errors = []
+    shrinks = SHRINKS if name.startswith("hf:") else SHRINKS[:1]
+    if name.startswith("hf:"):
+        try:
+            with torch.device("meta"):
+                source_for(name, None).build_model()
+        except Exception as exc:
+            raise DefaultConfigBroken(_one_line(exc)) from exc
+    for shrink in shrinks:
+        try:
+            source = source_for(name, shrink)
+            with torch.device("meta"):
+                parameters = sum(p.numel() for p in source.build_model().parameters())
+            if parameters > MAX_PARAMETERS:
+                raise ValueError(f"the {shrink} config has {parameters:,} parameters (over {MAX_PARAMETERS:,})")
+            torch.manual_seed(0)
+            model = source.build_model()
+            StepModule(model, loss_fn=source.loss_fn, loss_index=source.loss_index)(
+                *source.example_batch(BATCH, SEQ)).backward()
+            return source, shrink
+        except TimeLimit:
+            raise
+        except Exception as exc:           # the sweep tries the next shrink and reports the first one's error
+            errors.append(exc)
+    raise errors[0]
 
 
 class TimeLimit(Exception):
@@ -136,6 +197,7 @@ class Row:
     predicted: dict = dataclasses.field(default_factory=dict)    # peak, forward, backward, optimizer, saved
     measured: dict = dataclasses.field(default_factory=dict)
     seconds: float = 0.0
+    shrink: str = ""                       # the SHRINKS entry the config was built with
 
 
 def _one_line(exc: BaseException) -> str:
@@ -155,7 +217,7 @@ def run_one(name: str, time_limit_s: int) -> Row:
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(time_limit_s)
     try:
-        source = source_for(name)
+        source, row.shrink = runnable_source(name)
         torch.manual_seed(0)
         model = source.build_model()
         routers = [m for m in model.modules() if is_topk_router(m)]
@@ -193,6 +255,8 @@ def run_one(name: str, time_limit_s: int) -> Row:
         if row.status == "off":
             row.reason = ", ".join(f"{k} {row.predicted[k] - row.measured[k]:+,}" for k in ("saved",) + PHASES
                                    if row.predicted[k] != row.measured[k])
+    except DefaultConfigBroken as exc:
+        row.status, row.reason = "skipped (default config)", str(exc)
     except (Exception, TimeLimit) as exc:          # the sweep reports every failure and goes on
         row.status, row.reason = "fail", f"{stage}: {_one_line(exc)}"
     finally:
@@ -212,7 +276,7 @@ def render_row(row: Row) -> str:
         return f"{_kib(p)}/{_kib(m)}" if p is not None or m is not None else "-"
     return (f"{row.name:<34} {'yes' if row.built else 'no':<5} {row.traced or '-':<14} {pair('peak'):>17} "
             f"{pair('forward'):>17} {pair('backward'):>17} {pair('optimizer'):>17} {pair('saved'):>17} "
-            f"{row.seconds:6.1f}  {row.status}")
+            f"{row.seconds:6.1f}  {row.status}{'' if row.shrink in ('', 'tiny') else f' ({row.shrink})'}")
 
 
 HEADER = (f"{'model':<34} {'built':<5} {'traced':<14} {'peak KiB p/m':>17} {'forward':>17} {'backward':>17} "
@@ -220,9 +284,12 @@ HEADER = (f"{'model':<34} {'built':<5} {'traced':<14} {'peak KiB p/m':>17} {'for
 
 
 def summary(rows: list[Row]) -> str:
-    counts = {s: sum(r.status == s for r in rows) for s in ("exact", "off", "fail", "not compared (routing)")}
-    return (f"{len(rows)} models: {counts['exact']} exact, {counts['off']} off, {counts['fail']} fail, "
-            f"{counts['not compared (routing)']} not compared (routing)")
+    statuses = ("exact", "off", "fail", "not compared (routing)", "skipped (default config)")
+    counts = {s: sum(r.status == s for r in rows) for s in statuses}
+    tried = len(rows) - counts["skipped (default config)"]
+    return (f"{tried} models tried: {counts['exact']} exact ({100 * counts['exact'] / max(tried, 1):.0f}%), "
+            f"{counts['off']} off, {counts['fail']} fail, {counts['not compared (routing)']} not compared (routing); "
+            f"{counts['skipped (default config)']} skipped (transformers' default config does not build)")
 
 
 def main(argv=None) -> int:
