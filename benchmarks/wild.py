@@ -99,7 +99,7 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             out[key] = {**value, **tiny_overrides(value, shrink)}
         elif key in TINY_BY_KEY and isinstance(value, int) and not isinstance(value, bool) and value > TINY_BY_KEY[key]:
             out[key] = TINY_BY_KEY[key]
-        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate")):
+        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate", "layerdrop")):
             out[key] = 0.0
         elif key == "depths" and isinstance(value, list) and shrink != SHRINKS[3]:
             out[key] = [1] * len(value)

@@ -1,4 +1,5 @@
-"""Saved-for-backward storages: those live when backward starts and read by some backward op.
+"""Saved-for-backward storages: those live when backward starts and read by some backward op (other than
+one that reads only metadata, `METADATA_READERS`).
 
 Parameters are excluded (they are not activations); user inputs that backward reads (token ids,
 targets) are included in `storage_ids` and reported apart as `input_bytes`, since eager autograd
@@ -10,6 +11,12 @@ import dataclasses
 
 from tracer.passes.liveness import BEFORE_STEP, Liveness
 from tracer.stepgraph import Phase, StepGraph, StorageRole
+
+# ops that read only their input's shape, dtype and device: autograd keeps sizes for them, never the tensor
+# (the `ones_like(loss)` that seeds backward in a step run op by op reads the loss so)
+METADATA_READERS: frozenset[str] = frozenset({
+    "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.new_empty",
+    "aten.new_empty_strided", "aten.new_zeros", "aten.new_ones", "aten.new_full"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +38,8 @@ def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
         first_backward.setdefault(op.micro_batch, op.index)
     saved = set()
     for op in backward:
+        if op.target.rsplit(".", 1)[0] in METADATA_READERS:
+            continue
         for value in op.input_values():
             storage = graph.storage(value.storage_id)
             alloc = liveness.intervals[value.storage_id].alloc_op
