@@ -139,9 +139,12 @@ class RoutingShadows:
             sizes = ", ".join(dict.fromkeys(decided))
             notes.append(f"{op} at {line} has a data-dependent size: taken from the routing assumption "
                          f"({_clip(sizes)})")
-        if self.scalar_reads:
-            notes.append("values read from tensors the routing decides (.item(), `if`, a tensor index) at "
-                         + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
+        if self.scalar_reads and self.routers:
+            notes.append("values read from tensors the routing (or constants) decide (.item(), `if`, a tensor index) "
+                         "at " + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
+        elif self.scalar_reads:            # no router: the tensors follow from constants the step itself made
+            notes.append("values read from tensors made from constants (.item(), `if`, a tensor index) at "
+                         + _clip(", ".join(self.scalar_reads)) + ": computed from those constants, exactly")
         for line, dtype in self.grouped_mm_lines.items():
             notes.append(f"grouped matmul (aten._grouped_mm) at {line} in {dtype}: sized as torch's CPU kernel "
                          "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
