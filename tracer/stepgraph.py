@@ -57,6 +57,7 @@ class Storage:
     held_until_op: int | None = None
     fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
+    frozen: bool = False              # a parameter with requires_grad=False: no gradient, no optimizer state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,7 @@ class StepGraph:
     storages: tuple[Storage, ...]     # indexed by storage_id
     parameter_count: int
     loss_storage_id: int | None = None
+    frozen_parameter_count: int = 0   # of parameter_count, the parameters with requires_grad=False
 
     def storage(self, storage_id: int) -> Storage:
         return self.storages[storage_id]

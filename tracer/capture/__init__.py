@@ -17,7 +17,7 @@ import gc
 import warnings
 
 from tracer.capture.convert import OpDraft, convert_step
-from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
+from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
 from tracer.errors import CaptureError, UsageError
 from tracer.capture.joint import export_joint
@@ -47,6 +47,8 @@ class CaptureOptions:
     capture: str = "auto"            # auto (every graph rung, then dispatch) | export | compile | dispatch
     target: str = "cpu"              # cpu | cuda | cuda:<gpu>: trace for a CUDA run (capture/target.py)
     moe_routing: str = "balanced"    # balanced | worst | a JSON file of per-expert token counts (routing.py)
+    lora_rank: int | None = None     # LoRA adapters of this rank on the built model (lora.py); None: off
+    lora_targets: tuple[str, ...] = ()
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -57,6 +59,9 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
                   on_policy=None) -> dict[str, StepGraph]:
     """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
+    if options.lora_rank is not None:
+        from tracer.capture.lora import lora_source
+        source = lora_source(source, options.lora_rank, options.lora_targets)
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -149,7 +154,7 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
                            f"{reason}", hint="fix what export reports, or ask for --policy eager only")
-    ops, table, n_params, notes = capture_step_dispatch(source, options)
+    ops, table, (n_params, n_frozen), notes = capture_step_dispatch(source, options)
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
@@ -157,7 +162,7 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
                         + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
                             "applied",) if options.target != "cpu" else ()))
     graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
-                      storages=table.freeze(), parameter_count=n_params)
+                      storages=table.freeze(), parameter_count=n_params, frozen_parameter_count=n_frozen)
     return {spec.label: graph for spec in specs}
 
 
@@ -199,9 +204,9 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
                         policy=spec.label, target=options.target, notes=_capture_notes(cap) + schedule.notes)
-    n_params = sum(p.numel() for p in cap.model.parameters())
+    n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
-                     loss_storage_id=part.loss_sid)
+                     loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
 
 
 def _capture_notes(cap) -> tuple[str, ...]:

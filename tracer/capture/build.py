@@ -70,6 +70,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
                 torch.set_default_dtype(torch.bfloat16)
             model = source.build_model()
             args = source.example_batch(batch, seq)
+    except UsageError:
+        raise                      # a tracer option the model cannot take (--lora-targets naming no module)
     except Exception as exc:
         at = where(exc) if where is not None else "model"
         raise ModelRunError(f"{at}: building the model or its example batch raised "

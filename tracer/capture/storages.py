@@ -32,6 +32,7 @@ class _Entry:
     held_until_op: int | None = None
     fused: bool = False
     name: str = ""
+    frozen: bool = False
 
 
 class StorageTable:

@@ -60,6 +60,11 @@ def categorize(graph: StepGraph, liveness: Liveness, saved: SavedTensors) -> tup
     return tuple(out)
 
 
+def frozen_parameter_bytes(graph: StepGraph) -> int:
+    """Bytes of the parameters with requires_grad=False (live for the whole step, so at any peak)."""
+    return sum(s.nbytes for s in graph.storages if s.frozen and not s.fused)
+
+
 def allocating_ops(graph: StepGraph, liveness: Liveness) -> tuple[OpNode | None, ...]:
     return tuple(graph.ops[iv.alloc_op] if iv.alloc_op not in (None, BEFORE_STEP) else None
                  for iv in liveness.intervals)
