@@ -58,6 +58,7 @@ class Storage:
     fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
     frozen: bool = False              # a parameter with requires_grad=False: no gradient, no optimizer state
+    caller_held: bool = False         # held by the training loop (capture/caller_held.py), not by the model
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import warnings
 
+from tracer.capture.caller_held import observe_kept_outputs
 from tracer.capture.convert import OpDraft, convert_step
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
@@ -96,8 +97,9 @@ def _gc_skips_the_heap_so_far():
 
 
 def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
+    kept = observe_kept_outputs(source, options) if source.keep is not None else ()
     if options.capture == "dispatch":
-        return _dispatch_steps(source, options, specs, reason="--capture dispatch")
+        return _dispatch_steps(source, options, specs, reason="--capture dispatch", kept=kept)
     cap, failures = None, []
     for rung in _ladder(options.capture):
         try:
@@ -112,7 +114,7 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     if cap is None:
         if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
             raise next((e for e in failures if not e.direct), failures[0])
-        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
+        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
     try:
@@ -120,7 +122,7 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
         for spec in specs:
             if on_policy is not None:
                 on_policy(spec.label)
-            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings)
+            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings, kept)
         return out
     finally:
         cap.exit_stack.close()
@@ -148,13 +150,14 @@ def _ladder(capture: str) -> list:
     return rungs[capture]
 
 
-def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
+def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
     others = [spec.label for spec in specs if spec.name != "eager"]
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
                            f"{reason}", hint="fix what export reports, or ask for --policy eager only")
     ops, table, (n_params, n_frozen), notes = capture_step_dispatch(source, options)
+    notes += _caller_held(ops, table, source, options, kept)
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
@@ -167,7 +170,7 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
 
 
 def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec,
-                     recordings: list) -> StepGraph:
+                     recordings: list, kept=()) -> StepGraph:
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one."""
     schedule = policy_schedule(cap, spec)
     table = StorageTable()
@@ -198,15 +201,26 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         _eager_checkpoint_semantics(part.ops, table)
     _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
+    held_notes = _caller_held(part.ops + opt_ops, table, source, options, kept)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(part.ops + opt_ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
-                        policy=spec.label, target=options.target, notes=_capture_notes(cap) + schedule.notes)
+                        policy=spec.label, target=options.target,
+                        notes=_capture_notes(cap) + schedule.notes + held_notes)
     n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
+
+
+def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept) -> tuple[str, ...]:
+    """What the model file says its training loop holds, put on the step's storages (caller_held.py)."""
+    from tracer.capture.caller_held import extra_bytes, hold_caller_tensors
+    extra = 0 if source.extra_resident_bytes is None else extra_bytes(source.extra_resident_bytes, source.name,
+                                                                      options.batch, options.seq)
+    return tuple(hold_caller_tensors(ops, table, kept=kept, extra_resident_bytes=extra,
+                                     retain_graph=source.retain_graph))
 
 
 def _capture_notes(cap) -> tuple[str, ...]:

@@ -33,6 +33,7 @@ class _Entry:
     fused: bool = False
     name: str = ""
     frozen: bool = False
+    caller_held: bool = False
 
 
 class StorageTable:
