@@ -80,3 +80,18 @@ def test_targets_that_match_no_module_are_refused_with_the_linears():
     with pytest.raises(UsageError, match="no module of MlpLM is named so.*blocks.0.up"):
         capture_steps(source, CaptureOptions(batch=2, seq=8, lora_rank=4, lora_targets=("q_proj",)),
                       (PolicySpec(name="eager"),))
+
+
+def test_the_report_shows_the_frozen_parameters(tmp_path, capsys):
+    from tracer.cli import main
+    out = tmp_path / "r.json"
+    assert main([os.path.join(FIXTURES, "mlp_lm.py"), "--seq", "8", "--target", "cpu", "--lora", "4",
+                 "--lora-targets", "up,down", "--json", str(out), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "parameters: 26,688 (frozen 25,152, trainable 1,536)" in text
+    assert "(frozen 98.25 KiB)" in text                               # the bill's parameter line
+    import json
+    data = json.loads(out.read_text())
+    assert data["frozen_parameter_count"] == 25_152
+    assert data["policies"]["eager"]["frozen_parameter_bytes"] == 25_152 * 4
+    assert (data["config"]["lora_rank"], data["config"]["lora_targets"]) == (4, ["up", "down"])

@@ -36,7 +36,9 @@ Not modelled: communication buffers (the all-gathered sequence-parallel input of
 linear, all-reduce and reduce-scatter scratch), uneven splits (a split storage whose size does not divide
 is rounded up to whole elements, and the report's note names it), vocab-parallel cross-entropy's own
 buffers, per-rank FLOPs (the FLOP counts stay the whole step's), pipeline parallelism, and modules
-Megatron keeps replicated that are linears here (an MoE router becomes column-parallel).
+Megatron keeps replicated that are linears here (an MoE router becomes column-parallel); LoRA adapters get
+roles by the same rule (lora_A of a column-parallel layer column-parallel, lora_B row-parallel), which
+frameworks shard in different ways.
 """
 from __future__ import annotations
 
