@@ -26,7 +26,8 @@ def test_report_and_json_schema(tmp_path, capsys):
     assert eager["peak_bytes"] == max(p["peak_bytes"] for p in eager["phases"].values())
     assert eager["peak_phase"] in eager["phases"]
     assert set(eager["by_category_at_peak"]) == {"parameter", "gradient", "optimizer_state", "activation",
-                                                 "temporary", "input"}
+                                                 "temporary", "input", "caller_held"}
+    assert data["frozen_parameter_count"] == 0 and eager["frozen_parameter_bytes"] == 0
     assert sum(eager["by_category_at_peak"].values()) == eager["peak_bytes"]
     assert eager["saved_activation_bytes"] > 0
     line = eager["top_lines"][0]

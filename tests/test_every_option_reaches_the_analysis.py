@@ -9,9 +9,11 @@ from tracer.errors import ExitCode, UsageError
 
 FLAGS = ["--batch", "3", "--seq", "40", "--precision", "bf16", "--optimizer", "lion", "--no-foreach", "--accumulate", "4",
          "--step", "first", "--zero-grad", "zeros", "--target", "cuda", "--gpu", "a100", "--capture", "export",
-         "--hf-attn", "eager", "--moe-routing", "worst"]
+         "--hf-attn", "eager", "--moe-routing", "worst", "--lora", "8", "--lora-targets", "wq,wv", "--tp", "4",
+         "--sp"]
 EXPECTED = dict(precision="bf16", optimizer="lion", accumulate=4, foreach=False, step="first", zero_grad_set_to_none=False,
-                target="cuda", gpu="a100", capture="export", hf_attn="eager", moe_routing="worst")
+                target="cuda", gpu="a100", capture="export", hf_attn="eager", moe_routing="worst", lora_rank=8,
+                lora_targets=("wq", "wv"), tp=4, sp=True)
 MAIN_ONLY = ["--policy", "full", "--blocks", "layers.*", "--checkpoint-every", "2", "--save-policy", "matmul",
              "--hf-config", "n_layer=2", "--hf-task", "causal-lm", "--alloc-conf", "expandable_segments:True",
              "--cublas-workspace-config", ":4096:8", "--device-memory", "24GiB"]
@@ -83,3 +85,37 @@ def test_an_unknown_keyword_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown option 'precison'"):
         tracer.analyze("llama-debug", precison="bf16")
     assert main(["llama-debug", "--world-size", "8", "--quiet"]) == ExitCode.USAGE
+
+
+def test_the_levers_reach_the_capture_and_the_analysis(monkeypatch):
+    """--lora reaches the capture's options (the build applies it), --tp/--sp the analysis of the graphs."""
+    import tracer.capture
+    import tracer.passes.analysis
+    seen = {}
+
+    def capture(source, options, specs, on_policy=None):
+        seen["capture"] = options
+        return {}
+
+    def analyze(graphs, device=None, **kwargs):
+        seen["analysis"] = kwargs
+        raise _Reached("recorded")
+
+    monkeypatch.setattr(tracer.capture, "capture_steps", capture)
+    monkeypatch.setattr(tracer.passes.analysis, "analyze_graphs", analyze)
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", lora_rank=4, lora_targets="wq, wv", tp=2, sp=True)
+    assert (seen["capture"].lora_rank, seen["capture"].lora_targets) == (4, ("wq", "wv"))
+    setup = seen["analysis"]["tensor_parallel"]
+    assert (setup.tp, setup.sp) == (2, True)
+    recorded = seen["analysis"]["settings"]                  # the JSON report's config
+    assert {k: recorded[k] for k in ("lora_rank", "lora_targets", "tp", "sp")} == {
+        "lora_rank": 4, "lora_targets": ["wq", "wv"], "tp": 2, "sp": True}
+
+
+@pytest.mark.parametrize("keywords, match", [
+    (dict(sp=True), "--sp needs --tp"), (dict(lora_targets=("wq",)), "--lora-targets needs --lora"),
+    (dict(tp=0), "tp=0 is not valid"), (dict(lora_rank=0), "lora_rank=0 is not valid")])
+def test_lever_settings_are_checked_before_any_capture(keywords, match):
+    with pytest.raises(UsageError, match=match):
+        tracer.analyze("llama-debug", **keywords)

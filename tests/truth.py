@@ -129,8 +129,11 @@ class Checkpointed(torch.nn.Module):
 
 
 def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: str = "fp32",
-                 steady: bool = True, set_to_none: bool = True) -> Measurement:
-    """Runs (steady: one warm-up step, then) one tracked step: forward+loss, backward, step, zero_grad."""
+                 steady: bool = True, set_to_none: bool = True, retain_graph: bool = False,
+                 resident: tuple = ()) -> Measurement:
+    """Runs (steady: one warm-up step, then) one tracked step: forward+loss, backward, step, zero_grad.
+    `retain_graph`: the loop calls loss.backward(retain_graph=True) and drops the loss after the step;
+    `resident`: tensors the loop holds on the device for the whole step besides the model."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
     # fp16: torch.amp.GradScaler as a training loop uses it (scale(loss).backward(), step, update)
@@ -139,7 +142,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     if steady:
         with autocast():
             loss = model(*batch)
-        _backward(loss, scaler)
+        _backward(loss, scaler, retain_graph)
         if optimizer is not None:
             _optimizer_step(optimizer, scaler)
             optimizer.zero_grad(set_to_none=set_to_none)
@@ -165,6 +168,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     tracker.track_existing(kept, "module attribute")      # tensors a previous step left on module attributes
     del kept                                               # (holding them here would keep them alive)
     tracker.track_existing(_batch_tensors(batch), "input")
+    tracker.track_existing(list(resident), "caller-held")
     tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
     if optimizer is not None:
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -184,7 +188,8 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     torch.get_rng_state = tracked_get_rng_state
     try:
         with _checkpoint_holds_counted(saved, param_keys):
-            forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler)
+            forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler,
+                                            retain_graph)
     finally:
         torch.get_rng_state = real_get_rng_state
     if scaler is not None and steady:          # the step was taken: no gradient overflowed, the scale held
@@ -262,8 +267,8 @@ def _batch_tensors(batch: tuple) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-def _backward(loss, scaler) -> None:
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+def _backward(loss, scaler, retain_graph: bool = False) -> None:
+    (scaler.scale(loss) if scaler is not None else loss).backward(retain_graph=retain_graph)
 
 
 def _optimizer_step(optimizer, scaler) -> None:
@@ -274,15 +279,17 @@ def _optimizer_step(optimizer, scaler) -> None:
         scaler.update()
 
 
-def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler=None) -> int:
-    """forward+loss, backward, step, zero_grad under the tracker; returns live bytes right after forward."""
+def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler=None,
+                      retain_graph=False) -> int:
+    """forward+loss, backward, step, zero_grad under the tracker; returns live bytes right after forward.
+    `loss` (and with retain_graph the graph it holds) lives until the step has ended."""
     with tracker:
         tracker.phase = "forward"
         with _LineStamper(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
             loss = model(*batch)
         forward_end = tracker.current
         tracker.phase = "backward"
-        _backward(loss, scaler)
+        _backward(loss, scaler, retain_graph)
         tracker.phase = "optimizer"
         if optimizer is not None:
             _optimizer_step(optimizer, scaler)

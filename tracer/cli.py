@@ -254,7 +254,8 @@ def analysis_options(args):
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
-        accumulate=args.accumulate, offload=args.offload)
+        accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+        tp=args.tp, sp=args.sp)
     return options                          # AnalysisOptions validates every field when made: before any capture
 
 

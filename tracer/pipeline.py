@@ -17,7 +17,7 @@ from typing import Callable
 from tracer.capture.target import DEFAULT_TARGET
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
-                   "moe_routing", "accumulate", "offload")
+                   "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +54,10 @@ class AnalysisOptions:
     world_size: int | None = None
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
     fsdp_mixed_precision: bool = False     # fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    lora_rank: int | None = None           # LoRA adapters of this rank on the model (capture/lora.py); None: off
+    lora_targets: tuple[str, ...] = ()     # modules to adapt; (): capture/lora.py's default targets
+    tp: int = 1                            # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
+    sp: bool = False                       # with tp: Megatron sequence parallelism
 
     def __post_init__(self):
         self.validate()
@@ -71,7 +75,7 @@ class AnalysisOptions:
             if option.name == "target":
                 continue                   # "cuda:<gpu>" is valid too: target_label() checks it below
             check_option_value(option, getattr(self, option.name))
-        for name in ("zero_grad_set_to_none", "reshard_after_forward", "fsdp_mixed_precision"):
+        for name in ("zero_grad_set_to_none", "reshard_after_forward", "fsdp_mixed_precision", "sp"):
             if not isinstance(getattr(self, name), bool):
                 raise UsageError(f"{name}={getattr(self, name)!r} is not valid", hint=f"{name} must be True or False")
         if not isinstance(self.policies, tuple) or not self.policies:
@@ -92,6 +96,9 @@ class AnalysisOptions:
         from tracer.capture.offload import check_offload
         check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
                       shard=self.shard)
+        self.tensor_parallel_setup()
+        if self.lora_targets and self.lora_rank is None:
+            raise UsageError("--lora-targets needs --lora RANK", hint="e.g. --lora 8 --lora-targets q_proj,v_proj")
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
@@ -150,6 +157,18 @@ class AnalysisOptions:
         return ShardingSetup(self.shard, self.world_size, self.reshard_after_forward,
                              fp32_master=self.fsdp_mixed_precision)
 
+    def tensor_parallel_setup(self):
+        """The per-rank tensor-parallel view's setup, or None (tp=1). Raises UsageError for --sp without --tp."""
+        from tracer.errors import UsageError
+        from tracer.passes.tensor_parallel import TensorParallelSetup
+
+        if self.tp == 1:
+            if self.sp:
+                raise UsageError("--sp needs --tp N with N > 1", hint="sequence parallelism splits what tensor "
+                                 "parallelism replicates: e.g. --tp 4 --sp")
+            return None
+        return TensorParallelSetup(tp=self.tp, sp=self.sp)
+
     def settings(self) -> dict:
         """The settings that change the answer, for the JSON report's config (plain values)."""
         return {"target": self.target_label(), "foreach": self.foreach, "capture": self.capture,
@@ -161,7 +180,8 @@ class AnalysisOptions:
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
-                "offload": self.offload}
+                "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
+                "tp": self.tp, "sp": self.sp}
 
     def capture_options(self):
         """FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
@@ -209,7 +229,8 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
         graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
     say("analysing ...")
-    return analyze_graphs(graphs, device=device, sharding=sharding, settings=options.settings())
+    return analyze_graphs(graphs, device=device, sharding=sharding, settings=options.settings(),
+                          tensor_parallel=options.tensor_parallel_setup())
 
 
 def _positive_int(value) -> bool:
@@ -245,9 +266,12 @@ def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> 
     unknown = sorted(set(keywords) - names)
     if unknown:
         raise UsageError(f"unknown option {unknown[0]!r}", hint=f"valid: memory_budget, {', '.join(sorted(names))}")
-    for name in ("policies", "save_ops", "hf_config"):
+    for name in ("policies", "save_ops", "hf_config", "lora_targets"):
         if name in keywords and not isinstance(keywords[name], str):
             keywords[name] = tuple(keywords[name])
+    if isinstance(keywords.get("lora_targets"), str):
+        from tracer.checks.options import comma_names
+        keywords["lora_targets"] = comma_names(keywords["lora_targets"])
     if isinstance(keywords.get("policies"), str):
         keywords["policies"] = (keywords["policies"],)
     return AnalysisOptions(memory_budgets=(memory_budget,), **keywords)

@@ -58,6 +58,8 @@ class Storage:
     fused: bool = False               # computed inside its consumers' kernels (compiled): never allocated  # a Python reference (a local in forward) holds it at least this long
     name: str = ""                    # parameter FQN, input index, optimizer state key, ...
     host: bool = False                # held in host memory (--offload): not on the device
+    frozen: bool = False              # a parameter with requires_grad=False: no gradient, no optimizer state
+    caller_held: bool = False         # held by the training loop (capture/caller_held.py), not by the model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,7 @@ class StepGraph:
     storages: tuple[Storage, ...]     # indexed by storage_id
     parameter_count: int
     loss_storage_id: int | None = None
+    frozen_parameter_count: int = 0   # of parameter_count, the parameters with requires_grad=False
 
     def storage(self, storage_id: int) -> Storage:
         return self.storages[storage_id]

@@ -17,8 +17,9 @@ import gc
 import warnings
 
 from tracer.capture.accumulation import KeptPairs, MicroBatch, chain_micro_batches
+from tracer.capture.caller_held import observe_kept_outputs
 from tracer.capture.convert import OpDraft, convert_step
-from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch
+from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
 from tracer.errors import CaptureError, UsageError
 from tracer.capture.joint import export_joint
@@ -51,6 +52,8 @@ class CaptureOptions:
     moe_routing: str = "balanced"    # balanced | worst | a JSON file of per-expert token counts (routing.py)
     accumulate: int = 1              # micro-batches of forward + backward per optimizer step (accumulation.py)
     offload: str | None = None       # None | optimizer | optimizer+params: held in host memory (offload.py)
+    lora_rank: int | None = None     # LoRA adapters of this rank on the built model (lora.py); None: off
+    lora_targets: tuple[str, ...] = ()
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -61,6 +64,9 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
                   on_policy=None) -> dict[str, StepGraph]:
     """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
+    if options.lora_rank is not None:
+        from tracer.capture.lora import lora_source
+        source = lora_source(source, options.lora_rank, options.lora_targets)
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -95,8 +101,9 @@ def _gc_skips_the_heap_so_far():
 
 
 def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
+    kept = observe_kept_outputs(source, options) if source.keep is not None else ()
     if options.capture == "dispatch":
-        return _dispatch_steps(source, options, specs, reason="--capture dispatch")
+        return _dispatch_steps(source, options, specs, reason="--capture dispatch", kept=kept)
     cap, failures = None, []
     for rung in _ladder(options.capture):
         try:
@@ -111,7 +118,7 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     if cap is None:
         if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
             raise next((e for e in failures if not e.direct), failures[0])
-        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures))
+        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
     try:
@@ -119,7 +126,7 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
         for spec in specs:
             if on_policy is not None:
                 on_policy(spec.label)
-            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings)
+            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings, kept)
         return out
     finally:
         cap.exit_stack.close()
@@ -147,7 +154,7 @@ def _ladder(capture: str) -> list:
     return rungs[capture]
 
 
-def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGraph]:
+def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
     if options.offload is not None:
         raise CaptureError(f"--offload rewrites a captured graph's optimizer step, and none could be captured: "
@@ -159,7 +166,8 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
                            f"{reason}", hint="fix what export reports, or ask for --policy eager only")
-    ops, table, n_params, notes = capture_step_dispatch(source, options)
+    ops, table, (n_params, n_frozen), notes = capture_step_dispatch(source, options)
+    notes += _caller_held(ops, table, source, options, kept)
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
@@ -167,12 +175,12 @@ def _dispatch_steps(source, options, specs, *, reason: str) -> dict[str, StepGra
                         + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
                             "applied",) if options.target != "cpu" else ()))
     graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
-                      storages=table.freeze(), parameter_count=n_params)
+                      storages=table.freeze(), parameter_count=n_params, frozen_parameter_count=n_frozen)
     return {spec.label: graph for spec in specs}
 
 
 def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec,
-                     recordings: list) -> StepGraph:
+                     recordings: list, kept=()) -> StepGraph:
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one."""
     schedule = policy_schedule(cap, spec)
     steady = options.step == "steady"
@@ -197,6 +205,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
         ops, offload_notes = offload_step(ops, table, mode=options.offload, compiled=schedule.compiled,
                                           param_sids=tuple(dict.fromkeys(table.lookup(p) for p in trainable)),
                                           grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param.values())))
+    held_notes = _caller_held(ops, table, source, options, kept)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
@@ -204,10 +213,10 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         capture_path=cap.path,
                         policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
                         notes=_capture_notes(cap) + schedule.notes + recordings[0].notes + accumulation_notes
-                        + offload_notes)
-    n_params = sum(p.numel() for p in cap.model.parameters())
+                        + offload_notes + held_notes)
+    n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
-                     loss_storage_id=part.loss_sid)
+                     loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
 
 
 def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool) -> MicroBatch:
@@ -243,6 +252,15 @@ def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int
     for param_id, sid in later.part.grad_sid_by_param.items():
         shared[sid] = first.part.grad_sid_by_param[param_id]
     return shared
+
+
+def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept) -> tuple[str, ...]:
+    """What the model file says its training loop holds, put on the step's storages (caller_held.py)."""
+    from tracer.capture.caller_held import extra_bytes, hold_caller_tensors
+    extra = 0 if source.extra_resident_bytes is None else extra_bytes(source.extra_resident_bytes, source.name,
+                                                                      options.batch, options.seq)
+    return tuple(hold_caller_tensors(ops, table, kept=kept, extra_resident_bytes=extra,
+                                     retain_graph=source.retain_graph))
 
 
 def _capture_notes(cap) -> tuple[str, ...]:

@@ -70,6 +70,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
                 torch.set_default_dtype(torch.bfloat16)
             model = source.build_model()
             args = source.example_batch(batch, seq)
+    except UsageError:
+        raise                      # a tracer option the model cannot take (--lora-targets naming no module)
     except Exception as exc:
         at = where(exc) if where is not None else "model"
         raise ModelRunError(f"{at}: building the model or its example batch raised "
@@ -289,10 +291,12 @@ class StepModule(nn.Module):
     `logits, loss = model(X, Y)`) holds them longer than predicted, and the report says so."""
 
     def __init__(self, model: nn.Module, *, batch_keys: tuple[str, ...] | None = None, loss_fn=None,
-                 loss_index: int | None = None, precision: str | None = None):
+                 loss_index: int | None = None, precision: str | None = None, keep=None):
         super().__init__()
         setattr(self, WRAPPED_ATTR, model)
         self._batch_keys, self._loss_fn, self._loss_index = batch_keys, loss_fn, loss_index
+        self._keep = keep                        # outputs -> ((label, tensor), ...) the loop keeps (caller_held.py)
+        self.kept: list = []                     # what `keep` picked in the last forward
         self._precision = precision              # set: the loss is scaled as GradScaler scales it (fp16)
         self.handed_over: str | None = None        # how the last forward handed the loss over, when not bare
 
@@ -303,10 +307,17 @@ class StepModule(nn.Module):
     def _loss(self, *batch):
         model = getattr(self, WRAPPED_ATTR)
         if self._loss_fn is not None:
-            return self._loss_fn(model(*batch[:-1]), batch[-1])
+            out = model(*batch[:-1])
+            self._keep_outputs(out)
+            return self._loss_fn(out, batch[-1])
         with _transformers_masks_as_in_eager():
             out = model(**dict(zip(self._batch_keys, batch))) if self._batch_keys is not None else model(*batch)
+        self._keep_outputs(out)
         return self._loss_of(out)
+
+    def _keep_outputs(self, out) -> None:
+        if self._keep is not None:
+            self.kept = list(self._keep(out))
 
     def _loss_of(self, out):
         if isinstance(out, torch.Tensor):

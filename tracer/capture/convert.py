@@ -249,7 +249,8 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
             sid = sid_by_param_id.get(id(owner))
             if sid is None:
                 role = StorageRole.PARAMETER if kind == "ParamAOTInput" else StorageRole.BUFFER
-                sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(desc.target))
+                sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(desc.target),
+                                frozen=role is StorageRole.PARAMETER and not owner.requires_grad)
                 sid_by_param_id[id(owner)] = sid
                 table.alias(owner, sid)
             values[node] = table.value(val, sid)

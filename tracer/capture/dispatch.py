@@ -79,7 +79,7 @@ class _NodeStamper(TorchFunctionMode):
 
 
 def capture_step_dispatch(source: ModelSource, options) -> tuple:
-    """Returns (ops, StorageTable, parameter count, notes)."""
+    """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
@@ -175,13 +175,19 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
-    return recorder.ops, table, sum(p.numel() for p in model.parameters()), tuple(notes)
+    return recorder.ops, table, parameter_counts(model), tuple(notes)
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(parameters, of which frozen: requires_grad=False)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if not p.requires_grad)
 
 
 def _register_preexisting(table: StorageTable, recorder: StepRecorder, model, batch, opt) -> None:
     """What lives before the step; persistent unless the recorder sees it released during the step."""
     for fqn, p in model.named_parameters():
-        table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
+        table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn, frozen=not p.requires_grad)
         if p.grad is not None:
             sid = table.add(p.grad, StorageRole.GRADIENT, preexisting=True, persistent=True, name=f"{fqn}.grad")
             recorder.track_release(p.grad, sid)

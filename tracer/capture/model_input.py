@@ -13,6 +13,9 @@ A model file defines:
   make_optimizer(params) -> Optimizer optional; otherwise --optimizer picks one
   save_policy(ctx, op, *args, **kwargs) optional; --policy selective's policy (torch's selective-checkpointing
       -> CheckpointPolicy | bool      signature), unless --save-policy or --save-ops is given
+  extra_resident_bytes, keep_outputs, optional; what the training loop holds besides the model: resident
+  keep_alive(outputs), retain_graph   bytes, forward outputs it keeps, backward(retain_graph=True)
+                                      (tracer/capture/caller_held.py)
 Outputs besides the loss are taken as dropped when the loss is taken (`loss = model(**batch).loss`).
 The file is imported as a fresh module (its top level runs) with `sys.argv` set to just its path, so a
 file that parses the command line at import sees no tracer flags; nothing else is executed here.
@@ -56,6 +59,9 @@ class ModelSource:
     loss_index: int | None = None               # position of the loss in a tuple the forward returns
     save_policy: Callable | None = None         # torch's selective-checkpointing policy_fn, for --policy selective
     notes: tuple[str, ...] = ()                 # assumptions the example batch makes that the model does not state
+    keep: Callable | None = None                # outputs -> ((label, tensor), ...) the loop keeps (caller_held.py)
+    extra_resident_bytes: int | Callable | None = None   # bytes the loop holds besides the model (or f(batch, seq))
+    retain_graph: bool = False                  # the loop calls loss.backward(retain_graph=True)
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
@@ -109,7 +115,23 @@ def _load_file(path: str) -> ModelSource:
                               hint="define example_batch(batch, seq) returning the tuple of forward's arguments")
     return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
                        loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None),
-                       loss_index=getattr(module, "loss_index", None), save_policy=_save_policy(module, path))
+                       loss_index=getattr(module, "loss_index", None), save_policy=_save_policy(module, path),
+                       **_caller_held(module, path))
+
+
+def _caller_held(module, path: str) -> dict:
+    """What the model file declares its training loop holds (tracer/capture/caller_held.py)."""
+    from tracer.capture.caller_held import keep_function
+    extra = getattr(module, "extra_resident_bytes", None)
+    if extra is not None and not callable(extra) and (not isinstance(extra, int) or isinstance(extra, bool)
+                                                      or extra < 0):
+        raise ModelInputError(f"{path}: extra_resident_bytes is {extra!r}",
+                              hint="a number of bytes (int >= 0), or a function (batch, seq) -> int")
+    retain = getattr(module, "retain_graph", False)
+    if not isinstance(retain, bool):
+        raise ModelInputError(f"{path}: retain_graph is {retain!r}", hint="retain_graph = True or False")
+    return {"keep": keep_function(getattr(module, "keep_outputs", None), getattr(module, "keep_alive", None), path),
+            "extra_resident_bytes": extra, "retain_graph": retain}
 
 
 def _save_policy(module, path: str):

@@ -33,6 +33,8 @@ class _Entry:
     fused: bool = False
     name: str = ""
     host: bool = False
+    frozen: bool = False
+    caller_held: bool = False
 
 
 class StorageTable:

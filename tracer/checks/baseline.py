@@ -378,7 +378,7 @@ def options_from_baseline(baseline: dict, given: dict):
     config = baseline.get("config", {})
     fields = {f.name for f in dataclasses.fields(AnalysisOptions)}
     recorded = {key: value for key, value in config.items() if key in fields and value is not None}
-    for key in ("policies", "memory_budgets", "save_ops", "hf_config"):
+    for key in ("policies", "memory_budgets", "save_ops", "hf_config", "lora_targets"):
         if isinstance(recorded.get(key), list):
             recorded[key] = tuple(recorded[key])
     if "policies" not in recorded:                       # a baseline from before settings were recorded

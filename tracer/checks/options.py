@@ -1,5 +1,5 @@
 """The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad, target, gpu,
-capture, hf_attn, moe_routing), defined once.
+capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp), defined once.
 
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
@@ -24,10 +24,12 @@ class ModelOption:
     default: int | bool | str | None      # None: optional, no value means the documented default
     choices: tuple[str, ...] | None
     help: str
+    cli: str | None = None               # the flag's name when it differs from `name` (--lora for lora_rank)
+    kind: str | None = None              # "count": None or a positive int; "names": a tuple of names (a,b on the CLI)
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + (self.cli or self.name).replace("_", "-")
 
 
 MODEL_OPTIONS: tuple[ModelOption, ...] = (
@@ -73,6 +75,18 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "mixture of experts: how routers spread tokens, which sizes the data-dependent ops (nonzero, "
                 "torch.where(mask), .item()): balanced (tokens x top_k / experts each), worst (every token picks "
                 "the same top_k experts) or a JSON file of per-expert token counts (default balanced)"),
+    ModelOption("lora_rank", None, None,
+                "LoRA adapters of this rank (peft LoraConfig(r=RANK, lora_dropout=0)) on the model: base weights "
+                "frozen (no gradient, no optimizer state), adapters trained (default: off)", cli="lora", kind="count"),
+    ModelOption("lora_targets", (), None,
+                "--lora: comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's targets for "
+                "known transformers architectures, else every nn.Linear except the output head)", kind="names"),
+    ModelOption("tp", 1, None,
+                "Megatron tensor parallelism: the memory of one of N tensor-parallel ranks (column/row-parallel "
+                "linears and vocab-parallel embeddings found from the captured graph) (default 1: off)"),
+    ModelOption("sp", False, None,
+                "--tp: Megatron sequence parallelism: the activations outside the tensor-parallel regions "
+                "(layer norms, dropouts, residuals) are split along the sequence too (default off)"),
 )
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
 
@@ -84,7 +98,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
     baseline's setting)."""
     for option in MODEL_OPTIONS:
         default = argparse.SUPPRESS if only_given else option.default
-        if isinstance(option.default, bool):
+        if option.kind is not None:
+            parser.add_argument(option.flag, dest=option.name, default=default, help=option.help,
+                                type=int if option.kind == "count" else comma_names,
+                                metavar="RANK" if option.kind == "count" else "NAMES")
+        elif isinstance(option.default, bool):
             parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
                                 default=default, help=option.help)
         elif isinstance(option.default, int):
@@ -99,7 +117,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
 def check_option_value(option: ModelOption, value) -> None:
     """Raises UsageError naming `option` and its valid values when `value` is not one of them (free-text
     options parse themselves: moe_routing)."""
-    if isinstance(option.default, bool):
+    if option.kind == "count":
+        ok, wanted = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1), \
+            "None or a positive integer"
+    elif option.kind == "names":
+        ok, wanted = isinstance(value, tuple) and all(isinstance(v, str) and v for v in value), \
+            "a tuple of names, e.g. ('q_proj', 'v_proj')"
+    elif isinstance(option.default, bool):
         ok, wanted = isinstance(value, bool), "True or False"
     elif isinstance(option.default, int):
         ok, wanted = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "a positive integer"
@@ -115,12 +139,19 @@ def check_option_value(option: ModelOption, value) -> None:
         raise UsageError(f"{option.name}={value!r} is not valid", hint=f"{option.name} must be {wanted}")
 
 
+def comma_names(text: str) -> tuple[str, ...]:
+    """"q_proj, v_proj" -> ("q_proj", "v_proj")."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
 def analyze_kwargs(values: Mapping[str, object]) -> dict:
     """Option name -> value (other keys are ignored; missing names take the default) -> the keyword
     arguments of `tracer.analyze`. Raises UsageError naming the option on a bad value."""
     out: dict[str, object] = {}
     for option in MODEL_OPTIONS:
         value = values.get(option.name, option.default)
+        if option.kind == "names":
+            value = comma_names(value) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
         check_option_value(option, value)
         out[option.name] = value
     zero_grad = out.pop("zero_grad")

@@ -14,7 +14,7 @@ from tracer.passes.liveness import BEFORE_STEP, Liveness
 from tracer.passes.saved import SavedTensors
 from tracer.stepgraph import OpNode, Phase, SourceLoc, StepGraph, StorageRole
 
-CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input")
+CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "caller_held")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,9 @@ def categorize(graph: StepGraph, liveness: Liveness, saved: SavedTensors) -> tup
     out = []
     for storage in graph.storages:
         role = storage.role
-        if role in (StorageRole.PARAMETER, StorageRole.BUFFER):
+        if storage.caller_held:                 # the training loop's (capture/caller_held.py), saved or not
+            out.append("caller_held")
+        elif role in (StorageRole.PARAMETER, StorageRole.BUFFER):
             out.append("parameter")
         elif role is StorageRole.GRADIENT:
             out.append("gradient")
@@ -58,6 +60,11 @@ def categorize(graph: StepGraph, liveness: Liveness, saved: SavedTensors) -> tup
         else:
             out.append("temporary")
     return tuple(out)
+
+
+def frozen_parameter_bytes(graph: StepGraph) -> int:
+    """Bytes of the parameters with requires_grad=False (live for the whole step, so at any peak)."""
+    return sum(s.nbytes for s in graph.storages if s.frozen and not s.fused)
 
 
 def allocating_ops(graph: StepGraph, liveness: Liveness) -> tuple[OpNode | None, ...]:
@@ -106,7 +113,8 @@ def _line_label(producer: OpNode | None, category: str) -> tuple[str, SourceLoc 
         return f"{producer.source.file}:{producer.source.line}", producer.source
     if producer is None:
         return {"parameter": "(parameters)", "gradient": "(gradients from the previous step)",
-                "optimizer_state": "(optimizer state)", "input": "(inputs)"}.get(category, "(before the step)"), None
+                "optimizer_state": "(optimizer state)", "input": "(inputs)",
+                "caller_held": "(held by the training loop)"}.get(category, "(before the step)"), None
     if producer.phase is Phase.BACKWARD:
         return "(autograd engine)", None
     return f"({producer.target})", None

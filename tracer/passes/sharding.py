@@ -71,7 +71,7 @@ STRATEGIES: dict[str, ShardingRule] = {
 }
 BACKENDS = ("nccl", "gloo")
 SHARDED_CATEGORIES = ("parameter", "unsharded_parameter", "gradient", "optimizer_state", "activation",
-                      "temporary", "input", "communication")
+                      "temporary", "input", "caller_held", "communication")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The versioned JSON report (schema documented in README.md, "JSON schema").
 
 Version 1: {schema_version, tracer_version, torch_version, config, capture_notes, parameter_count,
-policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}}, start_bytes,
-end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, top_lines, layers, recompute_flops,
+frozen_parameter_count, policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}},
+start_bytes, end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, frozen_parameter_bytes, top_lines, layers, recompute_flops,
 step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops, device (CUDA target only: requested_peak_bytes,
 allocated_peak_bytes, reserved_peak_bytes, peak_phase, phases_requested_bytes, before_bytes, extra,
 segment_count, capacity_bytes, out_of_memory), host (--offload only: peak_bytes, start_bytes,
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
+from tracer.passes.attribution import frozen_parameter_bytes
 
 SCHEMA_VERSION = 1
 
@@ -26,6 +27,7 @@ def report_json(analysis: Analysis, *, top: int = 10, versions: dict[str, str] |
                    **analysis.settings},
         "capture_notes": list(graph.config.notes),
         "parameter_count": graph.parameter_count,
+        "frozen_parameter_count": graph.frozen_parameter_count,
         "policies": {name: policy_json(p, top=top) for name, p in analysis.policies.items()},
     }
 
@@ -42,6 +44,7 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         "saved_bytes": result.saved.total_bytes,
         "saved_activation_bytes": result.saved.activation_bytes,
         "by_category_at_peak": dict(result.at_peak.by_category),
+        "frozen_parameter_bytes": frozen_parameter_bytes(result.graph),
         "top_lines": [{**_source(row.source), "label": row.label, "bytes_at_peak": row.bytes_at_peak,
                        "saved_bytes": row.saved_bytes} for row in result.at_peak.lines[:top]],
         "layers": [{"layer": row.layer, "bytes_at_peak": row.bytes_at_peak, "saved_bytes": row.saved_bytes}

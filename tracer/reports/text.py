@@ -5,7 +5,7 @@ import os
 import re
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
-from tracer.passes.attribution import CATEGORIES, LayerBytes
+from tracer.passes.attribution import CATEGORIES, LayerBytes, frozen_parameter_bytes
 from tracer.reports.units import format_bytes, format_flops
 
 
@@ -21,7 +21,9 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     lines = [
         f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
         f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
-        f"parameters: {graph.parameter_count:,}",
+        f"parameters: {graph.parameter_count:,}" + (f" (frozen {graph.frozen_parameter_count:,}, trainable "
+                                                     f"{graph.parameter_count - graph.frozen_parameter_count:,})"
+                                                     if graph.frozen_parameter_count else ""),
         *(f"note: {note}" for note in cfg.notes),
         "",
         f"peak: {format_bytes(result.peak_bytes)} ({result.peak_bytes:,} B) in {result.peak_phase}, "
@@ -37,7 +39,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     for cat in CATEGORIES:
         nbytes = result.at_peak.by_category[cat]
         share = 100.0 * nbytes / result.peak_bytes if result.peak_bytes else 0.0
-        lines.append(f"  {cat:<16} {format_bytes(nbytes):>14}  {share:5.1f}%")
+        lines.append(f"  {cat:<16} {format_bytes(nbytes):>14}  {share:5.1f}%" + _bill_detail(result, cat))
     lines += _host_lines(result)
     lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
     for row in result.at_peak.lines[:top]:
@@ -51,6 +53,14 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
               + _unknown_note(result)]
     lines += ["", "not modelled: " + NOT_MODELLED[policy.split("@")[0]]]
     return "\n".join(lines) + "\n"
+
+
+def _bill_detail(result: PolicyAnalysis, category: str) -> str:
+    """What a bill line holds that the reader must know: the frozen part of the parameters."""
+    if category == "parameter":
+        frozen = frozen_parameter_bytes(result.graph)
+        return f"  (frozen {format_bytes(frozen)})" if frozen else ""
+    return ""
 
 
 NOT_MODELLED = {

@@ -39,7 +39,7 @@ from tracer.reports.units import format_bytes
 
 GIB = 2**30
 CATEGORY_COLORS = {"parameter": "#4c72b0", "gradient": "#dd8452", "optimizer_state": "#8172b3",
-                   "activation": "#c44e52", "temporary": "#ccb974", "input": "#64b5cd"}
+                   "activation": "#c44e52", "temporary": "#ccb974", "input": "#64b5cd", "caller_held": "#8c8c8c"}
 PHASE_COLORS = {"forward": "#e3ecf9", "backward": "#fbe9dc", "optimizer": "#ececec", "recompute": "#e2f4e4"}
 FORMATS = ("png", "svg")
 
