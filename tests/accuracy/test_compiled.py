@@ -21,7 +21,7 @@ MLP_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny
 
 
 @pytest.fixture(scope="module")
-def benchmark():
+def compiled_vs_profiler():
     spec = importlib.util.spec_from_file_location("compiled_vs_profiler", BENCHMARK)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -63,6 +63,7 @@ def _real_compiled_saved_bytes(model, batch, monkeypatch) -> int:
     return sum(saved.values())
 
 
+@pytest.mark.slow
 def test_compiled_saved_bytes_equal_what_inductor_saves(monkeypatch, no_compile_caches):
     source = load_model_source("llama-debug")
     torch.manual_seed(0)
@@ -75,12 +76,12 @@ def test_compiled_saved_bytes_equal_what_inductor_saves(monkeypatch, no_compile_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama-debug", MLP_FILE])
-def test_compiled_phase_peaks_equal_a_real_compiled_step(model, benchmark, no_compile_caches):
+def test_compiled_phase_peaks_equal_a_real_compiled_step(model, compiled_vs_profiler, no_compile_caches):
     """Forward and backward exactly; the optimizer (eager code in both) up to the profiler's 0-dim scalar
     tensors that foreach ops wrap Python scalars in (4-8 B each, GROUND_TRUTH.md 2.1), which the prediction
     does not model."""
-    predicted = benchmark.predicted_compiled_peaks(model, 2, 128, "whole")
-    measured = benchmark.measured_compiled_peaks(model, 2, 128, "whole")
+    predicted = compiled_vs_profiler.predicted_compiled_peaks(model, 2, 128, "whole")
+    measured = compiled_vs_profiler.measured_compiled_peaks(model, 2, 128, "whole")
     assert predicted["forward"] == measured["forward"]
     assert predicted["backward"] == measured["backward"]
     assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64

@@ -126,7 +126,10 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
     inputs = [p.meta.get("val") for p in gm.graph.find_nodes(op="placeholder")]
     context = TracingContext(fake_mode)
     context.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated))   # what get_donated_idxs reads
-    with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), config.patch(fx_graph_cache=False):
+    # scalar C++ kernels only (simdlen 1): vectorising changes a kernel's code, not which buffers the wrapper
+    # allocates, and halves the code generation time (same plans on every model of the benchmark)
+    with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), \
+            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = _StepRecordingLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env,
                                        graph_id=int(is_backward), is_inference=False, is_backward=is_backward)
