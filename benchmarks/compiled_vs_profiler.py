@@ -1,49 +1,89 @@
 """Compiled step: the tracer's `compiled` prediction vs torch.profiler's measurement of a real
-torch.compile (Inductor) training step on CPU, in the same run.
+torch.compile (Inductor) training step on CPU, per model and compile style, in one run.
 
-    python benchmarks/compiled_vs_profiler.py [--model llama-debug] [--batch 2] [--seq 256]
+    python benchmarks/compiled_vs_profiler.py [--models llama-debug,gpt2-debug,...] [--batch 2] [--seq 256]
+                                              [--styles whole,blocks]
+
+Models: the zoo's llama-debug and gpt2-debug, small transformers Llama and BERT configs (`hf:llama`,
+`hf:bert`, see HF_CONFIGS) and the hand-written MLP of examples/tiny_mlp_lm.py. Compile styles: `whole`
+is `torch.compile(model)`; `blocks` is `block.compile()` on every repeated block (`layers.0`, `h.1`, ...),
+the rest of the model eager (models without repeated blocks are skipped).
 
 The real step: forward+loss, backward, foreach AdamW step, zero_grad, after two warm-up steps (compiled
 code and optimizer state exist). The profiler's allocator events give bytes allocated since profiling
 started; adding the bytes live before the step (parameters, optimizer state, inputs) gives the absolute
-bytes, and record_function ranges split them into the three phases. Inductor fuses pointwise ops, which the prediction does not model, so the prediction is expected
-to be an upper bound; the script prints the error.
+bytes, and record_function ranges split them into the three phases. Inductor's caches are off, so every
+run compiles (the measured memory does not depend on them).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import time
 
 import torch
 
-
 PHASES = ("forward", "backward", "optimizer")
+HF_CONFIGS = {
+    "hf:bert": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
+    "hf:llama": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                 "num_key_value_heads=2", "vocab_size=512"),
+}
+MLP_FILE = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp_lm.py")
+DEFAULT_MODELS = ("llama-debug", "gpt2-debug", "hf:llama", "hf:bert", MLP_FILE)
+STYLES = ("whole", "blocks")
 
 
-def measured_compiled_peaks(model_name: str, batch: int, seq: int) -> dict[str, int]:
-    """Peak bytes per phase of the real compiled step (record_function ranges name the phases)."""
+def model_source(name: str):
+    from tracer.capture import load_model_source
+    return load_model_source(name, hf_config=HF_CONFIGS.get(name, ()))
+
+
+def block_paths(model) -> list[str]:
+    """The repeated blocks (`layers.0`, `layers.1`, ...): module paths `prefix.N` under the most frequent prefix."""
+    from tracer.capture.policies import block_of
+    blocks = [name for name, _ in model.named_modules() if name and block_of(name) == name]
+    prefixes = collections.Counter(b.rsplit(".", 1)[0] for b in blocks)
+    if not prefixes or prefixes.most_common(1)[0][1] < 2:
+        return []
+    top = prefixes.most_common(1)[0][0]
+    return [b for b in blocks if b.rsplit(".", 1)[0] == top]
+
+
+def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict[str, int] | None:
+    """Peak bytes per phase of the real compiled step (record_function ranges name the phases); None when
+    the style does not apply (no repeated blocks)."""
     from torch.profiler import record_function
 
-    from tracer.capture import load_model_source
-
-    source = load_model_source(model_name)
+    source = model_source(name)
     torch.manual_seed(0)
     model = source.build_model()
     tokens = source.example_batch(batch, seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    compiled = torch.compile(model, dynamic=False)
+    torch._dynamo.reset()
+    if style == "whole":
+        run = torch.compile(model, dynamic=False)
+    else:
+        blocks = block_paths(model)
+        if not blocks:
+            return None
+        for path in blocks:
+            model.get_submodule(path).compile(dynamic=False)
+        run = model
     for _ in range(2):
-        loss = compiled(*tokens)
+        loss = run(*tokens)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         del loss
     before = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-              for t in [*model.parameters(), *tokens,
+              for t in [*model.parameters(), *model.buffers(), *tokens,
                         *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         with record_function("phase:forward"):
-            loss = compiled(*tokens)
+            loss = run(*tokens)
         with record_function("phase:backward"):
             loss.backward()
         with record_function("phase:optimizer"):
@@ -58,37 +98,68 @@ def measured_compiled_peaks(model_name: str, batch: int, seq: int) -> dict[str, 
         phase = next((name for name, (a, b) in ranges.items() if a <= start <= b), None)
         if phase is not None:
             peaks[phase] = max(peaks[phase], live)
+    torch._dynamo.reset()
     return peaks
 
 
-def predicted_compiled_peaks(model_name: str, batch: int, seq: int) -> dict[str, int]:
-    from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict[str, int] | None:
+    """The `compiled` policy's peak per phase; None for a compile style the tracer does not predict."""
+    from tracer.capture import CaptureOptions, PolicySpec, capture_steps
     from tracer.passes.analysis import analyze_graphs
 
-    graphs = capture_steps(load_model_source(model_name), CaptureOptions(batch=batch, seq=seq),
+    if style != "whole":
+        return None
+    graphs = capture_steps(model_source(name), CaptureOptions(batch=batch, seq=seq, target="cpu"),
                            (PolicySpec(name="compiled"),))
     phases = analyze_graphs(graphs).policies["compiled"].phases
-    return {name: phases[name].peak_bytes for name in PHASES}
+    return {phase: phases[phase].peak_bytes for phase in PHASES}
+
+
+def print_comparison(name: str, style: str, predicted, measured, seconds: tuple[float, float]) -> float | None:
+    """Prints one table; returns the worst |error| in percent over the phases and the step (None: no prediction)."""
+    label = os.path.basename(name) if name.endswith(".py") else name
+    print(f"{label}, {style} compile (predicted in {seconds[0]:.1f} s, measured in {seconds[1]:.1f} s incl. compile)")
+    print(f"  {'phase':<10} {'predicted B':>15} {'profiler B':>15} {'error':>8}")
+    worst = None
+    for phase in (*PHASES, "step"):
+        m = max(measured.values()) if phase == "step" else measured[phase]
+        if predicted is None:
+            print(f"  {phase:<10} {'not predicted':>15} {m:>15,}")
+            continue
+        p = max(predicted.values()) if phase == "step" else predicted[phase]
+        error = 100.0 * (p - m) / m
+        worst = max(worst or 0.0, abs(error))
+        print(f"  {phase:<10} {p:>15,} {m:>15,} {error:+7.2f}%")
+    return worst
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-debug")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    p.add_argument("--styles", default=",".join(STYLES))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     args = p.parse_args()
-    t0 = time.perf_counter()
-    predicted = predicted_compiled_peaks(args.model, args.batch, args.seq)
-    t1 = time.perf_counter()
-    measured = measured_compiled_peaks(args.model, args.batch, args.seq)
-    t2 = time.perf_counter()
-    print(f"{args.model} batch {args.batch} seq {args.seq}, compiled step (Inductor, CPU), foreach AdamW "
-          f"(predicted in {t1 - t0:.1f} s, measured in {t2 - t1:.1f} s incl. compile)")
-    print(f"  {'phase':<10} {'predicted B':>15} {'profiler B':>15} {'error':>8}")
-    for name in (*PHASES, "step"):
-        p = max(predicted.values()) if name == "step" else predicted[name]
-        m = max(measured.values()) if name == "step" else measured[name]
-        print(f"  {name:<10} {p:>15,} {m:>15,} {100.0 * (p - m) / m:+7.2f}%")
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    worst: list[tuple[float, str]] = []
+    for name in args.models.split(","):
+        for style in args.styles.split(","):
+            t0 = time.perf_counter()
+            predicted = predicted_compiled_peaks(name, args.batch, args.seq, style)
+            t1 = time.perf_counter()
+            measured = measured_compiled_peaks(name, args.batch, args.seq, style)
+            t2 = time.perf_counter()
+            if measured is None:
+                print(f"{name}, {style} compile: no repeated blocks, skipped")
+                continue
+            error = print_comparison(name, style, predicted, measured, (t1 - t0, t2 - t1))
+            if error is not None:
+                worst.append((error, f"{name} {style}"))
+    if worst:
+        error, where = max(worst)
+        print(f"worst |error| over predicted phases: {error:.2f}% ({where})")
+
 
 if __name__ == "__main__":
     main()

@@ -150,14 +150,13 @@ def test_world_size_needs_a_shard_and_a_shard_needs_a_world_size():
 def test_compiled_fsdp_gathers_one_block_at_a_time():
     """The compiled forward ends with detaches of saved activations attributed to the blocks that made
     them; they do not keep every block gathered until the end of forward."""
-    analysis = tracer.analyze("llama-debug", batch=2, seq=64, policies=("eager", "compiled"), shard="fsdp",
+    analysis = tracer.analyze("llama-debug", batch=2, seq=64, policies=("compiled",), shard="fsdp",
                               world_size=4, target="cpu")
-    eager, compiled = (analysis.policies[p].sharded for p in ("eager", "compiled"))
+    compiled = analysis.policies["compiled"].sharded
     blocks = [u for u in compiled.units if u.name]
     assert all(a.forward_ops[1] < b.forward_ops[0] for a, b in zip(blocks, blocks[1:]))
     root = compiled.units[0].padded_bytes
     assert compiled.by_category_at_peak["unsharded_parameter"] <= root + max(u.padded_bytes for u in blocks)
-    assert compiled.by_category_at_peak["unsharded_parameter"] == eager.by_category_at_peak["unsharded_parameter"]
 
 
 def test_fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_compute():

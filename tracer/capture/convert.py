@@ -50,6 +50,8 @@ class Schedule:
     num_forward_outputs: int = 1
     compiled: bool = False            # one compiled autograd node: grads ready when the backward returns
     notes: tuple[str, ...] = ()       # how the policy was applied, for the report
+    forward_plan: Any = None          # inductor_plan.GraphPlan of `forward` (compiled): order and storages
+    backward_plan: Any = None
 
 
 @dataclasses.dataclass
@@ -95,8 +97,11 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         _write_into_buffers(out, out_descs, table, values)
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
-        _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True, phase=Phase.FORWARD,
-                       fake_mode=cap.fake_mode, fuse=schedule.compiled)
+        if schedule.forward_plan is not None:
+            _convert_planned(schedule.forward_plan, table, values, node_pos, ops, None, phase=Phase.FORWARD)
+        else:
+            _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True,
+                           phase=Phase.FORWARD, fake_mode=cap.fake_mode)
         fw_out = _output_args(schedule.forward)
         out_descs = _output_node(schedule.joint).meta.get("desc") or []   # the forward's outputs come first
         loss_node = fw_out[loss_output_index(out_descs)]
@@ -114,8 +119,11 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
                                f"returns {len(saved_outputs)}")
         for placeholder, produced in zip(saved_inputs, saved_outputs):   # same order (saved_values)
             values[placeholder] = values[produced]
-        _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
-                       phase=Phase.BACKWARD, fake_mode=cap.fake_mode, fuse=schedule.compiled)
+        if schedule.backward_plan is not None:
+            _convert_planned(schedule.backward_plan, table, values, node_pos, ops, tangent, phase=Phase.BACKWARD)
+        else:
+            _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
+                           phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
         primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
                         if type(d).__name__ == "ParamAOTInput" and out is not None]
@@ -175,44 +183,8 @@ def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     node.meta["wrapped_target"] = op
 
 
-# Ops Inductor decomposes into pointwise and reduction kernels, so they fuse like pointwise ops.
-_FUSIBLE_EXTRA = {"aten._to_copy.default", "aten.clone.default", "aten.nll_loss_backward.default",
-                  "aten._log_softmax_backward_data.default", "aten._softmax_backward_data.default",
-                  "aten._log_softmax.default", "aten._softmax.default", "aten.nll_loss_forward.default"}
-
-
-def _is_pointwise(node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.pointwise in target.tags or target_name(target) in _FUSIBLE_EXTRA)
-
-
-def _is_view_op(node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
-
-
-def _fused_into_consumers(node: fx.Node) -> bool:
-    """Inductor-style vertical fusion: a pointwise op whose every consumer is a pointwise op or a reduction
-    (directly or through views) in the same graph is computed inside its consumers' kernels and never
-    materialised. Graph outputs (saved activations, gradients, the loss) are always materialised."""
-    if not _is_pointwise(node) or not node.users:
-        return False
-
-    def fusible_user(user: fx.Node, depth: int = 0) -> bool:
-        if user.op != "call_function":
-            return False
-        if _is_view_op(user):
-            return depth < 2 and bool(user.users) and all(fusible_user(u, depth + 1) for u in user.users)
-        target = user.target
-        return isinstance(target, torch._ops.OpOverload) and (
-            _is_pointwise(user) or torch.Tag.reduction in target.tags)
-
-    return all(fusible_user(user) for user in node.users)
-
-
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
-                   fake_mode=None, fuse: bool = False):
+                   fake_mode=None):
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -229,9 +201,74 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
             _fill_rng_wrapper_meta(node, fake_mode)
         ops.append(_convert_node(node, node_phase, recomputed, table, values))
         node_pos[node] = len(ops) - 1
-        if fuse and not ops[-1].is_view and _fused_into_consumers(node):
-            for value in ops[-1].outputs:
-                table.update(value.storage_id, fused=True)
+
+
+def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase) -> None:
+    """A compiled graph as Inductor runs it (`inductor_plan.GraphPlan`): its fx nodes in kernel order, each
+    output in the storage Inductor keeps it in (several values share one when the wrapper reuses a freed
+    buffer or updates in place) or in a 0-byte fused storage when it lives only inside a kernel. Every
+    storage is allocated at the first op of the kernel step that allocates it (an `inductor_allocates`
+    keyword, which the formulas ignore) and released after the last op of the step where the wrapper drops
+    its last name; a saved activation the backward's wrapper deletes is released there too."""
+    shapes = _planned_storage_layouts(plan)
+    sids = [table.add(None, StorageRole.INTERMEDIATE, nbytes=s.nbytes, dtype=shapes.get(i, ("uint8",))[0],
+                      shape=shapes.get(i, (None, (s.nbytes,)))[1], name=f"inductor {s.name}")
+            for i, s in enumerate(plan.storages)]
+    first_op, last_op = {}, {}
+    for node in plan.order:
+        step = plan.step_of[node]
+        if phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
+            ops.append(_tangent_op(tangent, table, values))
+        recomputed = phase is Phase.BACKWARD and node.meta.get("partitioner_tag") != "is_backward"
+        outputs = [sids[e] if isinstance(e, int) else (values[e].storage_id if isinstance(e, fx.Node) else None)
+                   for e in plan.storage_of[node]]
+        ops.append(_convert_node(node, phase, recomputed, table, values, output_sids=outputs))
+        node_pos[node] = len(ops) - 1
+        _bind_items(node, values, node_pos)
+        first_op.setdefault(step, len(ops) - 1)
+        last_op[step] = len(ops) - 1
+    for i, storage in enumerate(plan.storages):
+        at = _op_at_or_after(first_op, storage.alloc_step)
+        if at is None:
+            raise CaptureError(f"Inductor allocates {storage.name} in a kernel after the graph's last op")
+        ops[at].kwargs = tuple(ops[at].kwargs) + (("inductor_allocates", TensorValue(sids[i], (storage.nbytes,), "uint8")),)
+        if storage.release_step is not None:
+            table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))
+    for placeholder, step in plan.input_release_step.items():
+        value = values.get(placeholder)
+        if isinstance(value, TensorValue):
+            entry = table.get(value.storage_id)
+            if entry.role is StorageRole.INTERMEDIATE and not entry.persistent and not entry.preexisting:
+                table.update(value.storage_id, released_after_op=_op_at_or_before(last_op, step, 0))
+
+
+def _bind_items(node: fx.Node, values, node_pos) -> None:
+    """getitem nodes name elements of their parent's output tuple."""
+    for user in node.users:
+        if user.target is _GETITEM:
+            values[user] = values[node][user.args[1]]
+            node_pos[user] = node_pos[node]
+            _bind_items(user, values, node_pos)
+
+
+def _planned_storage_layouts(plan) -> dict[int, tuple[str, tuple[int, ...]]]:
+    """storage index -> (dtype, shape) of the first fx value kept in it, for the report."""
+    out: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for node in plan.order:
+        for entry, t in zip(plan.storage_of[node], _tensors(node.meta.get("val"))):
+            if isinstance(entry, int) and entry not in out:
+                out[entry] = (dtype_name(t.dtype), tuple(int(d) for d in t.shape))
+    return out
+
+
+def _op_at_or_after(first_op: dict[int, int], step: int) -> int | None:
+    later = [s for s in first_op if s >= step]
+    return first_op[min(later)] if later else None
+
+
+def _op_at_or_before(last_op: dict[int, int], step: int, floor: int) -> int:
+    earlier = [s for s in last_op if s <= step]
+    return max(last_op[max(earlier)], floor) if earlier else floor
 
 
 def _add_placeholders(cap, gm, descs, table, values) -> tuple:
@@ -276,7 +313,12 @@ def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:
                    kwargs=(), outputs=(tv,), source=None, module="", is_view=False)
 
 
-def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageTable, values) -> OpDraft:
+def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageTable, values,
+                  output_sids: list | None = None) -> OpDraft:
+    """`output_sids`: the storage of each tensor output, decided by a compiled graph's plan (None: a value that
+    lives only inside a kernel, a 0-byte fused storage); without it, storages follow the fake values."""
+    if output_sids is not None:
+        return _planned_node(node, phase, recomputed, table, values, output_sids)
     inputs = {}
     for arg in _input_nodes(node):
         val, tv = arg.meta.get("val"), values.get(arg)
@@ -292,6 +334,32 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
             fresh = True
         new_values[id(t)] = TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
     values[node] = _structure(node.meta.get("val"), new_values)
+    return _draft(node, phase, recomputed, values, tuple(new_values.values()), is_view=bool(new_values) and not fresh)
+
+
+def _planned_node(node, phase, recomputed, table, values, output_sids: list) -> OpDraft:
+    inputs = {v.storage_id for v in _iter_tensor_values(_plain(_unwrapped_args(node), values))}
+    new_values = {}
+    for t, sid in zip(_tensors(node.meta.get("val")), output_sids):
+        if sid is None:
+            sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=t.untyped_storage().nbytes(), dtype=dtype_name(t.dtype),
+                            shape=tuple(int(d) for d in t.shape), fused=True)
+        new_values[id(t)] = TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+    values[node] = _structure(node.meta.get("val"), new_values)
+    outputs = tuple(new_values.values())
+    return _draft(node, phase, recomputed, values, outputs,
+                  is_view=bool(outputs) and all(v.storage_id in inputs for v in outputs))
+
+
+def _iter_tensor_values(obj):
+    if isinstance(obj, TensorValue):
+        yield obj
+    elif isinstance(obj, tuple):
+        for item in obj:
+            yield from _iter_tensor_values(item)
+
+
+def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraft:
     backward_meta = node.meta.get("partitioner_tag") == "is_backward"
     stack = node.meta.get("fwd_nn_module_stack") if backward_meta else node.meta.get("nn_module_stack")
     return OpDraft(
@@ -300,10 +368,10 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         phase=phase,
         args=_plain(_unwrapped_args(node), values),
         kwargs=tuple((k, _plain(v, values)) for k, v in _unwrapped_kwargs(node).items()),
-        outputs=tuple(new_values.values()),
+        outputs=outputs,
         source=loc_from_stack_trace(node.meta.get("stack_trace")),
         module=module_from_stack(stack),
-        is_view=bool(new_values) and not fresh,
+        is_view=is_view,
         seq_nr=node.meta.get("seq_nr"),
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),

@@ -6,8 +6,10 @@
     the call passes one), reentrant ones rewritten so the region reruns whole inside backward
     (`_rerun_reentrant_regions`). A region's output op stays untagged; the region's own backward reads
     a recomputed twin of it.
-  * compiled: `min_cut_rematerialization_partition` with parameters and buffers as static inputs (what
-    torch.compile's partitioner saves), optionally under `activation_memory_budget`.
+  * compiled: what torch.compile with Inductor does (tracer.capture.inductor_plan): Inductor's decompositions,
+    joint-graph passes and min-cut partition (parameters and buffers static), optionally under
+    `activation_memory_budget`, then each graph's kernels and buffers as Inductor lowers, fuses, orders and
+    plans them.
   * full / selective: forward nodes inside checkpointed blocks get `meta["recompute"]` (PREFER_RECOMPUTE,
     or MUST_SAVE for ops the save predicate names) and `meta["ac_graph_id"]` = block index, as
     torch.utils.checkpoint's selective contexts would tag them (a block's outputs stay untagged: eager
@@ -16,7 +18,7 @@
 Blocks are module paths `prefix.N` repeated in forward (the most frequent prefix with >= 2 indices), or
 those matching `--blocks` (a glob such as `layers.*`); a model with no repeated blocks is checkpointed
 as one region (the whole forward), and the report says so.
-Inductor's fusion is modelled in tracer.capture.convert; CUDA-graph pools are not.
+CUDA-graph pools are not modelled.
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
-    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+    from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
@@ -89,7 +91,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         if spec.name == "eager" and all(c.reentrant for c in user_calls):
             return Schedule(joint=joint, notes=notes)     # nothing left for a partitioner to decide
     if spec.name == "compiled":
-        partition, budget = min_cut_rematerialization_partition, spec.memory_budget
+        partition, budget = None, spec.memory_budget
     elif spec.name in ("full", "selective"):
         blocks = find_blocks(joint, spec.blocks)
         if not blocks and spec.blocks is not None:
@@ -110,12 +112,28 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     else:
         raise UsageError(f"unknown policy {spec.name!r}", hint="valid: eager, compiled, selective, full")
     config = {} if budget is None else {"activation_memory_budget": budget}
+    if spec.name == "compiled":
+        return _inductor_schedule(cap, joint, num_fwd, static, config, notes)
     # lazy graph modules: the partitions are read, never run, so their Python code is never generated
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
+    return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
+
+
+def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,
+                       notes: tuple[str, ...]) -> Schedule:
+    """torch.compile's step: Inductor's decompositions and partition, then each graph's kernels and buffer
+    plan as Inductor lowers, fuses, orders and plans it (tracer.capture.inductor_plan)."""
+    from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_graph
+
+    with torch._functorch.config.patch(**config):
+        forward, backward = inductor_partition(joint, cap.fake_mode, num_fwd_outputs=num_fwd, static_inputs=static)
+    donated = donated_inputs(forward, backward, num_fwd)
+    forward_plan = plan_graph(forward, cap.fake_mode, is_backward=False)
+    backward_plan = plan_graph(backward, cap.fake_mode, is_backward=True, donated=donated)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
-                    compiled=spec.name == "compiled", notes=notes)
+                    compiled=True, notes=notes, forward_plan=forward_plan, backward_plan=backward_plan)
 
 
 def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -65,9 +65,8 @@ def _bill_detail(result: PolicyAnalysis, category: str) -> str:
 
 NOT_MODELLED = {
     "eager": "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward.",
-    "compiled": "Inductor is modelled by vertical fusion of pointwise chains only (no horizontal fusion, buffer "
-                "reuse or reordering): the compiled peak is an upper bound (+11% vs a real compiled CPU step on "
-                "llama-debug); kernel scratch.",
+    "compiled": "kernel scratch of extern kernels (SDPA, oneDNN); Inductor's plan is its CPU backend's (on a CUDA "
+                "target Triton's fusion differs); whole-model torch.compile only (not block.compile()); CUDA graphs.",
     "selective": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint "
                  "(under torch.compile the region would be partitioned differently).",
     "full": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint.",

@@ -1,0 +1,337 @@
+"""The compiled policy from Inductor's own decisions: decomposition, partition, lowering, fusion, scheduling
+order and buffer planning, run on the captured joint under fake tensors, without compiling any kernel.
+
+  * `inductor_partition(joint, ...)`: the joint re-traced with Inductor's decomposition table (as
+    torch.compile's AOT trace applies it), then `torch._inductor.compile_fx.partition_fn`: Inductor's
+    joint-graph passes and `min_cut_rematerialization_partition(compiler="inductor")`.
+  * `plan_graph(gm, fake_mode)`: one partitioned graph through Inductor's post-grad passes, `GraphLowering`,
+    the `Scheduler` (vertical and horizontal fusion, `reorder_for_peak_memory`) and the wrapper's code
+    generation, whose memory planning (allocation, in-place reuse, reuse of freed buffers, frees) is read
+    from the wrapper's planned lines. The wrapper's Python source is generated but never loaded, so no
+    C++ (or Triton) kernel is compiled. Returns a `GraphPlan`: the graph's fx nodes in the order of the
+    kernels that compute them, and one `PlannedStorage` per allocation with the kernel step that allocates
+    it and the step after which the wrapper drops its last reference.
+
+The scheduler is Inductor's CPU (C++) backend for every target: a CUDA run fuses with Triton's rules, keeps
+no kernel-local buffers of the C++ backend's outer-loop fusion, and may pick Triton templates under
+max-autotune; those differences are not modelled (the report says so for a CUDA target).
+Not modelled either: kernel-internal scratch of extern kernels (SDPA, oneDNN), outputs of a multi-output
+fallback kernel that the wrapper never names (freed with the tuple right after the call), CUDA graphs, and
+`config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py): every phase peak
+equals a real compiled CPU step on five models except gpt2-debug's forward, 8 B low.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx as fx
+
+# meta of the joint's nodes that the re-trace does not carry over by itself
+_KEPT_META = ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace", "partitioner_tag", "custom",
+              "recompute", "ac_graph_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStorage:
+    nbytes: int
+    alloc_step: int                  # the kernel step whose buffer allocation (or extern call) makes it
+    release_step: int | None         # the wrapper drops its last name after this step; None: a graph output
+    name: str                        # Inductor's buffer name (the first of a reuse chain)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    gm: fx.GraphModule                                 # the graph Inductor lowered (after post-grad passes)
+    order: tuple[fx.Node, ...]                         # call_function nodes (no getitems), in kernel order
+    step_of: dict                                      # fx node -> kernel step
+    storages: tuple[PlannedStorage, ...]
+    storage_of: dict                                   # fx node -> per tensor output: storage index, placeholder, None
+    input_release_step: dict                           # placeholder node -> step after which the graph frees it
+    steps: int
+
+
+def inductor_partition(joint: fx.GraphModule, fake_mode, *, num_fwd_outputs: int, static_inputs: list[int]):
+    """(forward, backward) as torch.compile with Inductor partitions the joint."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.virtualized import V
+
+    decomposed = _decompose(joint, fake_mode)
+    args = [p.meta.get("val") for p in decomposed.graph.find_nodes(op="placeholder")]
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), V.set_fake_mode(fake_mode):
+        return partition_fn(decomposed, args, num_fwd_outputs=num_fwd_outputs,
+                            static_lifetime_input_indices=static_inputs)
+
+
+def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
+    """The joint with Inductor's decompositions applied, as AOT autograd traces it for Inductor; placeholders
+    keep their names and descriptors (the partitioner reads `primals`/`tangents` from the names), nodes keep
+    the meta of the joint node they come from."""
+    import torch.fx.traceback as fx_traceback
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    args = [p.meta.get("val") for p in placeholders]
+    with fake_mode, fx_traceback.preserve_node_meta():
+        gm = make_fx(fx.Interpreter(joint).run, decomposition_table=select_decomp_table())(*args)
+    for old, new in zip(placeholders, gm.graph.find_nodes(op="placeholder")):
+        new.target = old.target
+        new._rename(old.name)
+        new.meta["desc"] = old.meta.get("desc")
+    by_name = {node.name: node for node in joint.graph.nodes}
+    for node in gm.graph.nodes:
+        origin = next((by_name.get(src.name) for src in reversed(node.meta.get("from_node") or [])
+                       if src.name in by_name), None)
+        if origin is None:
+            continue
+        for key in _KEPT_META:
+            if key in origin.meta:
+                node.meta[key] = origin.meta[key]
+            else:
+                node.meta.pop(key, None)
+    old_output = next(iter(joint.graph.find_nodes(op="output")))
+    next(iter(gm.graph.find_nodes(op="output"))).meta["desc"] = old_output.meta.get("desc")
+    gm.recompile()
+    return gm
+
+
+def donated_inputs(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
+    """The backward's inputs AOT autograd donates to it (saved activations no one else holds: the backward
+    may reuse their buffers in place), as `collect_bw_donated_buffer_idxs` finds them (static shapes: no
+    saved symints)."""
+    from torch._functorch._aot_autograd.graph_compile import collect_fw_donated_buffer_idxs
+
+    def vals(nodes):
+        return [getattr(n, "meta", {}).get("val") for n in nodes]
+
+    if not torch._functorch.config.donated_buffer:
+        return []
+    fw_outs = vals(next(iter(forward.graph.find_nodes(op="output"))).args[0])
+    bw_outs = vals(next(iter(backward.graph.find_nodes(op="output"))).args[0])
+    return collect_fw_donated_buffer_idxs(vals(forward.graph.find_nodes(op="placeholder")), fw_outs[:num_fwd_outputs],
+                                          bw_outs, fw_outs[num_fwd_outputs:])
+
+
+def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: list[int] = ()) -> GraphPlan:
+    """Inductor's plan for one partitioned graph (edited in place by the post-grad passes); `donated`: the
+    indices of the backward's inputs AOT autograd donates (`donated_inputs`)."""
+    import types
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.virtualized import V
+
+    inputs = [p.meta.get("val") for p in gm.graph.find_nodes(op="placeholder")]
+    context = TracingContext(fake_mode)
+    context.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated))   # what get_donated_idxs reads
+    # scalar C++ kernels only (simdlen 1): vectorising changes a kernel's code, not which buffers the wrapper
+    # allocates, and halves the code generation time (same plans on every model of the benchmark)
+    with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), \
+            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
+        _recursive_post_grad_passes(gm, is_inference=False)
+        graph = _StepRecordingLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env,
+                                       graph_id=int(is_backward), is_inference=False, is_backward=is_backward)
+        with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]), V.set_debug_handler(DebugContext()):
+            graph.run(*inputs)
+            graph.codegen()
+            return _read_plan(gm, graph)
+
+
+class _StepRecordingLowering:
+    """GraphLowering whose wrapper records, for every line it writes, the scheduler node being generated
+    (the kernel step); built lazily so torch._inductor is imported only when the compiled policy runs."""
+
+    def __new__(cls, *args, **kwargs):
+        from torch._inductor.graph import GraphLowering
+
+        class Lowering(GraphLowering):
+            def run_node(self, n):
+                # the interpreter drops env entries after their last use: keep every node's IR value
+                result = super().run_node(n)
+                self.lowered_values[n] = result
+                return result
+
+            def init_wrapper_code(self, *a, **kw):
+                super().init_wrapper_code(*a, **kw)
+                self.line_steps = {}
+                wrapper, write = self.wrapper_code, self.wrapper_code.writeline
+                position: dict = {}
+
+                def writeline(line):
+                    node = self.scheduler.current_node if getattr(self, "scheduler", None) else None
+                    if node is not None:
+                        if not position:
+                            position.update({id(n): i for i, n in enumerate(self.scheduler.nodes)})
+                        self.line_steps[id(line)] = position.get(id(node))
+                    write(line)
+
+                wrapper.writeline = writeline
+
+        lowering = Lowering(*args, **kwargs)
+        lowering.lowered_values = {}
+        return lowering
+
+
+def _nbytes(graph, buffer) -> int:
+    size = graph.sizevars.optimization_hint(graph.get_allocation_storage_size(buffer), fallback=0)
+    return int(size) * buffer.get_dtype().itemsize
+
+
+class _Names:
+    """Python names of the wrapper's `call` function, each bound to a storage: the index of one this graph
+    allocates, or the placeholder node of a graph input. A storage is released when its last name is
+    deleted."""
+
+    def __init__(self, placeholders: dict):
+        self.storages: list[dict] = []
+        self.bound: dict = dict(placeholders)
+        self.storage_of_name: dict = dict(placeholders)     # every name ever bound (for the fx mapping)
+
+    def allocate(self, name: str, nbytes: int, step: int) -> None:
+        self.storages.append({"nbytes": nbytes, "alloc_step": step, "release_step": None, "name": name})
+        self.bind(name, len(self.storages) - 1)
+
+    def bind(self, name: str, key) -> None:
+        self.storage_of_name.setdefault(name, key)
+        self.bound[name] = key
+
+    def delete(self, name: str):
+        """Unbinds `name`; returns its storage when that was the storage's last name."""
+        key = self.bound.pop(name, None)
+        if key is None or key in self.bound.values():
+            return None
+        return key
+
+
+def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
+    from torch._inductor import ir
+    from torch._inductor.codegen import wrapper as w
+
+    scheduler = graph.scheduler
+    placeholder_names = {p.name: p for p in gm.graph.find_nodes(op="placeholder")}
+    names = _Names(placeholder_names)
+    input_release: dict = {}
+    pending_tuples: dict[str, int] = {}                # multi-output extern call -> its step
+    step = 0
+    for line in graph.wrapper_code.lines:
+        for candidate in (getattr(line, "scheduler_node_index", None), graph.line_steps.get(id(line))):
+            if candidate is not None:
+                step = candidate
+                break
+        if isinstance(line, w.AllocateLine):
+            names.allocate(line.node.get_name(), _nbytes(graph, line.node), step)
+        elif isinstance(line, w.ReuseLine):
+            index = names.bound.get(line.node.get_name())
+            if index is not None:
+                if line.delete_old:
+                    names.bound.pop(line.node.get_name(), None)
+                names.bind(line.reused_as.get_name(), index)
+        elif isinstance(line, w.ReinterpretLine):
+            index = names.bound.get(line.node.get_name())
+            if index is not None:
+                names.bind(line.reused_as.get_name(), index)
+        elif isinstance(line, (w.FreeIfNotReusedLine, w.FreeLine)):
+            if isinstance(line, w.FreeIfNotReusedLine) and line.is_reused:
+                continue
+            name = line.node.get_name()
+            released = names.delete(name)
+            if isinstance(released, int):
+                names.storages[released]["release_step"] = step
+            elif released is not None:
+                input_release[released] = step
+            pending_tuples.pop(name, None)
+        elif isinstance(line, w.ExternKernelAllocLine):
+            node = line.node
+            if isinstance(node.layout, ir.MultiOutputLayout):
+                pending_tuples[node.get_name()] = step
+            elif node.get_inputs_that_alias_output():
+                base = names.bound.get(node.inputs[0].get_name()) if node.inputs else None
+                if base is not None:
+                    names.bind(node.get_name(), base)
+            else:
+                names.allocate(node.get_name(), _nbytes(graph, node), step)
+        elif isinstance(line, w.MultiOutputLine):
+            if line.arg_name in pending_tuples and line.result_name not in names.bound:
+                buffer = scheduler.name_to_buf[line.result_name].node
+                names.allocate(line.result_name, _nbytes(graph, buffer), pending_tuples[line.arg_name])
+    steps = len(scheduler.nodes)
+    step_of = _kernel_steps(gm, scheduler)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    order = tuple(sorted(step_of, key=lambda n: (step_of[n], position[n])))
+    storage_of = {node: _output_storages(node, graph, names) for node in order}
+    storages = tuple(PlannedStorage(**s) for s in names.storages)
+    return GraphPlan(gm=gm, order=order, step_of=step_of, storages=storages, storage_of=storage_of,
+                     input_release_step=input_release, steps=steps)
+
+
+def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
+    """fx node -> the first scheduler node (kernel step) whose IR comes from it; a node no kernel names
+    (a view, a node Inductor folded away) runs at the step of its latest input."""
+    first: dict = {}
+    for i, snode in enumerate(scheduler.nodes):
+        for sub in snode.get_nodes():
+            for origin in getattr(sub.node, "origins", ()) or ():
+                first.setdefault(origin, i)
+    step_of: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if node in first:
+            step_of[node] = first[node]
+        else:
+            step_of[node] = max((step_of.get(a, 0) for a in node.all_input_nodes), default=0)
+    return step_of
+
+
+def _output_storages(node: fx.Node, graph, names: _Names) -> tuple:
+    """Per tensor output of the fx node (its fake value, flattened): the index of the storage Inductor keeps
+    it in, the placeholder node of a graph input it views, or None when it is computed inside kernels and
+    never stored."""
+    value = graph.lowered_values.get(node)
+    leaves = _ir_leaves(value)
+    tensors = _tensor_count(node.meta.get("val"))
+    if len(leaves) != tensors:
+        leaves = (leaves + [None] * tensors)[:tensors]
+    out = []
+    for leaf in leaves:
+        name = _buffer_name(leaf)
+        if name is None or name in graph.removed_buffers:
+            out.append(None)
+        else:
+            out.append(names.storage_of_name.get(name))
+    return tuple(out)
+
+
+def _ir_leaves(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _ir_leaves(item)]
+    return [value]
+
+
+def _tensor_count(val) -> int:
+    if isinstance(val, torch.Tensor):
+        return 1
+    if isinstance(val, (list, tuple)):
+        return sum(_tensor_count(v) for v in val)
+    return 0
+
+
+def _buffer_name(value) -> str | None:
+    """The buffer behind an IR value (through TensorBox, views and StorageBox), None when unrealized."""
+    from torch._inductor import ir
+    for _ in range(64):
+        if isinstance(value, ir.TensorBox):
+            value = value.data
+        elif isinstance(value, ir.BaseView):
+            value = value.data
+        elif isinstance(value, ir.StorageBox):
+            value = value.data
+        else:
+            break
+    if isinstance(value, ir.Buffer):
+        return value.get_name()
+    return None
