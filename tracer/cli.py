@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mm,_scaled_dot_product_flash_attention (overrides --save-policy)")
     p.add_argument("--fit", metavar="SIZE", help="largest batch at --seq (with an explicit --batch: largest --seq) "
                                                  "whose peak fits SIZE, per policy; checked by full analyses")
+    p.add_argument("--levers", action="store_true",
+                   help="what-if table: one row per training lever and combination (checkpointing, compile, 8-bit "
+                        "AdamW, Adafactor, pure bf16, accumulation, LoRA, offload, ZeRO-2/FSDP at --world-size), "
+                        "each a full analysis; with --fit SIZE: the largest batch per lever")
     p.add_argument("--shard", choices=("ddp", "zero1", "zero2", "zero3", "fsdp"),
                    help="per-rank memory under data parallelism / ZeRO / FSDP2 (--batch is per rank)")
     p.add_argument("--world-size", type=int, metavar="N", help="--shard: number of ranks")
@@ -195,6 +199,32 @@ def _plan(args, options) -> int:
     return int(ExitCode.OK)
 
 
+def _levers(args) -> int:
+    """--levers (with --fit: the largest batch per lever). --world-size alone sets the sharding levers' ranks."""
+    from tracer.errors import UsageError
+    from tracer.levers import fit_levers, run_levers
+    from tracer.reports.levers_text import levers_json, render_lever_fits, render_levers
+
+    if args.by_depth:
+        raise UsageError("--levers and --by-depth cannot be combined", hint="drop one of them")
+    world_size = args.world_size
+    if args.shard is None:
+        args.world_size = None             # the sharding levers take it; the baseline is one device
+    options = analysis_options(args)
+    if args.fit:
+        from tracer.planning import parse_budget
+        fits = fit_levers(args.model, args.fit, options, world_size=world_size)
+        sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
+        return int(ExitCode.OK)
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    table = run_levers(args.model, options, world_size=world_size, on_progress=progress)
+    sys.stdout.write(render_levers(table))
+    if args.json:
+        _write_json(args.json, levers_json(table))
+    progress.done()
+    return int(ExitCode.OK)
+
+
 def _write_visual_outputs(args, analysis, policy: str) -> None:
     from tracer.errors import UsageError
     from tracer.reports.units import parse_bytes
@@ -268,6 +298,8 @@ def _run(args) -> int:
     from tracer.reports.json_report import report_json
     from tracer.reports.text import render_text
 
+    if args.levers:
+        return _levers(args)
     options = analysis_options(args)
     if args.fit or args.by_depth:
         return _plan(args, options)

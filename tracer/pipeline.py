@@ -210,27 +210,42 @@ class AnalysisOptions:
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None):
     """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`."""
-    from tracer.capture import capture_steps, load_model_source
-    from tracer.passes.analysis import analyze_graphs
+    source = load_source(model, options)
+    return analyze_captured(capture_graphs(source, options, on_progress=on_progress), options,
+                            on_progress=on_progress)
 
+
+def load_source(model, options: AnalysisOptions):
+    """The ModelSource of `model` (a ModelSource is returned as it is)."""
+    from tracer.capture import load_model_source
+    if not isinstance(model, str):
+        return model
+    return load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
+                             hf_attn=options.hf_attn, hf_task=options.hf_task)
+
+
+def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None) -> dict:
+    """One StepGraph per policy spec of `options`, from one capture (`capture_steps`)."""
+    from tracer.capture import capture_steps
     from tracer.capture.model_input import running_user_code
 
-    capture = options.capture_options()
-    device = options.device_setup()
-    sharding = options.sharding_setup()
-    if isinstance(model, str):
-        source = load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
-                                   hf_attn=options.hf_attn, hf_task=options.hf_task)
-    else:
-        source = model
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
     say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
     with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
-        graphs = capture_steps(source, capture, specs, on_policy=lambda label: say(f"simulating {label} ..."))
-    say("analysing ...")
-    return analyze_graphs(graphs, device=device, sharding=sharding, settings=options.settings(),
-                          tensor_parallel=options.tensor_parallel_setup())
+        return capture_steps(source, options.capture_options(), specs,
+                             on_policy=lambda label: say(f"simulating {label} ..."))
+
+
+def analyze_captured(graphs: dict, options: AnalysisOptions, *,
+                     on_progress: Callable[[str], None] | None = None):
+    """The passes over captured graphs, with the device view, sharding and tensor parallelism of `options`
+    (none of which changes the capture)."""
+    from tracer.passes.analysis import analyze_graphs
+
+    (on_progress or (lambda message: None))("analysing ...")
+    return analyze_graphs(graphs, device=options.device_setup(), sharding=options.sharding_setup(),
+                          settings=options.settings(), tensor_parallel=options.tensor_parallel_setup())
 
 
 def _positive_int(value) -> bool:

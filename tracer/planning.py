@@ -2,7 +2,7 @@
 budget, per policy (`fit_budget`); per-rank memory under data parallelism (`shard_policies`); and a deep
 model from three shallow copies of it (`analyze_by_depth`).
 
-`fit_budget` analyses the step at three small sizes (all policies from one capture per size), recovers
+`fit_budget` analyses the step (rank 0's, under --shard) at three small sizes (all policies from one capture per size), recovers
 each op's live bytes as a polynomial of the size (tracer/passes/fit.py: degree 1 in the batch, 2 in the
 sequence), solves for the largest size under the budget, then checks every answer with full analyses at
 that size and the next one (`peak_bytes` fits, `next_peak_bytes` does not). If a check disagrees (only
@@ -66,7 +66,7 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
     if analyze is None:
         import tracer
         analyze = tracer.analyze
-    budget_bytes = _budget_bytes(budget)
+    budget_bytes = parse_budget(budget)
     dimension = "batch" if batch is None else "seq"
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
@@ -175,9 +175,7 @@ class _Runner:
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
         analysis = self._run(size, labels)
-        return {label: (tuple(b + _extra_bytes(policy) for b in policy.liveness.live_during),
-                        {name: p.peak_bytes + _extra_bytes(policy) for name, p in policy.phases.items()})
-                for label, policy in analysis.policies.items()}
+        return {label: _profile(policy) for label, policy in analysis.policies.items()}
 
     def prefetch(self, requests) -> None:
         """One analysis per distinct size for the (size, policy) pairs not analysed yet."""
@@ -200,8 +198,24 @@ class _Runner:
         analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
         self.runs += 1
         for label, policy in analysis.policies.items():
-            self.peaks[(size, label)] = policy.peak_bytes + _extra_bytes(policy)
+            self.peaks[(size, label)] = _peak_bytes(policy)
         return analysis
+
+
+def _profile(policy) -> tuple[tuple[int, ...], dict[str, int]]:
+    """(bytes live during each op, peak per phase) that the fit models: rank 0's under --shard."""
+    extra = _extra_bytes(policy)
+    if policy.sharded is not None:
+        return (tuple(b + extra for b in policy.sharded.live_during),
+                {name: b + extra for name, b in policy.sharded.phases.items()})
+    return (tuple(b + extra for b in policy.liveness.live_during),
+            {name: p.peak_bytes + extra for name, p in policy.phases.items()})
+
+
+def _peak_bytes(policy) -> int:
+    """The peak a budget is checked against: rank 0's under --shard, with the device's extra bytes."""
+    peak = policy.sharded.peak_bytes if policy.sharded is not None else policy.peak_bytes
+    return peak + _extra_bytes(policy)
 
 
 def _extra_bytes(policy) -> int:
@@ -210,7 +224,7 @@ def _extra_bytes(policy) -> int:
     return policy.device.extra_bytes if getattr(policy, "device", None) is not None else 0
 
 
-def _budget_bytes(budget: int | str) -> int:
+def parse_budget(budget: int | str) -> int:
     from tracer.reports.units import parse_bytes
     if isinstance(budget, str):
         try:

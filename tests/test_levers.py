@@ -1,0 +1,92 @@
+"""`--levers`: one row per training lever, each a full analysis through the one pipeline (never a formula on
+the side): a row equals the analysis of the same settings run on its own."""
+import dataclasses
+import json
+
+import pytest
+
+from tracer.cli import main
+from tracer.levers import LEVERS, fit_levers, lever_options, run_levers
+from tracer.pipeline import AnalysisOptions, run_analysis
+from tracer.planning import fit_budget
+
+BASE = AnalysisOptions(batch=4, seq=32, target="cpu")
+SOME = tuple(lever for lever in LEVERS if lever.name in (
+    "baseline", "full checkpointing", "8-bit AdamW", "accumulate 4", "ZeRO-2", "full + pure bf16"))
+
+
+@pytest.fixture(scope="module")
+def table():
+    return run_levers("llama-debug", BASE, world_size=4, levers=SOME)
+
+
+def test_each_row_is_the_analysis_of_its_settings_run_alone(table):
+    for row in table.rows:
+        label = row.options.policy_specs()[0].label
+        alone = run_analysis("llama-debug", row.options).policies[label]
+        peak = alone.sharded.peak_bytes if alone.sharded is not None else alone.peak_bytes
+        assert (row.peak_bytes, row.saved_bytes, row.recompute_flops) == (
+            peak, alone.saved.activation_bytes, alone.recompute_flops), row.lever
+
+
+def test_levers_that_share_capture_settings_share_one_capture(table):
+    # baseline, full and ZeRO-2 share one; 8-bit AdamW, accumulation and pure bf16 need their own
+    assert table.captures == 4
+
+
+def test_the_levers_change_what_they_should(table):
+    rows = {row.lever: row for row in table.rows}
+    base = rows["baseline"]
+    assert rows["full checkpointing"].saved_bytes < base.saved_bytes and rows["full checkpointing"].recompute_flops > 0
+    assert rows["8-bit AdamW"].state_bytes < base.state_bytes and rows["8-bit AdamW"].saved_bytes == base.saved_bytes
+    assert rows["ZeRO-2"].state_bytes < base.state_bytes
+    assert rows["accumulate 4"].options.batch == 1 and rows["accumulate 4"].options.accumulate == 4
+    assert rows["full + pure bf16"].peak_bytes < rows["full checkpointing"].peak_bytes
+
+
+def test_a_lever_that_does_not_apply_says_why():
+    zero2 = next(lever for lever in LEVERS if lever.name == "ZeRO-2")
+    accumulate = next(lever for lever in LEVERS if lever.name == "accumulate 4")
+    assert lever_options(zero2, BASE) == (None, "give --world-size N")
+    options, reason = lever_options(accumulate, dataclasses.replace(BASE, batch=6))
+    assert options is None and "does not split into 4 micro-batches" in reason
+
+
+def test_fit_levers_gives_the_planners_answer_per_lever():
+    levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing"))
+    fits = fit_levers("llama-debug", "6MiB", BASE, levers=levers)
+    for fit, policy in zip(fits, ("eager", "full")):
+        report = fit_budget("llama-debug", "6MiB", seq=32, policies=(policy,), target="cpu")
+        assert fit.largest_batch == report.results[policy].largest > 0
+    assert fits[1].largest_batch > fits[0].largest_batch
+
+
+def test_the_command_line_prints_every_lever_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "levers.json"
+    assert main(["llama-debug", "--seq", "16", "--batch", "4", "--target", "cpu", "--levers", "--world-size", "2",
+                 "--json", str(path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    for lever in LEVERS:
+        assert lever.name in out
+    data = json.loads(path.read_text())
+    assert [row["lever"] for row in data["levers"]] == [lever.name for lever in LEVERS]
+    assert all(row["applies"] for row in data["levers"])
+
+
+def test_every_flag_reaches_each_levers_analysis(monkeypatch):
+    import tracer.cli
+    import tracer.levers
+    from test_every_option_reaches_the_analysis import EXPECTED, FLAGS
+
+    seen = []
+
+    def record(source, options, **kwargs):
+        seen.append(options)
+        raise RuntimeError("recorded")
+
+    monkeypatch.setattr(tracer.levers, "capture_graphs", record)
+    with pytest.raises(RuntimeError, match="recorded"):
+        run_levers("llama-debug", tracer.cli.analysis_options(tracer.cli.build_parser().parse_args(
+            ["llama-debug", *FLAGS])))
+    for name, value in EXPECTED.items():
+        assert getattr(seen[0], name) == value, name

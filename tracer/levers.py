@@ -1,0 +1,171 @@
+"""The what-if table: the levers people pull when a step does not fit, each simulated on the captured step.
+
+`LEVERS` is the one registry: a lever is a name and the `AnalysisOptions` fields it sets on top of the
+user's own settings (a policy, an optimizer, a precision, accumulation, LoRA, offload, sharding), so every
+row is a full analysis through the same pipeline as the main command, never a formula on the side.
+Combinations are levers too. `run_levers` captures once per distinct capture setting (the policies share
+one capture; sharding and the device view are passes over it) and returns one `LeverRow` per lever;
+`fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
+
+A lever the user's settings already include is still shown (its row equals the baseline). A lever that
+does not apply is listed with the reason: sharding needs `--world-size`; accumulation needs a batch it
+can split into micro-batches (`--accumulate` keeps the global batch: micro-batch = batch / N).
+Not modelled here: what a lever costs in time (only recomputed FLOPs are shown) and its effect on
+convergence (8-bit state, Adafactor's factored moments, LoRA's capacity).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tracer.pipeline import AnalysisOptions, analyze_captured, capture_graphs, load_source
+
+ACCUMULATE_STEPS = 4
+LORA_RANK = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    name: str
+    settings: tuple[tuple[str, object], ...] = ()     # AnalysisOptions fields set on top of the user's
+    policy: str | None = None                         # the recompute policy (None: the user's first)
+    needs_world_size: bool = False                    # sharding: only at the --world-size given
+
+
+def _lever(name: str, policy: str | None = None, *, needs_world_size: bool = False, **settings) -> Lever:
+    return Lever(name=name, settings=tuple(settings.items()), policy=policy, needs_world_size=needs_world_size)
+
+
+LEVERS: tuple[Lever, ...] = (
+    _lever("baseline"),
+    _lever("full checkpointing", "full"),
+    _lever("selective checkpointing", "selective"),
+    _lever("torch.compile", "compiled"),
+    _lever("8-bit AdamW", optimizer="adamw8bit"),
+    _lever("Adafactor", optimizer="adafactor"),
+    _lever("pure bf16", precision="bf16-pure"),
+    _lever(f"accumulate {ACCUMULATE_STEPS}", accumulate=ACCUMULATE_STEPS),
+    _lever(f"LoRA r={LORA_RANK}", lora_rank=LORA_RANK),
+    _lever("offload optimizer", offload="optimizer"),
+    _lever("ZeRO-2", shard="zero2", needs_world_size=True),
+    _lever("FSDP", shard="fsdp", needs_world_size=True),
+    _lever("full + 8-bit AdamW", "full", optimizer="adamw8bit"),
+    _lever("full + pure bf16", "full", precision="bf16-pure"),
+    _lever(f"full + LoRA r={LORA_RANK}", "full", lora_rank=LORA_RANK),
+    _lever("compiled + pure bf16 + 8-bit AdamW", "compiled", precision="bf16-pure", optimizer="adamw8bit"),
+    _lever("full + FSDP", "full", shard="fsdp", needs_world_size=True),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeverRow:
+    lever: str
+    options: AnalysisOptions | None      # None: the lever does not apply (see `reason`)
+    reason: str = ""
+    peak_bytes: int | None = None        # per rank under sharding
+    saved_bytes: int | None = None       # saved activations
+    state_bytes: int | None = None       # parameters + gradients + optimizer state on the device at the peak
+    host_bytes: int | None = None        # host memory (offload)
+    recompute_flops: int | None = None
+    out_of_memory: bool | None = None    # on a CUDA target: the allocator's reserved peak vs the GPU's memory
+
+
+@dataclasses.dataclass(frozen=True)
+class LeverTable:
+    baseline: LeverRow
+    rows: tuple[LeverRow, ...]
+    captures: int                        # distinct captures run
+
+
+def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = None
+                  ) -> tuple[AnalysisOptions | None, str]:
+    """The options of `lever` on top of `base`, or (None, why it does not apply). `world_size`: the ranks
+    the sharding levers use (default: base's)."""
+    settings = dict(lever.settings)
+    world_size = world_size or base.world_size
+    if lever.needs_world_size and world_size is None:
+        return None, "give --world-size N"
+    if "shard" in settings:
+        settings["world_size"] = world_size
+    if "accumulate" in settings:
+        steps = settings["accumulate"]
+        if base.batch % steps or base.batch < steps:
+            return None, f"--batch {base.batch} does not split into {steps} micro-batches"
+        settings["batch"] = base.batch // steps
+    if "offload" in settings and (base.accumulate > 1 or base.shard is not None or not base.zero_grad_set_to_none):
+        return None, "offload is simulated without --accumulate, --shard and --zero-grad zeros"
+    policy = lever.policy or base.policies[0]
+    try:
+        return dataclasses.replace(base, policies=(policy,), memory_budgets=(None,), **settings), ""
+    except Exception as exc:                   # a combination AnalysisOptions refuses: shown, not fatal
+        return None, str(exc).splitlines()[0]
+
+
+def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, levers: tuple[Lever, ...] = LEVERS,
+               on_progress: Callable[[str], None] | None = None) -> LeverTable:
+    """One row per lever; levers whose capture settings agree share one capture of all their policies."""
+    source = load_source(model, base)
+    planned = [(lever, *lever_options(lever, base, world_size)) for lever in levers]
+    groups: dict = {}
+    for lever, options, _ in planned:
+        if options is not None:
+            groups.setdefault(_capture_key(options), []).append(options)
+    graphs_by_key = {}
+    for key, members in groups.items():
+        policies = tuple(dict.fromkeys(p for o in members for p in o.policies))
+        graphs_by_key[key] = capture_graphs(source, dataclasses.replace(members[0], policies=policies),
+                                            on_progress=on_progress)
+    rows = tuple(_row(lever.name, options, reason, graphs_by_key) for lever, options, reason in planned)
+    return LeverTable(baseline=rows[0], rows=rows, captures=len(groups))
+
+
+def _capture_key(options: AnalysisOptions):
+    """What decides the capture: its CaptureOptions and the policies' settings (not which policies)."""
+    return (options.capture_options(), options.blocks, options.checkpoint_every, options.save_policy,
+            options.save_ops)
+
+
+def _row(name: str, options: AnalysisOptions | None, reason: str, graphs_by_key: dict) -> LeverRow:
+    if options is None:
+        return LeverRow(lever=name, options=None, reason=reason)
+    graphs = graphs_by_key[_capture_key(options)]
+    label = options.policy_specs()[0].label
+    result = analyze_captured({label: graphs[label]}, options).policies[label]
+    sharded = result.sharded
+    categories = sharded.by_category_at_peak if sharded is not None else result.at_peak.by_category
+    device = result.rank_device or result.device
+    return LeverRow(lever=name, options=options,
+                    peak_bytes=sharded.peak_bytes if sharded is not None else result.peak_bytes,
+                    saved_bytes=result.saved.activation_bytes,
+                    state_bytes=sum(categories.get(c, 0) for c in ("parameter", "gradient", "optimizer_state")),
+                    host_bytes=result.host.peak_bytes if result.host is not None else None,
+                    recompute_flops=result.recompute_flops,
+                    out_of_memory=device.oom is not None if device is not None else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeverFit:
+    lever: str
+    largest_batch: int | None            # None: the lever does not apply (see `reason`)
+    peak_bytes: int | None
+    reason: str = ""
+
+
+def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | None = None,
+               levers: tuple[Lever, ...] = LEVERS) -> list[LeverFit]:
+    """`--fit SIZE --levers`: the largest batch at --seq whose peak fits, per lever (accumulation: the
+    largest micro-batch; sharding: per rank)."""
+    from tracer.planning import fit_budget
+    out = []
+    for lever in levers:
+        options, reason = lever_options(lever, dataclasses.replace(base, batch=max(base.batch, ACCUMULATE_STEPS)),
+                                        world_size)
+        if options is None:
+            out.append(LeverFit(lever=lever.name, largest_batch=None, peak_bytes=None, reason=reason))
+            continue
+        keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                    if f.name not in ("batch", "seq", "policies", "memory_budgets")}
+        report = fit_budget(model, budget, seq=options.seq, policies=options.policies, **keywords)
+        result = report.results[options.policy_specs()[0].label]
+        out.append(LeverFit(lever=lever.name, largest_batch=result.largest, peak_bytes=result.peak_bytes))
+    return out
