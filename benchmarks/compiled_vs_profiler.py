@@ -7,7 +7,10 @@ torch.compile (Inductor) training step on CPU, per model and compile style, in o
 Models: the zoo's llama-debug and gpt2-debug, small transformers Llama and BERT configs (`hf:llama`,
 `hf:bert`, see HF_CONFIGS) and the hand-written MLP of examples/tiny_mlp_lm.py. Compile styles: `whole`
 is `torch.compile(model)`; `blocks` is `block.compile()` on every repeated block (`layers.0`, `h.1`, ...),
-the rest of the model eager (models without repeated blocks are skipped).
+the rest of the model eager (models without repeated blocks are skipped); `whole+full` and
+`whole+selective` are `torch.compile(model)` with every repeated block's forward in
+`torch.utils.checkpoint` (non-reentrant; selective: tracer's default save policy as torch's policy_fn),
+predicted by the `compiled+full` / `compiled+selective` policies.
 
 The real step: forward+loss, backward, foreach AdamW step, zero_grad, after two warm-up steps (compiled
 code and optimizer state exist). The profiler's allocator events give bytes allocated since profiling
@@ -33,7 +36,33 @@ HF_CONFIGS = {
 }
 MLP_FILE = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp_lm.py")
 DEFAULT_MODELS = ("llama-debug", "gpt2-debug", "hf:llama", "hf:bert", MLP_FILE)
-STYLES = ("whole", "blocks")
+STYLES = ("whole", "blocks", "whole+full", "whole+selective")
+CHECKPOINTED = {"whole+full": "full", "whole+selective": "selective"}    # style -> how blocks are checkpointed
+
+
+def checkpoint_blocks(model, how: str) -> bool:
+    """Every repeated block's forward wrapped in non-reentrant torch.utils.checkpoint (`how`: full, or
+    selective with tracer's default save predicate asked as torch's policy_fn); False without blocks."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from tracer.policies import PolicySpec, save_predicate
+
+    def contexts():
+        keep = save_predicate(PolicySpec(name="selective"))          # fresh per region, as torch's contexts are
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if keep(str(op)) else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    blocks = block_paths(model)
+    for path in blocks:
+        block = model.get_submodule(path)
+        context_fn = contexts if how == "selective" else None
+        extra = {"context_fn": context_fn} if context_fn else {}
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
+    return bool(blocks)
 
 
 def model_source(name: str):
@@ -63,7 +92,9 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict
     tokens = source.example_batch(batch, seq)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     torch._dynamo.reset()
-    if style == "whole":
+    if style in CHECKPOINTED and not checkpoint_blocks(model, CHECKPOINTED[style]):
+        return None
+    if style == "whole" or style in CHECKPOINTED:
         run = torch.compile(model, dynamic=False)
     else:
         blocks = block_paths(model)
@@ -103,15 +134,17 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict
 
 
 def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict[str, int] | None:
-    """The `compiled` policy's peak per phase; None for a compile style the tracer does not predict."""
+    """The `compiled` (or `compiled+full` / `compiled+selective`) policy's peak per phase; None for a
+    compile style the tracer does not predict."""
     from tracer.capture import CaptureOptions, PolicySpec, capture_steps
     from tracer.passes.analysis import analyze_graphs
 
-    if style != "whole":
+    if style == "blocks":
         return None
+    policy = "compiled" if style == "whole" else f"compiled+{CHECKPOINTED[style]}"
     graphs = capture_steps(model_source(name), CaptureOptions(batch=batch, seq=seq, target="cpu"),
-                           (PolicySpec(name="compiled"),))
-    phases = analyze_graphs(graphs).policies["compiled"].phases
+                           (PolicySpec(name=policy),))
+    phases = analyze_graphs(graphs).policies[policy].phases
     return {phase: phases[phase].peak_bytes for phase in PHASES}
 
 

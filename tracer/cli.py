@@ -14,6 +14,7 @@ import sys
 import time
 
 from tracer.errors import ExitCode
+from tracer.policies import ALL_POLICIES, POLICIES
 from tracer.target_cli import check_target_flags
 from tracer.models import DEFAULT_MODEL, ZOO
 
@@ -43,10 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"hf: models: the head whose loss is trained ({', '.join(TASKS)}; default: the config.json's "
                         f"architectures, else seq2seq, speech-seq2seq, masked-lm, causal-lm, image-classification "
                         f"or sequence-classification, the first the architecture has)")
-    p.add_argument("--policy", choices=("eager", "compiled", "selective", "full", "all"), default="eager",
+    p.add_argument("--policy", choices=POLICIES + ("all",), default="eager",
                    help="which recompute policy to simulate on the captured step: eager (what autograd saves), "
-                        "compiled (torch.compile's min-cut partitioner), selective or full activation "
-                        "checkpointing of the blocks; all = one table with a row per policy (default eager)")
+                        "compiled (torch.compile: Inductor's partition and buffer plan), selective or full activation "
+                        "checkpointing of the blocks, compiled+selective / compiled+full (checkpointed blocks inside "
+                        "torch.compile); all = one table with a row each for eager, compiled, selective and full "
+                        "(default eager)")
     p.add_argument("--memory-budget", metavar="B|sweep",
                    help="compiled: torch._functorch activation_memory_budget (0..1, a fraction of activation "
                         "bytes, not of the peak); 'sweep' adds one compiled row per budget 1.0, 0.9, ... 0.0")
@@ -332,7 +335,7 @@ def policy_names_and_budgets(args) -> tuple[tuple[str, ...], tuple[float | None,
     """--policy and --memory-budget -> (policy names, compiled memory budgets). A budget adds compiled."""
     from tracer.errors import UsageError
 
-    names = ("eager", "compiled", "selective", "full") if args.policy == "all" else (args.policy,)
+    names = ALL_POLICIES if args.policy == "all" else (args.policy,)
     budgets: tuple = (None,)
     if args.memory_budget is not None:
         if args.memory_budget == "sweep":

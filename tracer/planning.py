@@ -24,7 +24,7 @@ from typing import Callable
 from tracer.errors import TracerError, UsageError
 from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
-from tracer.policies import POLICIES
+from tracer.policies import ALL_POLICIES
 
 # `tracer.analyze`'s options that choose how an hf: model is built (load_model_source's keywords)
 HF_OPTIONS = ("hf_config", "config_json", "hf_attn", "hf_task")
@@ -56,7 +56,7 @@ class FitReport:
 
 
 def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = None,
-               policies: tuple[str, ...] = POLICIES, multiple: int = 1, analyze: Callable | None = None,
+               policies: tuple[str, ...] = ALL_POLICIES, multiple: int = 1, analyze: Callable | None = None,
                **options) -> FitReport:
     """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
     is at most `budget` (bytes, or a size string such as "80GiB"), for each policy. `options` go to

@@ -1,9 +1,12 @@
 """Recompute policies, described as plain data (no torch): what to simulate on one captured step.
 
-`PolicySpec` names a policy: `eager` (what autograd saves), `compiled` (torch.compile's min-cut
-partitioner, parameters as static inputs, optional activation memory budget), `full` (each checkpointed
-block keeps only its input and reruns its forward in backward) and `selective` (checkpointed blocks
-keep the outputs of the ops a save predicate names, and recompute the rest).
+`POLICY_REGISTRY` has one entry per policy (`Policy`: which blocks tracer checkpoints, whether the step is
+compiled, its description and its "not modelled" text): `eager` (what autograd saves), `compiled`
+(torch.compile's Inductor partition and plan, optional activation memory budget), `full` (each checkpointed
+block keeps only its input and reruns its forward in backward), `selective` (checkpointed blocks keep the
+outputs of the ops a save predicate names, and recompute the rest), and `compiled+selective` /
+`compiled+full` (the same tags inside torch.compile, whose partitioner honours them). A new policy is one
+entry; `PolicySpec` names one with its settings.
 
 Save predicates are small named functions of an op name (`"aten.mm.default"` -> save?) in a registry
 filled by `@save_policy(name)`, which refuses duplicates; a policy that counts ops (torchtitan's "every
@@ -23,14 +26,57 @@ from typing import Callable
 
 from tracer.errors import UsageError
 
-POLICIES = ("eager", "compiled", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """One recompute policy: how its step is scheduled (tracer.capture.policies reads `checkpoint` and
+    `compiled`), what it is, and what it does not model (the report prints it)."""
+    name: str
+    checkpoint: str | None            # the blocks tracer checkpoints itself: None, "full" or "selective"
+    compiled: bool                    # partitioned, lowered and planned as torch.compile's Inductor does
+    description: str
+    not_modelled: str
+
+
+_KERNEL_SCRATCH = "kernel scratch"
+_EAGER_CHECKPOINT = "checkpointing is simulated as eager non-reentrant torch.utils.checkpoint"
+_INDUCTOR = ("kernel scratch of extern kernels (SDPA, oneDNN); Inductor's plan is its CPU backend's (on a CUDA "
+             "target Triton's fusion differs); whole-model torch.compile only (not block.compile()); CUDA graphs")
+
+POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
+    Policy("eager", None, False, "what eager autograd saves and frees",
+           "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward."),
+    Policy("compiled", None, True, "torch.compile (whole model): Inductor's partition, fusion and buffer plan",
+           _INDUCTOR + "."),
+    Policy("selective", "selective", False, "blocks checkpointed keeping what the save policy names",
+           f"{_KERNEL_SCRATCH}; {_EAGER_CHECKPOINT}."),
+    Policy("full", "full", False, "blocks checkpointed keeping only their inputs",
+           f"{_KERNEL_SCRATCH}; {_EAGER_CHECKPOINT}."),
+    Policy("compiled+selective", "selective", True,
+           "selective checkpointing inside torch.compile: the partitioner honours the save policy's tags "
+           "(must save / prefer recompute), as torchtitan trains", _INDUCTOR + "."),
+    Policy("compiled+full", "full", True,
+           "full checkpointing inside torch.compile: every block's ops are tagged prefer-recompute", _INDUCTOR + "."),
+)}
+POLICIES = tuple(POLICY_REGISTRY)
+ALL_POLICIES = ("eager", "compiled", "selective", "full")          # --policy all
+
+
+def policy_named(name: str) -> Policy:
+    """The registry entry; raises UsageError listing the valid names."""
+    if name not in POLICY_REGISTRY:
+        raise UsageError(f"unknown policy {name!r}", hint=f"valid: {', '.join(POLICIES)}")
+    return POLICY_REGISTRY[name]
+
+
 SavePredicate = Callable[[str], bool]
 SAVE_POLICIES: dict[str, Callable[[], SavePredicate]] = {}     # name -> a fresh predicate per region
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicySpec:
-    name: str                                  # one of POLICIES
+    name: str                                  # a POLICY_REGISTRY name
     blocks: str | None = None                  # glob over block module paths ("layers.*"); None = detect
     checkpoint_every: int = 1                  # checkpoint every K-th block
     save: str = "matmul-attention"             # selective: a SAVE_POLICIES name
@@ -41,9 +87,13 @@ class PolicySpec:
 
     @property
     def label(self) -> str:
-        if self.name == "compiled" and self.memory_budget is not None:
-            return f"compiled@{self.memory_budget:g}"
+        if self.memory_budget is not None:
+            return f"{self.name}@{self.memory_budget:g}"
         return self.name
+
+    @property
+    def policy(self) -> Policy:
+        return policy_named(self.name)
 
 
 def save_policy(name: str, *, per_region: bool = False) -> Callable:

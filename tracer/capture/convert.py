@@ -162,6 +162,13 @@ def _is_rng_wrapper(node: fx.Node) -> bool:
     return getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state")
 
 
+def fill_rng_wrapper_values(gm: fx.GraphModule, fake_mode) -> None:
+    """`_fill_rng_wrapper_meta` for every wrapper of `gm` that has no value yet (before Inductor plans it)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _is_rng_wrapper(node) and node.meta.get("val") is None:
+            _fill_rng_wrapper_meta(node, fake_mode)
+
+
 def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     """Checkpointing wraps random ops in run_and_save_rng_state(op, *args) -> (rng_state, out) and
     run_with_rng_state(rng_state, op, *args) -> out; the partitioner leaves these nodes without meta.

@@ -22,6 +22,8 @@ equals a real compiled CPU step on five models except gpt2-debug's forward, 8 B 
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import operator
 
@@ -135,10 +137,24 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
         _recursive_post_grad_passes(gm, is_inference=False)
         graph = _StepRecordingLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env,
                                        graph_id=int(is_backward), is_inference=False, is_backward=is_backward)
-        with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]), V.set_debug_handler(DebugContext()):
+        with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]), V.set_debug_handler(DebugContext()), \
+                _real_rng_state_allowed(fake_mode):
             graph.run(*inputs)
             graph.codegen()
             return _read_plan(gm, graph)
+
+
+@contextlib.contextmanager
+def _real_rng_state_allowed(fake_mode):
+    """A recomputed random op (checkpointing inside torch.compile) is lowered as a fallback of
+    run_and_save_rng_state, whose example run reads the real CPU RNG state (a 5,056 B uint8 tensor) under
+    the fake mode: real inputs are let through while lowering."""
+    previous = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True
+    try:
+        yield
+    finally:
+        fake_mode.allow_non_fake_inputs = previous
 
 
 class _StepRecordingLowering:
@@ -269,21 +285,27 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
 
 
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
-    """fx node -> the first scheduler node (kernel step) whose IR comes from it; a node no kernel names
-    (a view, a node Inductor folded away) runs at the step of its latest input."""
+    """fx node -> the first scheduler node (kernel step) whose IR comes from it, never before the steps of
+    its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of its latest
+    input."""
     first: dict = {}
     for i, snode in enumerate(scheduler.nodes):
         for sub in snode.get_nodes():
             for origin in getattr(sub.node, "origins", ()) or ():
                 first.setdefault(origin, i)
     step_of: dict = {}
+
+    def step_of_input(node):
+        while node.target is operator.getitem:
+            node = node.args[0]
+        return step_of.get(node, 0)
+
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        if node in first:
-            step_of[node] = first[node]
-        else:
-            step_of[node] = max((step_of.get(a, 0) for a in node.all_input_nodes), default=0)
+        latest_input = max((step_of_input(a) for a in node.all_input_nodes), default=0)
+        # a kernel that prepares an op's inputs may name the op among its origins: never before its inputs
+        step_of[node] = max(first.get(node, 0), latest_input)
     return step_of
 
 

@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from tracer.capture.convert import HELD_KEY, REGION_KEY, RERUN_KEY, Schedule, target_name
+from tracer.capture.convert import HELD_KEY, fill_rng_wrapper_values, REGION_KEY, RERUN_KEY, Schedule, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -90,9 +90,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
         notes += _tag_user_regions(joint, user_calls, cap.fake_mode)
         if spec.name == "eager" and all(c.reentrant for c in user_calls):
             return Schedule(joint=joint, notes=notes)     # nothing left for a partitioner to decide
-    if spec.name == "compiled":
-        partition, budget = None, spec.memory_budget
-    elif spec.name in ("full", "selective"):
+    policy = spec.policy
+    if policy.checkpoint is not None:
         blocks = find_blocks(joint, spec.blocks)
         if not blocks and spec.blocks is not None:
             raise UsageError(f"no module matches --blocks {spec.blocks!r}",
@@ -103,16 +102,12 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
                      "everything else is recomputed in backward); name blocks with --blocks",)
         regions = blocks[::spec.checkpoint_every]
         _tag_regions(joint, _regions_by_module(joint, regions, first_id=len(user_calls)),
-                     _region_deciders(spec, cap.fake_mode))
-        if spec.name == "selective":
+                     _region_deciders(spec, cap.fake_mode), whole_regions=policy.compiled)
+        if policy.checkpoint == "selective":
             notes += (f"save policy: {save_policy_label(spec)}",)
-        partition, budget = default_partition, None
-    elif spec.name == "eager":
-        partition, budget = default_partition, None
-    else:
-        raise UsageError(f"unknown policy {spec.name!r}", hint="valid: eager, compiled, selective, full")
+    partition, budget = default_partition, spec.memory_budget
     config = {} if budget is None else {"activation_memory_budget": budget}
-    if spec.name == "compiled":
+    if policy.compiled:
         return _inductor_schedule(cap, joint, num_fwd, static, config, notes)
     # lazy graph modules: the partitions are read, never run, so their Python code is never generated
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
@@ -129,6 +124,8 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
 
     with torch._functorch.config.patch(**config):
         forward, backward = inductor_partition(joint, cap.fake_mode, num_fwd_outputs=num_fwd, static_inputs=static)
+    for graph in (forward, backward):
+        fill_rng_wrapper_values(graph, cap.fake_mode)     # recomputed random ops (checkpointed blocks)
     donated = donated_inputs(forward, backward, num_fwd)
     forward_plan = plan_graph(forward, cap.fake_mode, is_backward=False)
     backward_plan = plan_graph(backward, cap.fake_mode, is_backward=True, donated=donated)
@@ -199,7 +196,7 @@ def _region_deciders(spec: PolicySpec, fake_mode):
     """decide(node, region) -> CheckpointPolicy for the policy's own blocks: full recomputes everything;
     selective asks the policy function (`spec.save_fn`) or a fresh save predicate per region, as torch
     gives each checkpoint call its own selective-checkpointing context."""
-    if spec.name != "selective":
+    if spec.policy.checkpoint != "selective":
         return lambda node, region: _save_if(False)
     deciders: dict = {}
 
@@ -242,12 +239,14 @@ def _user_policy(policy_fn, fake_mode):
     return decide
 
 
-def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide) -> None:
+def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide, *, whole_regions: bool = False) -> None:
     """Tag the forward nodes of each region (node -> region id, None outside every region) for
     recomputation, as checkpoint would: `decide(node, region)` -> CheckpointPolicy. A region's outputs stay
     untagged (eager checkpointing returns them as ordinary tensors); where the backward reads such an
     output's op (layer norm's mean and rstd, a tanh's result), it reads a recomputed twin of the op, as
-    eager's backward reads the region's recomputed values."""
+    eager's backward reads the region's recomputed values. `whole_regions` (inside torch.compile): every
+    node is tagged, outputs included, as AOT autograd traces the checkpoint operator's body; the
+    partitioner then decides the region boundaries itself."""
     def leaves_region(node, region) -> bool:
         for user in node.users:
             if user.target is operator.getitem:      # an element of a multi-output op (layer norm's output)
@@ -262,7 +261,7 @@ def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide) -> N
         if region is None or node.target is operator.getitem:
             continue
         policy = decide(node, region)
-        if leaves_region(node, region):
+        if not whole_regions and leaves_region(node, region):
             boundary.append((node, region))
             continue       # a region output: eager keeps it as is
         for tagged in [node] + [g for g in node.users if g.target is operator.getitem]:

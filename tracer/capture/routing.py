@@ -265,8 +265,10 @@ class RoutingShadows:
         return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
 
     def _forget_mutated(self, func, args) -> None:
-        """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale."""
-        for i, argument in enumerate(func._schema.arguments):
+        """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale. A higher-order
+        op (run_and_save_rng_state around a recomputed random op) has no schema and mutates nothing."""
+        schema = getattr(func, "_schema", None)
+        for i, argument in enumerate(schema.arguments if schema is not None else ()):
             if argument.alias_info is not None and argument.alias_info.is_write and i < len(args):
                 for t in tree_flatten(args[i])[0]:
                     if isinstance(t, torch.Tensor):

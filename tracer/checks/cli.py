@@ -16,8 +16,9 @@ import sys
 
 from tracer.checks.options import MODEL_OPTIONS, add_model_arguments, analyze_kwargs
 from tracer.errors import ExitCode, UsageError
+from tracer.policies import ALL_POLICIES, POLICIES
 
-POLICY_CHOICES = ("eager", "compiled", "selective", "full", "all")
+POLICY_CHOICES = POLICIES + ("all",)
 
 
 def build_check_parser() -> argparse.ArgumentParser:
@@ -97,7 +98,7 @@ def given_options(args) -> dict:
         given = {("zero_grad_set_to_none" if name == "zero_grad" else name): checked[
             "zero_grad_set_to_none" if name == "zero_grad" else name] for name in given}
     if "policy" in values:
-        given["policies"] = POLICY_CHOICES[:-1] if values["policy"] == "all" else (values["policy"],)
+        given["policies"] = ALL_POLICIES if values["policy"] == "all" else (values["policy"],)
     for name in ("hf_config", "config_json", "hf_task", "shard", "world_size"):
         if name in values:
             given[name] = tuple(values[name]) if name == "hf_config" else values[name]

@@ -6,6 +6,7 @@ import re
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
 from tracer.passes.attribution import CATEGORIES, LayerBytes, frozen_parameter_bytes
+from tracer.policies import policy_named
 from tracer.reports.units import format_bytes, format_flops
 
 
@@ -51,7 +52,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}")
     lines += ["", f"FLOPs: step {format_flops(result.step_flops)}, recomputed {format_flops(result.recompute_flops)}"
               + _unknown_note(result)]
-    lines += ["", "not modelled: " + NOT_MODELLED[policy.split("@")[0]]]
+    lines += ["", "not modelled: " + policy_named(policy.split("@")[0]).not_modelled]
     return "\n".join(lines) + "\n"
 
 
@@ -61,16 +62,6 @@ def _bill_detail(result: PolicyAnalysis, category: str) -> str:
         frozen = frozen_parameter_bytes(result.graph)
         return f"  (frozen {format_bytes(frozen)})" if frozen else ""
     return ""
-
-
-NOT_MODELLED = {
-    "eager": "kernel-internal scratch buffers; Python references other than plain `name = ...` locals in forward.",
-    "compiled": "kernel scratch of extern kernels (SDPA, oneDNN); Inductor's plan is its CPU backend's (on a CUDA "
-                "target Triton's fusion differs); whole-model torch.compile only (not block.compile()); CUDA graphs.",
-    "selective": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint "
-                 "(under torch.compile the region would be partitioned differently).",
-    "full": "kernel scratch; checkpointing is simulated as eager non-reentrant torch.utils.checkpoint.",
-}
 
 
 def _table_notes(analysis: Analysis) -> list[str]:
@@ -106,8 +97,8 @@ def render_policy_table(analysis: Analysis) -> str:
     unknown = {t for r in analysis.policies.values() for t, _ in r.flops.unknown_ops}
     if unknown:
         lines.append(f"\nops without a FLOP formula (not counted): {', '.join(sorted(unknown))}")
-    lines += ["", "not modelled:"] + [f"  {name}: {text}" for name, text in NOT_MODELLED.items()
-                                     if any(label.split("@")[0] == name for label in analysis.policies)]
+    names = dict.fromkeys(label.split("@")[0] for label in analysis.policies)
+    lines += ["", "not modelled:"] + [f"  {name}: {policy_named(name).not_modelled}" for name in names]
     return "\n".join(lines) + "\n"
 
 
