@@ -3,8 +3,9 @@
 `LEVERS` is the one registry: a lever is a name and the `AnalysisOptions` fields it sets on top of the
 user's own settings (a policy, an optimizer, a precision, accumulation, LoRA, offload, sharding), so every
 row is a full analysis through the same pipeline as the main command, never a formula on the side.
-Combinations are levers too. `run_levers` captures once per distinct capture setting (the policies share
-one capture; sharding and the device view are passes over it) and returns one `LeverRow` per lever;
+Combinations are levers too. `run_levers` captures the joint forward and backward once per distinct
+setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
+sharding and the device view are passes over it) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tracer.pipeline import AnalysisOptions, analyze_captured, capture_graphs, load_source
+from tracer.pipeline import AnalysisOptions, analyze_captured, capture_variants, load_source
 
 ACCUMULATE_STEPS = 4
 LORA_RANK = 16
@@ -52,7 +53,7 @@ LEVERS: tuple[Lever, ...] = (
     _lever("full + 8-bit AdamW", "full", optimizer="adamw8bit"),
     _lever("full + pure bf16", "full", precision="bf16-pure"),
     _lever(f"full + LoRA r={LORA_RANK}", "full", lora_rank=LORA_RANK),
-    _lever("compiled + pure bf16 + 8-bit AdamW", "compiled", precision="bf16-pure", optimizer="adamw8bit"),
+    _lever("selective + pure bf16 + 8-bit AdamW", "selective", precision="bf16-pure", optimizer="adamw8bit"),
     _lever("full + FSDP", "full", shard="fsdp", needs_world_size=True),
 )
 
@@ -103,34 +104,29 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
 
 def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, levers: tuple[Lever, ...] = LEVERS,
                on_progress: Callable[[str], None] | None = None) -> LeverTable:
-    """One row per lever; levers whose capture settings agree share one capture of all their policies."""
+    """One row per lever. Levers that change only the policy or the step around forward and backward
+    (optimizer, accumulation's steps, offload, sharding) share one joint capture."""
+    from tracer.capture import joint_key
+
     source = load_source(model, base)
     planned = [(lever, *lever_options(lever, base, world_size)) for lever in levers]
     groups: dict = {}
-    for lever, options, _ in planned:
+    for _, options, _ in planned:
         if options is not None:
-            groups.setdefault(_capture_key(options), []).append(options)
-    graphs_by_key = {}
-    for key, members in groups.items():
-        policies = tuple(dict.fromkeys(p for o in members for p in o.policies))
-        graphs_by_key[key] = capture_graphs(source, dataclasses.replace(members[0], policies=policies),
-                                            on_progress=on_progress)
-    rows = tuple(_row(lever.name, options, reason, graphs_by_key) for lever, options, reason in planned)
+            groups.setdefault(joint_key(options.capture_options()), []).append(options)
+    graph_of: dict = {}
+    for members in groups.values():
+        for options, graph in zip(members, capture_variants(source, tuple(members), on_progress=on_progress)):
+            graph_of[id(options)] = graph
+    rows = tuple(_row(lever.name, options, reason, graph_of) for lever, options, reason in planned)
     return LeverTable(baseline=rows[0], rows=rows, captures=len(groups))
 
 
-def _capture_key(options: AnalysisOptions):
-    """What decides the capture: its CaptureOptions and the policies' settings (not which policies)."""
-    return (options.capture_options(), options.blocks, options.checkpoint_every, options.save_policy,
-            options.save_ops)
-
-
-def _row(name: str, options: AnalysisOptions | None, reason: str, graphs_by_key: dict) -> LeverRow:
+def _row(name: str, options: AnalysisOptions | None, reason: str, graph_of: dict) -> LeverRow:
     if options is None:
         return LeverRow(lever=name, options=None, reason=reason)
-    graphs = graphs_by_key[_capture_key(options)]
     label = options.policy_specs()[0].label
-    result = analyze_captured({label: graphs[label]}, options).policies[label]
+    result = analyze_captured({label: graph_of[id(options)]}, options).policies[label]
     sharded = result.sharded
     categories = sharded.by_category_at_peak if sharded is not None else result.at_peak.by_category
     device = result.rank_device or result.device

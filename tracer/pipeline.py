@@ -237,6 +237,21 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
                              on_policy=lambda label: say(f"simulating {label} ..."))
 
 
+def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
+                     on_progress: Callable[[str], None] | None = None) -> tuple:
+    """The StepGraph of each variant's first policy, from one joint capture: the variants may differ only in
+    their policies and in how the step around forward and backward runs (capture.STEP_FIELDS)."""
+    from tracer.capture import capture_step_requests
+    from tracer.capture.model_input import running_user_code
+
+    requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
+                     for v in variants)
+    say = on_progress or (lambda message: None)
+    say(f"capturing {source.name} (batch {variants[0].batch}, seq {variants[0].seq}) under fake tensors ...")
+    with running_user_code(source.name):
+        return capture_step_requests(source, requests, on_policy=lambda label: say(f"simulating {label} ..."))
+
+
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,
                      on_progress: Callable[[str], None] | None = None):
     """The passes over captured graphs, with the device view, sharding and tensor parallelism of `options`

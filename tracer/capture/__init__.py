@@ -64,6 +64,24 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
                   on_policy=None) -> dict[str, StepGraph]:
     """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
+    graphs = capture_step_requests(source, tuple((options, spec) for spec in specs), on_policy)
+    return {spec.label: graph for spec, graph in zip(specs, graphs)}
+
+
+# CaptureOptions fields that change only the step around forward and backward (the optimizer step, its
+# state, accumulation, offload): requests that differ in these alone share one joint capture
+STEP_FIELDS = ("optimizer", "foreach", "step", "zero_grad_set_to_none", "accumulate", "offload")
+
+
+def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOptions, PolicySpec], ...],
+                          on_policy=None) -> tuple[StepGraph, ...]:
+    """One StepGraph per (options, policy) request, from one joint capture: the requests' options may differ
+    only in `STEP_FIELDS` (an optimizer, accumulation or offload lever on the same forward and backward).
+    Raises UsageError when they differ in anything else."""
+    options = requests[0][0]
+    if any(joint_key(o) != joint_key(options) for o, _ in requests):
+        raise UsageError("capture requests that share a joint capture may differ only in "
+                         + ", ".join(STEP_FIELDS))
     if options.lora_rank is not None:
         from tracer.capture.lora import lora_source
         source = lora_source(source, options.lora_rank, options.lora_targets)
@@ -73,7 +91,7 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
         # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
         warnings.filterwarnings("ignore", message="Error detected in")
         with routing_assumption(parse_routing(options.moe_routing)) as routing:
-            graphs = _capture_steps(source, options, specs, on_policy)
+            graphs = _capture_steps(source, requests, on_policy)
         notes = source.notes + routing.notes
         if routing.grouped_mm_lines and options.target != "cpu":
             notes += ("whether the CUDA grouped matmul takes "
@@ -81,8 +99,13 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
                       + " inputs was not checked on a GPU (transformers calls it on compute capability 8.0+)",)
         if not notes:
             return graphs
-        return {label: dataclasses.replace(graph, config=dataclasses.replace(
-                    graph.config, notes=graph.config.notes + notes)) for label, graph in graphs.items()}
+        return tuple(dataclasses.replace(graph, config=dataclasses.replace(
+                     graph.config, notes=graph.config.notes + notes)) for graph in graphs)
+
+
+def joint_key(options: CaptureOptions) -> CaptureOptions:
+    """The options with the step-only fields at their defaults: equal keys share one joint capture."""
+    return dataclasses.replace(options, **{f: getattr(CaptureOptions, f) for f in STEP_FIELDS})
 
 
 @contextlib.contextmanager
@@ -100,10 +123,11 @@ def _gc_skips_the_heap_so_far():
         gc.unfreeze()
 
 
-def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
+def _capture_steps(source, requests, on_policy) -> tuple[StepGraph, ...]:
+    options = requests[0][0]
     kept = observe_kept_outputs(source, options) if source.keep is not None else ()
     if options.capture == "dispatch":
-        return _dispatch_steps(source, options, specs, reason="--capture dispatch", kept=kept)
+        return _dispatch_requests(source, requests, reason="--capture dispatch", kept=kept)
     cap, failures = None, []
     for rung in _ladder(options.capture):
         try:
@@ -118,18 +142,35 @@ def _capture_steps(source, options, specs, on_policy) -> dict[str, StepGraph]:
     if cap is None:
         if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
             raise next((e for e in failures if not e.direct), failures[0])
-        return _dispatch_steps(source, options, specs, reason="; ".join(str(e) for e in failures), kept=kept)
+        return _dispatch_requests(source, requests, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
     try:
-        out, recordings = {}, []
-        for spec in specs:
+        out, recordings, schedules = [], {}, {}
+        for request_options, spec in requests:
             if on_policy is not None:
                 on_policy(spec.label)
-            out[spec.label] = _step_for_policy(cap, source, options, spec, recordings, kept)
-        return out
+            if spec not in schedules:
+                schedules[spec] = policy_schedule(cap, spec)
+            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
+            out.append(_step_for_policy(cap, source, request_options, spec, schedules[spec],
+                                        recordings.setdefault(step_key, []), kept))
+        return tuple(out)
     finally:
         cap.exit_stack.close()
+
+
+def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGraph, ...]:
+    """The dispatch rung once per distinct options of the requests."""
+    by_options: dict = {}
+    for options, spec in requests:
+        by_options.setdefault(options, []).append(spec)
+    graphs = {}
+    for options, specs in by_options.items():
+        for spec, graph in zip(specs, _dispatch_steps(source, options, tuple(specs), reason=reason,
+                                                      kept=kept).values()):
+            graphs[(options, spec)] = graph
+    return tuple(graphs[(options, spec)] for options, spec in requests)
 
 
 def _ladder(capture: str) -> list:
@@ -179,10 +220,10 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str
     return {spec.label: graph for spec in specs}
 
 
-def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec,
+def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec, schedule,
                      recordings: list, kept=()) -> StepGraph:
-    """`recordings`: the optimizer step, recorded by the first policy and spliced into every one."""
-    schedule = policy_schedule(cap, spec)
+    """`recordings`: the optimizer step, recorded by the first policy and spliced into every one with the
+    same step settings; `schedule`: the policy's partition (policy_schedule)."""
     steady = options.step == "steady"
     first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
                          grads_preexisting=steady and not options.zero_grad_set_to_none)
