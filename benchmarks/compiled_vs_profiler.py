@@ -2,7 +2,7 @@
 torch.compile (Inductor) training step on CPU, per model and compile style, in one run.
 
     python benchmarks/compiled_vs_profiler.py [--models llama-debug,gpt2-debug,...] [--batch 2] [--seq 256]
-                                              [--styles whole,blocks]
+                                              [--styles whole,blocks] [--accumulate N]
 
 Models: the zoo's llama-debug and gpt2-debug, small transformers Llama and BERT configs (`hf:llama`,
 `hf:bert`, see HF_CONFIGS) and the hand-written MLP of examples/tiny_mlp_lm.py. Compile styles: `whole`
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import time
 
@@ -81,15 +82,24 @@ def block_paths(model) -> list[str]:
     return [b for b in blocks if b.rsplit(".", 1)[0] == top]
 
 
-def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict[str, int] | None:
-    """Peak bytes per phase of the real compiled step (record_function ranges name the phases); None when
-    the style does not apply (no repeated blocks)."""
+def phase_names(accumulate: int) -> tuple[str, ...]:
+    """The step's phases as tracer names them: one forward and backward per micro-batch."""
+    if accumulate == 1:
+        return PHASES
+    return tuple(f"{p} (micro-batch {i})" for i in range(1, accumulate + 1) for p in PHASES[:2]) + ("optimizer",)
+
+
+def measured_compiled_peaks(name: str, batch: int, seq: int, style: str, accumulate: int = 1) -> dict[str, int] | None:
+    """Peak bytes per phase of the real compiled step (record_function ranges name the phases), with
+    `accumulate` micro-batches (each `loss = run(*batch)` then `loss.backward()`, the loss rebound by the
+    next one, as a training loop writes it); None when the style does not apply (no repeated blocks)."""
     from torch.profiler import record_function
 
     source = model_source(name)
     torch.manual_seed(0)
     model = source.build_model()
-    tokens = source.example_batch(batch, seq)
+    batches = [source.example_batch(batch, seq) for _ in range(accumulate)]
+    tokens = batches[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     torch._dynamo.reset()
     if style in CHECKPOINTED and not checkpoint_blocks(model, CHECKPOINTED[style]):
@@ -103,27 +113,30 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict
         for path in blocks:
             model.get_submodule(path).compile(dynamic=False)
         run = model
-    for _ in range(2):
-        loss = run(*tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del loss
-    before = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-              for t in [*model.parameters(), *model.buffers(), *tokens,
-                        *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]}
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("phase:forward"):
-            loss = run(*tokens)
-        with record_function("phase:backward"):
-            loss.backward()
-        with record_function("phase:optimizer"):
+    names = phase_names(accumulate)
+
+    def step(ranged):
+        loss = None
+        for i, micro_batch in enumerate(batches):
+            with (record_function(f"phase:{names[2 * i]}") if ranged else contextlib.nullcontext()):
+                loss = run(*micro_batch)
+            with (record_function(f"phase:{names[2 * i + 1]}") if ranged else contextlib.nullcontext()):
+                loss.backward()
+        with (record_function("phase:optimizer") if ranged else contextlib.nullcontext()):
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step(ranged=False)
+    before = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+              for t in [*model.parameters(), *model.buffers(), *(t for b in batches for t in b),
+                        *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))]}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(ranged=True)
     events = list(prof.profiler.kineto_results.events())
     ranges = {e.name().removeprefix("phase:"): (e.start_ns(), e.start_ns() + e.duration_ns())
               for e in events if e.name().startswith("phase:")}
-    live, peaks = sum(before.values()), dict.fromkeys(PHASES, 0)
+    live, peaks = sum(before.values()), dict.fromkeys(names, 0)
     for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
         live += nbytes
         phase = next((name for name, (a, b) in ranges.items() if a <= start <= b), None)
@@ -133,7 +146,7 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict
     return peaks
 
 
-def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dict[str, int] | None:
+def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str, accumulate: int = 1) -> dict[str, int] | None:
     """The `compiled` (or `compiled+full` / `compiled+selective`) policy's peak per phase; None for a
     compile style the tracer does not predict."""
     from tracer.capture import CaptureOptions, PolicySpec, capture_steps
@@ -142,27 +155,27 @@ def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str) -> dic
     if style == "blocks":
         return None
     policy = "compiled" if style == "whole" else f"compiled+{CHECKPOINTED[style]}"
-    graphs = capture_steps(model_source(name), CaptureOptions(batch=batch, seq=seq, target="cpu"),
-                           (PolicySpec(name=policy),))
+    graphs = capture_steps(model_source(name), CaptureOptions(batch=batch, seq=seq, target="cpu",
+                                                              accumulate=accumulate), (PolicySpec(name=policy),))
     phases = analyze_graphs(graphs).policies[policy].phases
-    return {phase: phases[phase].peak_bytes for phase in PHASES}
+    return {phase: phases[phase].peak_bytes for phase in phase_names(accumulate)}
 
 
 def print_comparison(name: str, style: str, predicted, measured, seconds: tuple[float, float]) -> float | None:
     """Prints one table; returns the worst |error| in percent over the phases and the step (None: no prediction)."""
     label = os.path.basename(name) if name.endswith(".py") else name
     print(f"{label}, {style} compile (predicted in {seconds[0]:.1f} s, measured in {seconds[1]:.1f} s incl. compile)")
-    print(f"  {'phase':<10} {'predicted B':>15} {'profiler B':>15} {'error':>8}")
+    print(f"  {'phase':<26} {'predicted B':>15} {'profiler B':>15} {'error':>8}")
     worst = None
-    for phase in (*PHASES, "step"):
+    for phase in (*measured, "step"):
         m = max(measured.values()) if phase == "step" else measured[phase]
         if predicted is None:
-            print(f"  {phase:<10} {'not predicted':>15} {m:>15,}")
+            print(f"  {phase:<26} {'not predicted':>15} {m:>15,}")
             continue
         p = max(predicted.values()) if phase == "step" else predicted[phase]
         error = 100.0 * (p - m) / m
         worst = max(worst or 0.0, abs(error))
-        print(f"  {phase:<10} {p:>15,} {m:>15,} {error:+7.2f}%")
+        print(f"  {phase:<26} {p:>15,} {m:>15,} {error:+7.2f}%")
     return worst
 
 
@@ -172,6 +185,7 @@ def main() -> None:
     p.add_argument("--styles", default=",".join(STYLES))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     args = p.parse_args()
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
@@ -179,9 +193,9 @@ def main() -> None:
     for name in args.models.split(","):
         for style in args.styles.split(","):
             t0 = time.perf_counter()
-            predicted = predicted_compiled_peaks(name, args.batch, args.seq, style)
+            predicted = predicted_compiled_peaks(name, args.batch, args.seq, style, args.accumulate)
             t1 = time.perf_counter()
-            measured = measured_compiled_peaks(name, args.batch, args.seq, style)
+            measured = measured_compiled_peaks(name, args.batch, args.seq, style, args.accumulate)
             t2 = time.perf_counter()
             if measured is None:
                 print(f"{name}, {style} compile: no repeated blocks, skipped")

@@ -85,3 +85,33 @@ def test_compiled_phase_peaks_equal_a_real_compiled_step(model, compiled_vs_prof
     assert predicted["forward"] == measured["forward"]
     assert predicted["backward"] == measured["backward"]
     assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64
+
+
+@pytest.mark.slow
+def test_compiled_gradient_accumulation_shows_the_second_backward_holding_every_new_gradient(
+        compiled_vs_profiler, no_compile_caches):
+    """Whole-model compile with 2 micro-batches: the compiled backward returns all of micro-batch 2's
+    gradients together before they are added to the stored ones, so its backward peaks a whole set of
+    gradients above micro-batch 1's. Every phase exact against the real compiled step (the optimizer up to
+    the profiler's 0-dim scalars)."""
+    predicted = compiled_vs_profiler.predicted_compiled_peaks("llama-debug", 2, 128, "whole", accumulate=2)
+    measured = compiled_vs_profiler.measured_compiled_peaks("llama-debug", 2, 128, "whole", accumulate=2)
+    for phase in compiled_vs_profiler.phase_names(2)[:-1]:
+        assert predicted[phase] == measured[phase], phase
+    assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64
+    gradient_bytes = 4 * sum(p.numel() for p in load_model_source("llama-debug").build_model().parameters())
+    assert predicted["backward (micro-batch 2)"] - predicted["backward (micro-batch 1)"] >= gradient_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style, backward_tolerance", [("whole+selective", 0.0), ("whole+full", 0.02)])
+def test_checkpointed_blocks_inside_torch_compile(style, backward_tolerance, compiled_vs_profiler,
+                                                  no_compile_caches):
+    """`compiled+selective` / `compiled+full` against torch.compile of a model whose blocks run in
+    torch.utils.checkpoint (selective: tracer's default save policy as torch's policy_fn). The forward is
+    exact; the backward of full checkpointing is 1.7% under the real step (not yet explained, README)."""
+    predicted = compiled_vs_profiler.predicted_compiled_peaks("llama-debug", 2, 128, style)
+    measured = compiled_vs_profiler.measured_compiled_peaks("llama-debug", 2, 128, style)
+    assert predicted["forward"] == measured["forward"]
+    assert abs(predicted["backward"] - measured["backward"]) <= backward_tolerance * measured["backward"]
+    assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64
