@@ -130,3 +130,15 @@ def test_a_graph_that_changes_with_the_size_is_searched_with_full_analyses():
     result = report.results["eager"]
     assert not result.per_op and result.corrections > 0
     assert (result.largest, result.peak_bytes, result.next_peak_bytes) == (20, 5000, 1000 + 10 * 21**2)
+
+
+def test_under_sharding_the_fit_is_rank_zeros_peak():
+    """--fit with --shard fits the per-rank peak (each rank runs --batch), not the single device's."""
+    report = fit_budget("llama-debug", "3MiB", seq=64, policies=("eager",), target="cpu", shard="fsdp",
+                        world_size=4)
+    result = report.results["eager"]
+    at_largest = tracer.analyze("llama-debug", batch=result.largest, seq=64, target="cpu", shard="fsdp",
+                                world_size=4).policies["eager"]
+    assert result.peak_bytes == at_largest.sharded.peak_bytes <= 3 * 2**20 < result.next_peak_bytes
+    single = fit_budget("llama-debug", "3MiB", seq=64, policies=("eager",), target="cpu").results["eager"]
+    assert result.largest > single.largest
