@@ -329,7 +329,8 @@ def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
                 hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
                 slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
                 wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
-                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3,)
+                # the router's other arguments (a score-correction bias, ...) pass through unchanged
+                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3, *args[1:])
 
             module.register_forward_pre_hook(prefer)
     return model
