@@ -4,8 +4,9 @@ A TorchDispatchMode sees every storage an op returns and puts a `weakref.finaliz
 seen when the last reference (Python variable, autograd saved tensor, .grad) goes away; this matches the
 allocator-level profiler to the byte at op boundaries on CPU (shared/notes/GROUND_TRUTH.md section 2),
 except kernel-internal scratch. Saved-for-backward bytes come from `saved_tensors_hooks`, deduplicated
-by storage, parameters excluded. Source lines: forward ops take the innermost user frame; backward ops
-take the forward line stamped on their autograd node by a TorchFunctionMode.
+by storage, parameters excluded, counting only what some autograd node still holds when backward starts (a
+branch dropped in forward frees its nodes and what they saved). Source lines: forward ops take the innermost
+user frame; backward ops take the forward line stamped on their autograd node by a TorchFunctionMode.
 This is test code: it runs the real model with real memory.
 """
 from __future__ import annotations
@@ -151,14 +152,27 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
         del loss
     param_keys = {p.untyped_storage()._cdata for p in params}
     saved: dict[int, int] = {}
+    packed_alive: dict[int, int] = {}        # storage key -> saved references autograd still holds
+
+    def released(key: int) -> None:
+        if tracker.phase != "forward":
+            return
+        packed_alive[key] -= 1                # its node died in forward (a branch the loss never reaches):
+        if not packed_alive[key]:             # backward never reads it, and a later storage may take its key
+            del packed_alive[key]
+            saved.pop(key, None)
 
     def pack(t):
         st = t.untyped_storage()
-        if st._cdata not in param_keys:
-            saved.setdefault(st._cdata, st.nbytes())
         # a detached alias (same storage): returning `t` itself makes a saved output hold its own grad_fn, a
         # cycle through C++ that keeps a branch the loss never reaches (BERT's pooler) alive to the step's end
-        return t.detach()
+        packed = t.detach()
+        # (a storage a checkpoint holds is counted apart, to the end: saved before any pack, not in packed_alive)
+        if st._cdata not in param_keys and (st._cdata not in saved or st._cdata in packed_alive):
+            saved[st._cdata] = st.nbytes()
+            packed_alive[st._cdata] = packed_alive.get(st._cdata, 0) + 1
+            weakref.finalize(packed, released, st._cdata)
+        return packed
 
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")
@@ -315,7 +329,8 @@ def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
                 hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
                 slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
                 wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
-                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3,)
+                # the router's other arguments (a score-correction bias, ...) pass through unchanged
+                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3, *args[1:])
 
             module.register_forward_pre_hook(prefer)
     return model

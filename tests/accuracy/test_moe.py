@@ -133,3 +133,14 @@ def test_a_transformers_moe_with_balanced_routers_is_exact_against_a_real_step(n
     else:
         assert "aten._grouped_mm" in notes and "routing assumed" not in notes
     _assert_exact(predicted, _measure(source, 2, 16))
+
+
+def test_a_router_taking_a_score_correction_bias_routes_balanced_and_is_exact():
+    """MiniMax-M2's router takes `(hidden, e_score_correction_bias)`: the balanced pre-hook replaces the hidden
+    state only and passes the bias on (it once dropped it: the real forward raised a TypeError)."""
+    pytest.importorskip("transformers")
+    import dataclasses
+    plain = load_model_source("hf:minimax_m2", hf_config=HF_MOE + ("num_local_experts=4", "head_dim=8"))
+    source = dataclasses.replace(plain, build_model=lambda: balanced_routers(plain.build_model()))
+    _, predicted = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
+    _assert_exact(predicted, _measure(source, 2, 16))

@@ -43,3 +43,17 @@ def test_dropout_with_p_zero_saves_no_copy(direct, monkeypatch):
     measured = measure_step(source.build_model(), source.example_batch(2, 16), None, steady=False)
     assert predicted.saved.total_bytes == measured.saved_bytes
     assert not any(op.target == "aten.clone.default" for op in graph.ops)
+
+
+def test_a_branch_dropped_in_forward_saves_nothing():
+    """Tensors saved by a branch the loss never reaches die in forward: backward never reads them, and the
+    storages saved after them (which may reuse their addresses) are each counted once."""
+    import os
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "discarded_branch.py")
+    predicted = _predict(model, 2, 16, "fp32")
+    source = load_model_source(model)
+    torch.manual_seed(0)
+    measured = measure_step(source.build_model(), source.example_batch(2, 16), None, steady=False)
+    tanh_outputs_bytes = 4 * 2 * 16 * 32 * 4
+    assert predicted.saved.total_bytes >= tanh_outputs_bytes
+    assert predicted.saved.total_bytes == measured.saved_bytes

@@ -146,11 +146,18 @@ def loss_output_index(descs: list) -> int:
 
 
 def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) -> None:
-    """A buffer the forward updates (`running_mean`) is written in place in eager: the graph's new value of
-    it is never a storage of its own."""
+    """A buffer the forward updates (`running_mean`), or a user input (`labels.masked_fill_(...)`), is written
+    in place in eager: the graph's new value of it is never a storage of its own."""
     for out, desc in zip(outs, descs):
         if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue):
-            table.update(values[out].storage_id, fused=True, name=f"{normalize_module_path(desc.mutated_input.target)} (updated in place)")
+            table.update(values[out].storage_id, fused=True, name=f"{_input_name(desc.mutated_input)} (updated in place)")
+
+
+def _input_name(desc) -> str:
+    """A buffer's or parameter's module path; a user input (PlainAOTInput) has only its flat index."""
+    if getattr(desc, "target", None) is not None:
+        return normalize_module_path(desc.target)
+    return f"input {desc.idx}" if hasattr(desc, "idx") else desc.expr()
 
 
 def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
