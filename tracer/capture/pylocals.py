@@ -4,7 +4,9 @@ function returns, even after its last use by an op. The joint graph alone frees 
 From each forward op's user stack (outer -> inner frames, kept whole by the capture) this finds:
   * frame invocations: per depth, a run of ops with the same outer call chain and the same function,
     whose line numbers never go back (a smaller line starts a new call, e.g. the next block in a loop);
-  * statements: (invocation, line); the value a statement binds is the output of its last op;
+  * statements: (invocation, line); the value a statement binds is the output of its last op; a frame's
+    line is first taken to its statement's first line, since the lines one statement's ops report can go
+    back (`loss = fn(\n a.view(...))` runs the view on the second line, then the call on the first);
   * for a statement `name = <expr>` (one plain name; read from the file's AST), the op after which the
     name lets go: the end of the next statement in the same function that assigns or deletes `name`,
     else the last op of the invocation.
@@ -33,6 +35,7 @@ def local_holds(forward_ops: Sequence[tuple[int, tuple[Frame, ...], tuple[int, .
         outputs[index] = out_sids
         for depth, (file, line, func) in enumerate(frames):
             key = (frames[:depth], file, func)
+            line = _statement_line(file, line)
             inv, last_line = current.get(key, (None, -1))
             if inv is None or line < last_line:
                 inv, next_id = next_id, next_id + 1
@@ -90,6 +93,12 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
     if tree is not None:
         visit(tree, None)
     return best
+
+
+def _statement_line(file: str, line: int) -> int:
+    """The first line of the simple statement covering `line` (the line itself when the file is unreadable)."""
+    stmt, _ = _statement_at(file, line)
+    return stmt.lineno if stmt is not None else line
 
 
 def _bound_name(file: str, line: int) -> str | None:
