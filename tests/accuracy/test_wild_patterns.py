@@ -31,3 +31,9 @@ def test_a_local_stays_held_through_a_call_written_over_two_lines():
     """qwen2_audio, granite_speech: `loss = loss_fct(\\n shift_logits.view(...), ...)`; the logits local was let
     go when the line went back from the arguments' line to the call's, 30,728 B under the forward peak."""
     _assert_exact("multiline_loss_call.py")
+
+
+def test_layer_norm_grad_input_is_contiguous_as_eager_allocates_it():
+    """pvt_v2, segformer: the traced LayerNorm backward gave grad_input the transposed gradient's strides, so
+    the Linear's backward reshape was traced as a copy: 150,528 B over the backward peak."""
+    _assert_exact("transposed_layer_norm.py")
