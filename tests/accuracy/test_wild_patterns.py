@@ -37,3 +37,9 @@ def test_layer_norm_grad_input_is_contiguous_as_eager_allocates_it():
     """pvt_v2, segformer: the traced LayerNorm backward gave grad_input the transposed gradient's strides, so
     the Linear's backward reshape was traced as a copy: 150,528 B over the backward peak."""
     _assert_exact("transposed_layer_norm.py")
+
+
+def test_a_local_bound_in_a_loop_is_held_until_the_next_iteration_binds_it():
+    """pvt_v2: `layer_output = layer(...)` in the loop over stages held the stage's LayerNorm output while the
+    next stage ran; the prediction let it go at the end of its own iteration, 149,744 B under the forward peak."""
+    _assert_exact("stage_loop_locals.py")
