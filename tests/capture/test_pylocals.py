@@ -14,6 +14,21 @@ SOURCE = textwrap.dedent('''\
     def block(x):
         x = x + 1
         return x
+
+
+    def loss_of(x):
+        h = f(x)
+        loss = g(
+            h.view(-1),
+        )
+        return loss
+
+
+    def stages(x):
+        for stage in stages:
+            out = stage(x)
+            x = out.contiguous()
+        return x
 ''')
 
 
@@ -49,3 +64,37 @@ def test_each_call_in_a_loop_is_its_own_invocation(tmp_path):
     ]
     holds = local_holds(ops)
     assert holds[20] == 1 and holds[22] == 3     # not held across into the next call
+
+
+def test_a_statement_over_several_lines_is_one_statement(tmp_path):
+    """The ops of `loss = g(\n h.view(-1))` report the view's line (16), then the call's (15): the line
+    going back inside one statement starts no new call, so `h` is still held until the function returns."""
+    f = _write(tmp_path)
+    ops = [
+        (0, ((f, 14, "loss_of"),), (30,)),       # h = f(x)
+        (1, ((f, 16, "loss_of"),), (31,)),       # h.view(-1): last use of h
+        (2, ((f, 15, "loss_of"),), (32,)),       # g(...): binds loss
+        (3, ((f, 18, "loss_of"),), (33,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[30] == 3                        # h lives until loss_of returns
+    assert holds[32] == 3                        # loss is the output of the statement's last op
+    assert 31 not in holds                       # the view's output is bound to no name
+
+
+def test_a_loop_iteration_is_no_new_call_and_holds_until_the_next_binding(tmp_path):
+    """`out = stage(x); x = out.contiguous()` in a loop: the line going back from 24 to 23 is the loop's next
+    iteration; `out` lets go when the next iteration's `out = stage(x)` ends, not when its own ends."""
+    f = _write(tmp_path)
+    outer = (f, 99, "caller")
+    ops = [
+        (0, (outer, (f, 23, "stages"), (f, 9, "block")), (40,)),    # out = stage(x), inside stage
+        (1, (outer, (f, 24, "stages")), (41,)),                    # x = out.contiguous()
+        (2, (outer, (f, 23, "stages"), (f, 9, "block")), (42,)),    # next iteration: a new call of stage
+        (3, (outer, (f, 24, "stages")), (43,)),
+        (4, (outer, (f, 25, "stages")), (44,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[40] == 2                        # the first `out` until the second `out = stage(x)` ends
+    assert holds[41] == 3                        # the first `x` until the second `x = ...` ends
+    assert holds[42] == 4 and holds[43] == 4     # the last iteration's values until stages returns

@@ -83,7 +83,7 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
 def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, device, source: ModelSource) -> _Recorded:
     """One fresh torch.compile call on the fake batch; returns what the backend recorded. `device`: a
     `Target`; for cuda, `cuda_capture` picks CUDA's SDPA op and autocast lists while AOTAutograd traces."""
-    from tracer.capture.eager_kernels import dropout_as_in_eager
+    from tracer.capture.eager_kernels import kernels_as_in_eager
     from tracer.capture.target import cuda_capture
     recorded = _Recorded()
     autocast = autocast_context(precision)
@@ -91,7 +91,7 @@ def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, dev
     torch._dynamo.reset()                     # a cached graph of an earlier capture would skip the backend
     try:
         with torch._functorch.config.patch(enable_autograd_cache=False), _attributes_restored(traced), \
-                cuda_capture(device, precision), fake_mode, autocast, dropout_as_in_eager():
+                cuda_capture(device, precision), fake_mode, autocast, kernels_as_in_eager():
             compiled(*args)
     except Exception as exc:
         raise CaptureError(f"torch.compile (fullgraph) failed on {source.name}: {_compile_message(exc)}",

@@ -9,6 +9,15 @@ extra tensor per dropout. For the duration, dropout with p=0 or not training ret
 keeps torch's decomposition. Eager runs never reach these Python kernels (no Python dispatcher), so they
 are unchanged. Limit: it swaps the op's Python kernels (`py_kernels`, a private torch structure), so a
 torch upgrade may need it revisited; tests/accuracy/test_hf.py (T5) fails if it stops working.
+
+`layouts_as_in_eager()`: ops whose fake kernel (torch's Python decomposition, which fake tensors run for
+them) gives an output other strides than the eager kernel allocates it with (`CONTIGUOUS_IN_EAGER`). A
+later `reshape` of that output is a view in eager but a copy in the trace (`clone` + `_unsafe_view`), one
+tensor too many at the backward peak. For the duration, those outputs are made contiguous as eager's
+kernels make them. Limit: it swaps entries of `torch._decomp.decomposition_table` (fake tensors run an
+entry only when it is torch's own function, so the wrapper carries its name and module); fake tensors
+cache an op's output metadata across modes, so the cache is emptied on the way in and out;
+tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
 """
 from __future__ import annotations
 
@@ -36,6 +45,53 @@ def dropout_as_in_eager():
     finally:
         op.py_kernels.update(saved)
         op._dispatch_cache.clear()
+
+
+# aten op -> positions of outputs that the eager kernel allocates contiguous whatever its inputs' strides;
+# the decomposition gives them the strides of an input. native_layer_norm_backward: CPU and CUDA allocate
+# grad_input with `empty_like(X, ..., MemoryFormat::Contiguous)` (layer_norm.cpp, layer_norm_kernel.cu); the
+# decomposition's grad_input follows grad_out, which is transposed after a `permute` / `transpose` (PVT,
+# SegFormer: `x.flatten(2).transpose(1, 2)` then LayerNorm).
+CONTIGUOUS_IN_EAGER = {"aten.native_layer_norm_backward.default": (0,)}
+
+
+@contextlib.contextmanager
+def layouts_as_in_eager():
+    import functools
+
+    from torch._decomp import decomposition_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    saved = {}
+    for name, positions in CONTIGUOUS_IN_EAGER.items():
+        op = _op_named(name)
+        if op not in decomposition_table:
+            continue
+        saved[op] = decomposition_table[op]
+
+        def as_in_eager(*args, _decomposed=saved[op], _positions=positions, **kwargs):
+            out = _decomposed(*args, **kwargs)
+            return tuple(t.contiguous() if i in _positions and t is not None else t for i, t in enumerate(out))
+
+        decomposition_table[op] = functools.wraps(saved[op])(as_in_eager)
+    FakeTensorMode.cache_clear()         # metadata cached under torch's own layout would bypass the wrapper
+    try:
+        yield
+    finally:
+        decomposition_table.update(saved)
+        FakeTensorMode.cache_clear()
+
+
+@contextlib.contextmanager
+def kernels_as_in_eager():
+    """Both of the above, while a graph is traced."""
+    with dropout_as_in_eager(), layouts_as_in_eager():
+        yield
+
+
+def _op_named(name: str):
+    """"aten.native_layer_norm_backward.default" -> the OpOverload."""
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
 # aten op -> positions of inputs that eager autograd saves although the traced backward reads only their

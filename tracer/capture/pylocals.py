@@ -2,14 +2,21 @@
 function returns, even after its last use by an op. The joint graph alone frees it at last use.
 
 From each forward op's user stack (outer -> inner frames, kept whole by the capture) this finds:
-  * frame invocations: per depth, a run of ops with the same outer call chain and the same function,
-    whose line numbers never go back (a smaller line starts a new call, e.g. the next block in a loop);
-  * statements: (invocation, line); the value a statement binds is the output of its last op;
+  * frame invocations: per depth, a run of ops of one function called from one caller invocation and call
+    line, whose lines never go back (a smaller line starts a new call, e.g. the next block in a loop),
+    except where a `for` / `while` body in that function covers both lines: then it is the loop's next
+    iteration, in the same call;
+  * statement runs: consecutive ops of one invocation on one statement; a frame's line is first taken to
+    its statement's first line, since the lines one statement's ops report can go back
+    (`loss = fn(\\n a.view(...))` runs the view on the second line, then the call on the first); the value
+    a statement binds is the output of its run's last op;
   * for a statement `name = <expr>` (one plain name; read from the file's AST), the op after which the
-    name lets go: the end of the next statement in the same function that assigns or deletes `name`,
-    else the last op of the invocation.
+    name lets go: the end of the next run of a statement in the same function that assigns or deletes
+    `name` (in a loop, the same statement in the next iteration), else the last op of the invocation.
 Limits: tuple targets, attributes and containers are not followed (their values are not held longer);
-a rebinding statement that runs no aten op is placed at the last op before its line.
+a rebinding statement that runs no aten op is placed at the last op before its line; a loop whose body is
+one statement (`for b in blocks: x = b(x)`) is one run, so only its last iteration's value is held; a
+function whose every op sits in one loop, called twice in a row from one line, reads as one call.
 """
 from __future__ import annotations
 
@@ -26,41 +33,53 @@ def local_holds(forward_ops: Sequence[tuple[int, tuple[Frame, ...], tuple[int, .
     current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
     invocation_end: dict[int, int] = {}
     invocation_frame: dict[int, Frame] = {}
-    statement_last_op: dict[tuple[int, int], int] = {}   # (invocation, line) -> last op index
+    runs: dict[int, list[list[int]]] = {}               # invocation -> [statement line, last op] in order
     outputs: dict[int, tuple[int, ...]] = {}
     next_id = 0
     for index, frames, out_sids in forward_ops:
         outputs[index] = out_sids
+        parent = None
         for depth, (file, line, func) in enumerate(frames):
-            key = (frames[:depth], file, func)
+            # a call is known by its caller's invocation and call line: a new caller invocation, a new call
+            key = (parent, frames[depth - 1][1] if depth else None, file, func)
+            line = _statement_line(file, line)
             inv, last_line = current.get(key, (None, -1))
-            if inv is None or line < last_line:
+            if inv is None or (line < last_line and not _in_one_loop(file, line, last_line)):
                 inv, next_id = next_id, next_id + 1
                 invocation_frame[inv] = (file, line, func)
+                runs[inv] = []
             current[key] = (inv, line)
             invocation_end[inv] = index
-            statement_last_op[(inv, line)] = index
-    lines_by_invocation: dict[int, list[tuple[int, int]]] = {}
-    for (inv, line), last in statement_last_op.items():
-        lines_by_invocation.setdefault(inv, []).append((line, last))
+            if runs[inv] and runs[inv][-1][0] == line:
+                runs[inv][-1][1] = index
+            else:
+                runs[inv].append([line, index])
+            parent = inv
     holds: dict[int, int] = {}
-    for (inv, line), last in statement_last_op.items():
+    for inv, statements in runs.items():
         file = invocation_frame[inv][0]
-        name = _bound_name(file, line)
-        if name is None:
-            continue
-        release = _release_op(file, line, name, sorted(lines_by_invocation[inv]), invocation_end[inv])
-        for sid in outputs[last]:
-            holds[sid] = max(holds.get(sid, -1), release)
+        for position, (line, last) in enumerate(statements):
+            name = _bound_name(file, line)
+            if name is None:
+                continue
+            release = _release_op(file, line, name, statements[position:], invocation_end[inv])
+            for sid in outputs[last]:
+                holds[sid] = max(holds.get(sid, -1), release)
     return holds
 
 
-def _release_op(file: str, line: int, name: str, statements: list[tuple[int, int]], end: int) -> int:
+def _release_op(file: str, line: int, name: str, statements: list[list[int]], end: int) -> int:
+    """statements: the binding statement's run, then the runs after it in execution order. The name lets
+    go at the end of the next run of a statement that assigns or deletes it (in a loop, the same statement
+    in the next iteration); a rebinding statement that runs no op ends at the last op before its line."""
+    stores = _storing_lines(file, line, name)
     rebind = _next_rebinding_line(file, line, name)
-    if rebind is None:
-        return end
-    at_or_before = [last for stmt_line, last in statements if stmt_line <= rebind]
-    return max(at_or_before) if at_or_before else end
+    for (stmt_line, last), (previous_line, previous_last) in zip(statements[1:], statements):
+        if stmt_line in stores:
+            return last
+        if rebind is not None and previous_line <= rebind < stmt_line:
+            return previous_last
+    return end
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,6 +111,12 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
     return best
 
 
+def _statement_line(file: str, line: int) -> int:
+    """The first line of the simple statement covering `line` (the line itself when the file is unreadable)."""
+    stmt, _ = _statement_at(file, line)
+    return stmt.lineno if stmt is not None else line
+
+
 def _bound_name(file: str, line: int) -> str | None:
     stmt, _ = _statement_at(file, line)
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
@@ -102,12 +127,28 @@ def _bound_name(file: str, line: int) -> str | None:
 
 
 def _next_rebinding_line(file: str, line: int, name: str) -> int | None:
-    stmt, func = _statement_at(file, line)
-    if func is None:
-        return None
-    lines = []
-    for node in ast.walk(func):
-        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
-            if node.lineno > (stmt.end_lineno or stmt.lineno):
-                lines.append(node.lineno)
+    stmt, _ = _statement_at(file, line)
+    lines = [store for store in _storing_lines(file, line, name) if store > (stmt.end_lineno or stmt.lineno)]
     return min(lines) if lines else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _storing_lines(file: str, line: int, name: str) -> frozenset[int]:
+    """The first lines of the statements, in the function around `line`, that assign or delete `name`."""
+    _, func = _statement_at(file, line)
+    if func is None:
+        return frozenset()
+    return frozenset(_statement_line(file, node.lineno) for node in ast.walk(func)
+                     if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_one_loop(file: str, earlier: int, later: int) -> bool:
+    """Some `for` / `while` statement's body covers both lines: going back from `later` to `earlier` may be
+    the loop's next iteration rather than a new call."""
+    tree = _parse(file)
+    if tree is None:
+        return False
+    return any(isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.body
+               and node.body[0].lineno <= earlier and later <= (node.body[-1].end_lineno or node.body[-1].lineno)
+               for node in ast.walk(tree))
