@@ -2,65 +2,102 @@
 function returns, even after its last use by an op. The joint graph alone frees it at last use.
 
 From each forward op's user stack (outer -> inner frames, kept whole by the capture) this finds:
-  * frame invocations: per depth, a run of ops with the same outer call chain and the same function,
-    whose line numbers never go back (a smaller line starts a new call, e.g. the next block in a loop);
-  * statements: (invocation, line); the value a statement binds is the output of its last op;
+  * frame invocations: per depth and per invocation of every outer frame, a run of ops with the same
+    outer call chain and the same function, whose line numbers never go back except inside one loop of
+    that function's source (a smaller line outside a loop starts a new call, e.g. the next block of a
+    loop in the caller);
+  * statement runs: consecutive ops of one invocation on one source statement, in execution order (a
+    statement in a loop runs once per iteration); the value a run binds is the output of its last op;
   * for a statement `name = <expr>` (one plain name; read from the file's AST), the op after which the
-    name lets go: the end of the next statement in the same function that assigns or deletes `name`,
-    else the last op of the invocation.
-Limits: tuple targets, attributes and containers are not followed (their values are not held longer);
-a rebinding statement that runs no aten op is placed at the last op before its line.
+    name lets go: the end of the next statement run that assigns or deletes `name` (the same statement
+    again in the next loop iteration included), else the last op of the invocation;
+  * for a statement `name.append(<expr>)` (also extend, insert: a local list collecting tensors, e.g.
+    one output per step of a recurrent scan), the value is held until `name` lets go the same way.
+Limits: tuple targets, attributes and other containers are not followed (their values are not held longer);
+a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
+function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
+for one call.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 from typing import Sequence
 
 Frame = tuple[str, int, str]          # (file, line, function)
 
 
+@dataclasses.dataclass
+class _Invocation:
+    file: str
+    runs: list[list[int]]             # [statement line, last op index] in execution order
+    end: int = -1                     # last op index of the invocation
+
+
 def local_holds(forward_ops: Sequence[tuple[int, tuple[Frame, ...], tuple[int, ...]]]) -> dict[int, int]:
     """forward_ops: (op index, user frames outer->inner, output storage ids), in execution order.
     Returns storage id -> index of the last op during which a Python local still holds it."""
-    current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
-    invocation_end: dict[int, int] = {}
-    invocation_frame: dict[int, Frame] = {}
-    statement_last_op: dict[tuple[int, int], int] = {}   # (invocation, line) -> last op index
-    outputs: dict[int, tuple[int, ...]] = {}
-    next_id = 0
-    for index, frames, out_sids in forward_ops:
-        outputs[index] = out_sids
-        for depth, (file, line, func) in enumerate(frames):
-            key = (frames[:depth], file, func)
-            inv, last_line = current.get(key, (None, -1))
-            if inv is None or line < last_line:
-                inv, next_id = next_id, next_id + 1
-                invocation_frame[inv] = (file, line, func)
-            current[key] = (inv, line)
-            invocation_end[inv] = index
-            statement_last_op[(inv, line)] = index
-    lines_by_invocation: dict[int, list[tuple[int, int]]] = {}
-    for (inv, line), last in statement_last_op.items():
-        lines_by_invocation.setdefault(inv, []).append((line, last))
+    outputs = {index: out_sids for index, _, out_sids in forward_ops}
     holds: dict[int, int] = {}
-    for (inv, line), last in statement_last_op.items():
-        file = invocation_frame[inv][0]
-        name = _bound_name(file, line)
-        if name is None:
-            continue
-        release = _release_op(file, line, name, sorted(lines_by_invocation[inv]), invocation_end[inv])
-        for sid in outputs[last]:
-            holds[sid] = max(holds.get(sid, -1), release)
+    for inv in _invocations(forward_ops):
+        for k, (line, last) in enumerate(inv.runs):
+            name = _holding_name(inv.file, line)
+            if name is None:
+                continue
+            release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
+            for sid in outputs[last]:
+                holds[sid] = max(holds.get(sid, -1), release)
     return holds
 
 
-def _release_op(file: str, line: int, name: str, statements: list[tuple[int, int]], end: int) -> int:
-    rebind = _next_rebinding_line(file, line, name)
-    if rebind is None:
-        return end
-    at_or_before = [last for stmt_line, last in statements if stmt_line <= rebind]
-    return max(at_or_before) if at_or_before else end
+def _invocations(forward_ops) -> list[_Invocation]:
+    current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
+    invocations: list[_Invocation] = []
+    for index, frames, _ in forward_ops:
+        outer_ids: tuple[int, ...] = ()
+        for depth, (file, line, func) in enumerate(frames):
+            line = _statement_line(file, line)
+            key = (outer_ids, frames[:depth], file, func)
+            inv_id, last_line = current.get(key, (None, -1))
+            if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
+                inv_id = len(invocations)
+                invocations.append(_Invocation(file=file, runs=[]))
+            current[key] = (inv_id, line)
+            inv = invocations[inv_id]
+            if inv.runs and inv.runs[-1][0] == line:
+                inv.runs[-1][1] = index
+            else:
+                inv.runs.append([line, index])
+            inv.end = index
+            outer_ids += (inv_id,)
+    return invocations
+
+
+def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int) -> int:
+    """The last op of the first later run that rebinds `name`; when execution passes a rebinding line
+    without running an op there, the last op before it; else the invocation's end."""
+    stores = _store_lines(file, line, name)
+    previous_line, previous_last = line, None
+    for run_line, run_last in later_runs:
+        if run_line in stores:
+            return run_last
+        if previous_last is not None and _passes_any(file, previous_line, run_line, stores):
+            return previous_last
+        previous_line, previous_last = run_line, run_last
+    return end
+
+
+def _passes_any(file: str, from_line: int, to_line: int, lines: frozenset[int]) -> bool:
+    """Does execution going from statement `from_line` to statement `to_line` pass one of `lines`?
+    Forward: the lines between; backward (the next iteration of a loop): the rest of the loop's body
+    after `from_line`, its header, and its body before `to_line`."""
+    if from_line < to_line:
+        return any(from_line < ln < to_line for ln in lines)
+    loop = _innermost_loop(file, from_line, to_line)
+    if loop is None:
+        return False
+    return any(from_line < ln <= loop[1] or loop[0] <= ln < to_line for ln in lines)
 
 
 @functools.lru_cache(maxsize=64)
@@ -92,8 +129,42 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
     return best
 
 
-def _bound_name(file: str, line: int) -> str | None:
+def _statement_line(file: str, line: int) -> int:
+    """The first line of the statement covering `line` (ops of one multi-line statement share it)."""
     stmt, _ = _statement_at(file, line)
+    return line if stmt is None else stmt.lineno
+
+
+@functools.lru_cache(maxsize=64)
+def _loops(file: str) -> tuple[tuple[int, int], ...]:
+    """(first line, last line) of every for/while loop in the file."""
+    tree = _parse(file)
+    if tree is None:
+        return ()
+    return tuple((node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree)
+                 if isinstance(node, (ast.For, ast.AsyncFor, ast.While)))
+
+
+def _innermost_loop(file: str, a: int, b: int) -> tuple[int, int] | None:
+    inside = [loop for loop in _loops(file) if loop[0] <= min(a, b) and max(a, b) <= loop[1]]
+    return min(inside, key=lambda loop: loop[1] - loop[0]) if inside else None
+
+
+def _in_one_loop(file: str, a: int, b: int) -> bool:
+    return _innermost_loop(file, a, b) is not None
+
+
+_COLLECTING_METHODS = frozenset({"append", "extend", "insert"})
+
+
+def _holding_name(file: str, line: int) -> str | None:
+    """The local name that holds the value the statement at `line` computes, if any."""
+    stmt, _ = _statement_at(file, line)
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        method = stmt.value.func
+        if (isinstance(method, ast.Attribute) and method.attr in _COLLECTING_METHODS
+                and isinstance(method.value, ast.Name)):
+            return method.value.id
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
         return stmt.targets[0].id
     if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
@@ -101,13 +172,11 @@ def _bound_name(file: str, line: int) -> str | None:
     return None
 
 
-def _next_rebinding_line(file: str, line: int, name: str) -> int | None:
-    stmt, func = _statement_at(file, line)
+@functools.lru_cache(maxsize=4096)
+def _store_lines(file: str, line: int, name: str) -> frozenset[int]:
+    """Statement lines of the function around `line` that assign or delete `name` (itself included)."""
+    _, func = _statement_at(file, line)
     if func is None:
-        return None
-    lines = []
-    for node in ast.walk(func):
-        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)):
-            if node.lineno > (stmt.end_lineno or stmt.lineno):
-                lines.append(node.lineno)
-    return min(lines) if lines else None
+        return frozenset()
+    return frozenset(_statement_line(file, node.lineno) for node in ast.walk(func)
+                     if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)))
