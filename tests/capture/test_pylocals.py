@@ -49,3 +49,37 @@ def test_each_call_in_a_loop_is_its_own_invocation(tmp_path):
     ]
     holds = local_holds(ops)
     assert holds[20] == 1 and holds[22] == 3     # not held across into the next call
+
+
+LOOP_SOURCE = textwrap.dedent('''\
+    def scan(x):
+        u = f(x)
+        state = g(x)
+        outs = []
+        for t in range(n):
+            state = u * state
+            outs.append(k(state))
+        y = stack(outs)
+        return y
+''')
+
+
+def test_a_loop_inside_one_call_is_one_invocation(tmp_path):
+    path = tmp_path / "scan.py"
+    path.write_text(LOOP_SOURCE)
+    f = str(path)
+    ops = [
+        (0, ((f, 2, "scan"),), (30,)),           # u = f(x)
+        (1, ((f, 3, "scan"),), (31,)),           # state = g(x)
+        (2, ((f, 6, "scan"),), (32,)),           # iteration 0: state = u * state (last use of the first state)
+        (3, ((f, 7, "scan"),), (33,)),           #              outs.append(k(state))
+        (4, ((f, 6, "scan"),), (34,)),           # iteration 1: the line goes back inside the loop
+        (5, ((f, 7, "scan"),), (35,)),
+        (6, ((f, 8, "scan"),), (36,)),           # y = stack(outs)
+        (7, ((f, 9, "scan"),), (37,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[30] == 7                        # u: read only in the loop, held until the function returns
+    assert holds[31] == 2                        # the first state: until iteration 0 rebinds the name
+    assert holds[32] == 4                        # iteration 0's state: until iteration 1 rebinds it
+    assert holds[33] == 7 and holds[35] == 7     # appended outputs: as long as the list `outs`

@@ -1,0 +1,14 @@
+"""Python locals keep tensors alive past their last use (tracer/capture/pylocals.py), also across a loop
+inside one function: a recurrent scan written in Python (Mamba's slow path) holds its loop inputs, its
+state and its list of per-step outputs until the function returns."""
+import os
+
+from test_eager_step import assert_step_matches, predict_and_measure
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "recurrent_scan.py")
+
+
+def test_a_python_loop_over_the_sequence_keeps_its_locals_until_the_function_returns():
+    result, measured = predict_and_measure(FIXTURE, batch=2, seq=32, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
