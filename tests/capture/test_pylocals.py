@@ -83,3 +83,27 @@ def test_a_loop_inside_one_call_is_one_invocation(tmp_path):
     assert holds[31] == 2                        # the first state: until iteration 0 rebinds the name
     assert holds[32] == 4                        # iteration 0's state: until iteration 1 rebinds it
     assert holds[33] == 7 and holds[35] == 7     # appended outputs: as long as the list `outs`
+
+
+TUPLE_SOURCE = textwrap.dedent('''\
+    def chunks(x, y):
+        a, b = [pad(t).reshape(n) for t in (x, y)]
+        z = g(a)
+        return z
+''')
+
+
+def test_a_tuple_target_binds_the_statements_final_values_in_order(tmp_path):
+    path = tmp_path / "tuple.py"
+    path.write_text(TUPLE_SOURCE)
+    f = str(path)
+    ops = [
+        (0, ((f, 2, "chunks"),), (40,), (1,)),        # pad(x)
+        (1, ((f, 2, "chunks"),), (40,), (40,)),       # .reshape(n): a view continues it
+        (2, ((f, 2, "chunks"),), (41,), (2,)),        # pad(y)
+        (3, ((f, 2, "chunks"),), (41,), (41,)),
+        (4, ((f, 3, "chunks"),), (42,), (40,)),       # z = g(a): last use of a
+        (5, ((f, 4, "chunks"),), (43,), (42,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[40] == 5 and holds[41] == 5      # a and b: held until the function returns

@@ -12,8 +12,11 @@ From each forward op's user stack (outer -> inner frames, kept whole by the capt
     name lets go: the end of the next statement run that assigns or deletes `name` (the same statement
     again in the next loop iteration included), else the last op of the invocation;
   * for a statement `name.append(<expr>)` (also extend, insert: a local list collecting tensors, e.g.
-    one output per step of a recurrent scan), the value is held until `name` lets go the same way.
-Limits: tuple targets, attributes and other containers are not followed (their values are not held longer);
+    one output per step of a recurrent scan), the value is held until `name` lets go the same way;
+  * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
+    run reads, in the order they were made) are bound to the names in order when there are as many of
+    them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); otherwise none is held.
+Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
 a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
 function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
 for one call.
@@ -31,30 +34,52 @@ Frame = tuple[str, int, str]          # (file, line, function)
 @dataclasses.dataclass
 class _Invocation:
     file: str
-    runs: list[list[int]]             # [statement line, last op index] in execution order
+    runs: list[list]                  # [statement line, last op index, op indices] in execution order
     end: int = -1                     # last op index of the invocation
 
 
-def local_holds(forward_ops: Sequence[tuple[int, tuple[Frame, ...], tuple[int, ...]]]) -> dict[int, int]:
-    """forward_ops: (op index, user frames outer->inner, output storage ids), in execution order.
-    Returns storage id -> index of the last op during which a Python local still holds it."""
-    outputs = {index: out_sids for index, _, out_sids in forward_ops}
+def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
+    """forward_ops: (op index, user frames outer->inner, output storage ids[, input storage ids]), in
+    execution order. Returns storage id -> index of the last op during which a Python local still holds it."""
+    outputs = {op[0]: op[2] for op in forward_ops}
+    inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
     holds: dict[int, int] = {}
     for inv in _invocations(forward_ops):
-        for k, (line, last) in enumerate(inv.runs):
-            name = _holding_name(inv.file, line)
-            if name is None:
-                continue
-            release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
-            for sid in outputs[last]:
-                holds[sid] = max(holds.get(sid, -1), release)
+        for k, (line, last, run_ops) in enumerate(inv.runs):
+            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
+                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
+                for sid in sids:
+                    holds[sid] = max(holds.get(sid, -1), release)
     return holds
+
+
+def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[int]):
+    """(name, storage ids it holds) for each local the statement at `line` binds."""
+    name = _holding_name(file, line)
+    if name is not None:
+        return [(name, last_outputs)]
+    names = _tuple_target_names(file, line)
+    if names and len(names) == len(finals):
+        return [(n, (sid,)) for n, sid in zip(names, finals)]
+    return []
+
+
+def _final_values(run_ops: list[int], outputs: dict, inputs: dict) -> list[int]:
+    """Storages the run's ops make that no later op of the run reads (a view continues its base), in order."""
+    pending: dict[int, None] = {}
+    for index in run_ops:
+        for sid in inputs[index]:
+            pending.pop(sid, None)
+        for sid in outputs[index]:
+            pending.pop(sid, None)
+            pending[sid] = None
+    return list(pending)
 
 
 def _invocations(forward_ops) -> list[_Invocation]:
     current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
     invocations: list[_Invocation] = []
-    for index, frames, _ in forward_ops:
+    for index, frames, *_ in forward_ops:
         outer_ids: tuple[int, ...] = ()
         for depth, (file, line, func) in enumerate(frames):
             line = _statement_line(file, line)
@@ -67,8 +92,9 @@ def _invocations(forward_ops) -> list[_Invocation]:
             inv = invocations[inv_id]
             if inv.runs and inv.runs[-1][0] == line:
                 inv.runs[-1][1] = index
+                inv.runs[-1][2].append(index)
             else:
-                inv.runs.append([line, index])
+                inv.runs.append([line, index, [index]])
             inv.end = index
             outer_ids += (inv_id,)
     return invocations
@@ -79,7 +105,7 @@ def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], en
     without running an op there, the last op before it; else the invocation's end."""
     stores = _store_lines(file, line, name)
     previous_line, previous_last = line, None
-    for run_line, run_last in later_runs:
+    for run_line, run_last, _ in later_runs:
         if run_line in stores:
             return run_last
         if previous_last is not None and _passes_any(file, previous_line, run_line, stores):
@@ -170,6 +196,14 @@ def _holding_name(file: str, line: int) -> str | None:
     if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
         return stmt.target.id
     return None
+
+
+def _tuple_target_names(file: str, line: int) -> tuple[str, ...] | None:
+    stmt, _ = _statement_at(file, line)
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], (ast.Tuple, ast.List))):
+        return None
+    elts = stmt.targets[0].elts
+    return tuple(e.id for e in elts) if all(isinstance(e, ast.Name) for e in elts) else None
 
 
 @functools.lru_cache(maxsize=4096)
