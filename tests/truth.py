@@ -4,9 +4,10 @@ A TorchDispatchMode sees every storage an op returns and puts a `weakref.finaliz
 seen when the last reference (Python variable, autograd saved tensor, .grad) goes away; this matches the
 allocator-level profiler to the byte at op boundaries on CPU (shared/notes/GROUND_TRUTH.md section 2),
 except kernel-internal scratch. Saved-for-backward bytes come from `saved_tensors_hooks`, deduplicated
-by storage, parameters excluded, counting only what some autograd node still holds when backward starts (a
-branch dropped in forward frees its nodes and what they saved). Source lines: forward ops take the innermost
-user frame; backward ops take the forward line stamped on their autograd node by a TorchFunctionMode.
+by storage, parameters excluded, counted when forward ends while an autograd node (or a checkpoint) still
+holds them: a tensor saved by a branch of the graph that the loss never reaches (a recurrent state updated
+after the last chunk, then dropped) dies with its branch during forward, and backward never reads it. Source lines: forward ops take the innermost user
+frame; backward ops take the forward line stamped on their autograd node by a TorchFunctionMode.
 This is test code: it runs the real model with real memory.
 """
 from __future__ import annotations
@@ -151,29 +152,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
             model.zero_grad(set_to_none=set_to_none)
         del loss
     param_keys = {p.untyped_storage()._cdata for p in params}
-    saved: dict[int, int] = {}
-    packed_alive: dict[int, int] = {}        # storage key -> saved references autograd still holds
-
-    def released(key: int) -> None:
-        if tracker.phase != "forward":
-            return
-        packed_alive[key] -= 1                # its node died in forward (a branch the loss never reaches):
-        if not packed_alive[key]:             # backward never reads it, and a later storage may take its key
-            del packed_alive[key]
-            saved.pop(key, None)
-
-    def pack(t):
-        st = t.untyped_storage()
-        # a detached alias (same storage): returning `t` itself makes a saved output hold its own grad_fn, a
-        # cycle through C++ that keeps a branch the loss never reaches (BERT's pooler) alive to the step's end
-        packed = t.detach()
-        # (a storage a checkpoint holds is counted apart, to the end: saved before any pack, not in packed_alive)
-        if st._cdata not in param_keys and (st._cdata not in saved or st._cdata in packed_alive):
-            saved[st._cdata] = st.nbytes()
-            packed_alive[st._cdata] = packed_alive.get(st._cdata, 0) + 1
-            weakref.finalize(packed, released, st._cdata)
-        return packed
-
+    saved = _SavedStorages(param_keys)
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")
     tracker.track_existing(list(model.buffers()), "buffer")
@@ -201,8 +180,8 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
 
     torch.get_rng_state = tracked_get_rng_state
     try:
-        with _checkpoint_holds_counted(saved, param_keys):
-            forward_end = _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler,
+        with _checkpoint_holds_counted(saved):
+            forward_end = _run_tracked_step(tracker, model, batch, optimizer, saved, autocast, set_to_none, scaler,
                                             retain_graph)
     finally:
         torch.get_rng_state = real_get_rng_state
@@ -212,12 +191,45 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     for nbytes, line, _ in tracker.peak_live.values():
         lines[str(line)] = lines.get(str(line), 0) + nbytes
     return Measurement(peak_bytes=tracker.peak, peak_phase=tracker.peak_phase, phase_peaks=dict(tracker.phase_peaks),
-                       start_bytes=start, saved_bytes=sum(saved.values()), lines_at_peak=lines,
+                       start_bytes=start, saved_bytes=saved.bytes_at_forward_end, lines_at_peak=lines,
                        forward_end_bytes=forward_end)
 
 
+class _SavedStorages:
+    """Storages saved for backward, deduplicated, the excluded (parameters) left out. A storage counts when
+    forward ends if it is alive and something still holds it for backward: an autograd node's saved tensor
+    (the detached alias `pack` returns, alive while its node is), or a checkpoint's hold (`add` without a
+    holder). A branch the loss never reaches frees its nodes in forward, and with them what they saved,
+    even where the storage itself lives on (a module buffer)."""
+
+    def __init__(self, excluded_keys: set):
+        self.excluded_keys = excluded_keys
+        self.entries: list[tuple[weakref.ref, weakref.ref | None]] = []     # (storage, its holder)
+        self.bytes_at_forward_end = 0
+
+    def add(self, storage, holder: torch.Tensor | None = None) -> None:
+        if storage._cdata not in self.excluded_keys:
+            self.entries.append((weakref.ref(storage), weakref.ref(holder) if holder is not None else None))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """saved_tensors_hooks' pack: counts `t`'s storage while the returned alias is held."""
+        # a detached alias (same storage): returning `t` itself makes a saved output hold its own grad_fn, a
+        # cycle through C++ that keeps a branch the loss never reaches (BERT's pooler) alive to the step's end
+        packed = t.detach()
+        self.add(t.untyped_storage(), packed)
+        return packed
+
+    def forward_ended(self) -> None:
+        live: dict[int, int] = {}
+        for storage_ref, holder_ref in self.entries:
+            storage = storage_ref()
+            if storage is not None and (holder_ref is None or holder_ref() is not None):
+                live[storage._cdata] = storage.nbytes()
+        self.bytes_at_forward_end = sum(live.values())
+
+
 @contextlib.contextmanager
-def _checkpoint_holds_counted(saved: dict, param_keys: set):
+def _checkpoint_holds_counted(saved: _SavedStorages):
     """Saved-for-backward also counts what a non-reentrant torch.utils.checkpoint holds for its recompute
     outside saved_tensors_hooks: the tensors its function closes over as a functools.partial (transformers
     passes masks and rotary embeddings so), its keyword arguments, and the CPU RNG state it saves."""
@@ -227,8 +239,8 @@ def _checkpoint_holds_counted(saved: dict, param_keys: set):
 
     def count(tensors) -> None:
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in param_keys:
-                saved.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+            if isinstance(t, torch.Tensor):
+                saved.add(t.untyped_storage())
 
     @contextlib.contextmanager
     def rng_states_counted():
@@ -293,15 +305,16 @@ def _optimizer_step(optimizer, scaler) -> None:
         scaler.update()
 
 
-def _run_tracked_step(tracker, model, batch, optimizer, pack, autocast, set_to_none, scaler=None,
+def _run_tracked_step(tracker, model, batch, optimizer, saved: _SavedStorages, autocast, set_to_none, scaler=None,
                       retain_graph=False) -> int:
     """forward+loss, backward, step, zero_grad under the tracker; returns live bytes right after forward.
     `loss` (and with retain_graph the graph it holds) lives until the step has ended."""
     with tracker:
         tracker.phase = "forward"
-        with _LineStamper(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        with _LineStamper(), torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), autocast():
             loss = model(*batch)
         forward_end = tracker.current
+        saved.forward_ended()
         tracker.phase = "backward"
         _backward(loss, scaler, retain_graph)
         tracker.phase = "optimizer"

@@ -57,3 +57,43 @@ def test_a_branch_dropped_in_forward_saves_nothing():
     tanh_outputs_bytes = 4 * 2 * 16 * 32 * 4
     assert predicted.saved.total_bytes >= tanh_outputs_bytes
     assert predicted.saved.total_bytes == measured.saved_bytes
+
+
+DROPPED_BRANCH_MODEL = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x, y):
+        h = self.up(x)
+        dropped = (h * 3).exp()        # exp saves its result for a backward that never runs: nothing reads it
+        return F.mse_loss(self.down(torch.relu(h)), y)
+
+
+def build_model():
+    return M()
+
+
+def example_batch(batch, seq):
+    return torch.randn(batch, seq, 32), torch.randn(batch, seq, 32)
+'''
+
+
+def test_a_branch_the_loss_never_reaches_saves_nothing_for_backward(tmp_path):
+    """A forward op whose result nothing reads still runs in eager (the capture keeps it), and autograd saves
+    its tensors; they die with the branch when forward returns, so backward never holds them."""
+    path = tmp_path / "dropped_branch.py"
+    path.write_text(DROPPED_BRANCH_MODEL)
+    predicted = _predict(str(path), 2, 64, "fp32")
+    source = load_model_source(str(path))
+    torch.manual_seed(0)
+    measured = measure_step(source.build_model(), source.example_batch(2, 64), None, steady=False)
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert predicted.phases["forward"].peak_bytes == measured.phase_peaks["forward"]

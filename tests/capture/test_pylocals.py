@@ -98,3 +98,61 @@ def test_a_loop_iteration_is_no_new_call_and_holds_until_the_next_binding(tmp_pa
     assert holds[40] == 2                        # the first `out` until the second `out = stage(x)` ends
     assert holds[41] == 3                        # the first `x` until the second `x = ...` ends
     assert holds[42] == 4 and holds[43] == 4     # the last iteration's values until stages returns
+
+
+LOOP_SOURCE = textwrap.dedent('''\
+    def scan(x):
+        u = f(x)
+        state = g(x)
+        outs = []
+        for t in range(n):
+            state = u * state
+            outs.append(k(state))
+        y = stack(outs)
+        return y
+''')
+
+
+def test_a_loop_inside_one_call_is_one_invocation(tmp_path):
+    path = tmp_path / "scan.py"
+    path.write_text(LOOP_SOURCE)
+    f = str(path)
+    ops = [
+        (0, ((f, 2, "scan"),), (30,)),           # u = f(x)
+        (1, ((f, 3, "scan"),), (31,)),           # state = g(x)
+        (2, ((f, 6, "scan"),), (32,)),           # iteration 0: state = u * state (last use of the first state)
+        (3, ((f, 7, "scan"),), (33,)),           #              outs.append(k(state))
+        (4, ((f, 6, "scan"),), (34,)),           # iteration 1: the line goes back inside the loop
+        (5, ((f, 7, "scan"),), (35,)),
+        (6, ((f, 8, "scan"),), (36,)),           # y = stack(outs)
+        (7, ((f, 9, "scan"),), (37,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[30] == 7                        # u: read only in the loop, held until the function returns
+    assert holds[31] == 2                        # the first state: until iteration 0 rebinds the name
+    assert holds[32] == 4                        # iteration 0's state: until iteration 1 rebinds it
+    assert holds[33] == 7 and holds[35] == 7     # appended outputs: as long as the list `outs`
+
+
+TUPLE_SOURCE = textwrap.dedent('''\
+    def chunks(x, y):
+        a, b = [pad(t).reshape(n) for t in (x, y)]
+        z = g(a)
+        return z
+''')
+
+
+def test_a_tuple_target_binds_the_statements_final_values_in_order(tmp_path):
+    path = tmp_path / "tuple.py"
+    path.write_text(TUPLE_SOURCE)
+    f = str(path)
+    ops = [
+        (0, ((f, 2, "chunks"),), (40,), (1,)),        # pad(x)
+        (1, ((f, 2, "chunks"),), (40,), (40,)),       # .reshape(n): a view continues it
+        (2, ((f, 2, "chunks"),), (41,), (2,)),        # pad(y)
+        (3, ((f, 2, "chunks"),), (41,), (41,)),
+        (4, ((f, 3, "chunks"),), (42,), (40,)),       # z = g(a): last use of a
+        (5, ((f, 4, "chunks"),), (43,), (42,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[40] == 5 and holds[41] == 5      # a and b: held until the function returns

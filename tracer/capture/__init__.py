@@ -269,7 +269,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
         table.update(part.seed_sid, released_after_op=last_backward)
     if not schedule.compiled:          # compiled code keeps no Python locals alive
-        forward = [(i, d.frames, _python_visible_outputs(d))
+        forward = [(i, d.frames, _python_visible_outputs(d),
+                    tuple(v.storage_id for v in _input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
         for sid, op_index in local_holds(forward).items():
             table.update(sid, held_until_op=op_index)

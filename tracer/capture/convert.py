@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tracer.capture.inplace import in_place_writes
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
@@ -199,6 +200,7 @@ def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
 
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
                    fake_mode=None):
+    writes = in_place_writes(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -213,8 +215,18 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         recomputed = partitioned and node_phase is Phase.BACKWARD and not tagged_backward
         if _is_rng_wrapper(node):
             _fill_rng_wrapper_meta(node, fake_mode)
-        ops.append(_convert_node(node, node_phase, recomputed, table, values))
+        ops.append(_convert_node(node, node_phase, recomputed, table, values,
+                                 written=_written_storage(writes.get(node), table, values)))
         node_pos[node] = len(ops) - 1
+
+
+def _written_storage(destination: fx.Node | None, table: StorageTable, values) -> int | None:
+    """The intermediate storage an in-place write (capture/inplace.py) puts its output in, if any."""
+    value = values.get(destination) if destination is not None else None
+    if not isinstance(value, TensorValue):
+        return None
+    entry = table.get(value.storage_id)
+    return value.storage_id if entry.role is StorageRole.INTERMEDIATE and not entry.preexisting else None
 
 
 def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase) -> None:
@@ -328,9 +340,10 @@ def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:
 
 
 def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageTable, values,
-                  output_sids: list | None = None) -> OpDraft:
+                  output_sids: list | None = None, written: int | None = None) -> OpDraft:
     """`output_sids`: the storage of each tensor output, decided by a compiled graph's plan (None: a value that
-    lives only inside a kernel, a 0-byte fused storage); without it, storages follow the fake values."""
+    lives only inside a kernel, a 0-byte fused storage); without it, storages follow the fake values.
+    `written`: the storage an eager in-place write puts the (single) output in."""
     if output_sids is not None:
         return _planned_node(node, phase, recomputed, table, values, output_sids)
     inputs = {}
@@ -338,6 +351,8 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         val, tv = arg.meta.get("val"), values.get(arg)
         if isinstance(val, torch.Tensor) and isinstance(tv, TensorValue):
             inputs.setdefault(storage_key(val), tv.storage_id)
+    if written is not None:
+        inputs[storage_key(node.meta["val"])] = written
     new_values = {}
     fresh = False
     for t in _tensors(node.meta.get("val")):

@@ -94,6 +94,31 @@ def _op_named(name: str):
     return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
 
 
+@contextlib.contextmanager
+def unused_forward_ops_kept():
+    """While AOTAutograd traces the joint graph, its dead-code elimination keeps forward ops whose results
+    nothing reads: eager runs them all the same (a recurrent state updated after the last chunk and then
+    dropped, `position_ids` a model never reads) and holds their outputs until their last Python reference."""
+    real = torch.fx.Graph.eliminate_dead_code
+
+    def eliminate_dead_code(graph, is_impure_node=None):
+        impure = is_impure_node or (lambda node: node.is_impure())
+        return real(graph, is_impure_node=lambda node: impure(node) or _forward_tensor_op(node))
+
+    torch.fx.Graph.eliminate_dead_code = eliminate_dead_code
+    try:
+        yield
+    finally:
+        torch.fx.Graph.eliminate_dead_code = real
+
+
+def _forward_tensor_op(node: torch.fx.Node) -> bool:
+    values = node.meta.get("val")
+    values = values if isinstance(values, (tuple, list)) else (values,)
+    return (node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"
+            and any(isinstance(v, torch.Tensor) for v in values))
+
+
 # aten op -> positions of inputs that eager autograd saves although the traced backward reads only their
 # shape: index_add's source gradient is `grad.index_select(dim, index).expand_as(source)` (derivatives.yaml),
 # so eager keeps `source` until its node runs; the traced backward has only an expand to its shape.

@@ -174,7 +174,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    from tracer.capture.eager_kernels import kernels_as_in_eager
+    from tracer.capture.eager_kernels import kernels_as_in_eager, unused_forward_ops_kept
     from tracer.capture.target import cuda_capture
     autocast = autocast_context(precision)
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
@@ -186,7 +186,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
-                kernels_as_in_eager(), custom:
+                kernels_as_in_eager(), unused_forward_ops_kept(), custom:
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
     finally:

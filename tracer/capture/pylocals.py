@@ -2,84 +2,128 @@
 function returns, even after its last use by an op. The joint graph alone frees it at last use.
 
 From each forward op's user stack (outer -> inner frames, kept whole by the capture) this finds:
-  * frame invocations: per depth, a run of ops of one function called from one caller invocation and call
-    line, whose lines never go back (a smaller line starts a new call, e.g. the next block in a loop),
-    except where a `for` / `while` body in that function covers both lines: then it is the loop's next
-    iteration, in the same call;
-  * statement runs: consecutive ops of one invocation on one statement; a frame's line is first taken to
-    its statement's first line, since the lines one statement's ops report can go back
-    (`loss = fn(\\n a.view(...))` runs the view on the second line, then the call on the first); the value
-    a statement binds is the output of its run's last op;
+  * frame invocations: per depth and per invocation of every outer frame, a run of ops with the same
+    outer call chain and the same function, whose line numbers never go back except inside one loop of
+    that function's source (a smaller line outside a loop starts a new call, e.g. the next block of a
+    loop in the caller);
+  * statement runs: consecutive ops of one invocation on one source statement, in execution order (a
+    statement in a loop runs once per iteration); the value a run binds is the output of its last op;
   * for a statement `name = <expr>` (one plain name; read from the file's AST), the op after which the
-    name lets go: the end of the next run of a statement in the same function that assigns or deletes
-    `name` (in a loop, the same statement in the next iteration), else the last op of the invocation.
-Limits: tuple targets, attributes and containers are not followed (their values are not held longer);
-a rebinding statement that runs no aten op is placed at the last op before its line; a loop whose body is
-one statement (`for b in blocks: x = b(x)`) is one run, so only its last iteration's value is held; a
-function whose every op sits in one loop, called twice in a row from one line, reads as one call.
+    name lets go: the end of the next statement run that assigns or deletes `name` (the same statement
+    again in the next loop iteration included), else the last op of the invocation;
+  * for a statement `name.append(<expr>)` (also extend, insert: a local list collecting tensors, e.g.
+    one output per step of a recurrent scan), the value is held until `name` lets go the same way;
+  * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
+    run reads, in the order they were made) are bound to the names in order when there are as many of
+    them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); otherwise none is held.
+Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
+a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
+function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
+for one call.
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 from typing import Sequence
 
 Frame = tuple[str, int, str]          # (file, line, function)
 
 
-def local_holds(forward_ops: Sequence[tuple[int, tuple[Frame, ...], tuple[int, ...]]]) -> dict[int, int]:
-    """forward_ops: (op index, user frames outer->inner, output storage ids), in execution order.
-    Returns storage id -> index of the last op during which a Python local still holds it."""
-    current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
-    invocation_end: dict[int, int] = {}
-    invocation_frame: dict[int, Frame] = {}
-    runs: dict[int, list[list[int]]] = {}               # invocation -> [statement line, last op] in order
-    outputs: dict[int, tuple[int, ...]] = {}
-    next_id = 0
-    for index, frames, out_sids in forward_ops:
-        outputs[index] = out_sids
-        parent = None
-        for depth, (file, line, func) in enumerate(frames):
-            # a call is known by its caller's invocation and call line: a new caller invocation, a new call
-            key = (parent, frames[depth - 1][1] if depth else None, file, func)
-            line = _statement_line(file, line)
-            inv, last_line = current.get(key, (None, -1))
-            if inv is None or (line < last_line and not _in_one_loop(file, line, last_line)):
-                inv, next_id = next_id, next_id + 1
-                invocation_frame[inv] = (file, line, func)
-                runs[inv] = []
-            current[key] = (inv, line)
-            invocation_end[inv] = index
-            if runs[inv] and runs[inv][-1][0] == line:
-                runs[inv][-1][1] = index
-            else:
-                runs[inv].append([line, index])
-            parent = inv
+@dataclasses.dataclass
+class _Invocation:
+    file: str
+    runs: list[list]                  # [statement line, last op index, op indices] in execution order
+    end: int = -1                     # last op index of the invocation
+
+
+def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
+    """forward_ops: (op index, user frames outer->inner, output storage ids[, input storage ids]), in
+    execution order. Returns storage id -> index of the last op during which a Python local still holds it."""
+    outputs = {op[0]: op[2] for op in forward_ops}
+    inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
     holds: dict[int, int] = {}
-    for inv, statements in runs.items():
-        file = invocation_frame[inv][0]
-        for position, (line, last) in enumerate(statements):
-            name = _bound_name(file, line)
-            if name is None:
-                continue
-            release = _release_op(file, line, name, statements[position:], invocation_end[inv])
-            for sid in outputs[last]:
-                holds[sid] = max(holds.get(sid, -1), release)
+    for inv in _invocations(forward_ops):
+        for k, (line, last, run_ops) in enumerate(inv.runs):
+            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
+                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
+                for sid in sids:
+                    holds[sid] = max(holds.get(sid, -1), release)
     return holds
 
 
-def _release_op(file: str, line: int, name: str, statements: list[list[int]], end: int) -> int:
-    """statements: the binding statement's run, then the runs after it in execution order. The name lets
-    go at the end of the next run of a statement that assigns or deletes it (in a loop, the same statement
-    in the next iteration); a rebinding statement that runs no op ends at the last op before its line."""
-    stores = _storing_lines(file, line, name)
-    rebind = _next_rebinding_line(file, line, name)
-    for (stmt_line, last), (previous_line, previous_last) in zip(statements[1:], statements):
-        if stmt_line in stores:
-            return last
-        if rebind is not None and previous_line <= rebind < stmt_line:
+def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[int]):
+    """(name, storage ids it holds) for each local the statement at `line` binds."""
+    name = _holding_name(file, line)
+    if name is not None:
+        return [(name, last_outputs)]
+    names = _tuple_target_names(file, line)
+    if names and len(names) == len(finals):
+        return [(n, (sid,)) for n, sid in zip(names, finals)]
+    return []
+
+
+def _final_values(run_ops: list[int], outputs: dict, inputs: dict) -> list[int]:
+    """Storages the run's ops make that no later op of the run reads (a view continues its base), in order."""
+    pending: dict[int, None] = {}
+    for index in run_ops:
+        for sid in inputs[index]:
+            pending.pop(sid, None)
+        for sid in outputs[index]:
+            pending.pop(sid, None)
+            pending[sid] = None
+    return list(pending)
+
+
+def _invocations(forward_ops) -> list[_Invocation]:
+    current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
+    invocations: list[_Invocation] = []
+    for index, frames, *_ in forward_ops:
+        outer_ids: tuple[int, ...] = ()
+        for depth, (file, line, func) in enumerate(frames):
+            line = _statement_line(file, line)
+            key = (outer_ids, frames[:depth], file, func)
+            inv_id, last_line = current.get(key, (None, -1))
+            if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
+                inv_id = len(invocations)
+                invocations.append(_Invocation(file=file, runs=[]))
+            current[key] = (inv_id, line)
+            inv = invocations[inv_id]
+            if inv.runs and inv.runs[-1][0] == line:
+                inv.runs[-1][1] = index
+                inv.runs[-1][2].append(index)
+            else:
+                inv.runs.append([line, index, [index]])
+            inv.end = index
+            outer_ids += (inv_id,)
+    return invocations
+
+
+def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int) -> int:
+    """The last op of the first later run that rebinds `name`; when execution passes a rebinding line
+    without running an op there, the last op before it; else the invocation's end."""
+    stores = _store_lines(file, line, name)
+    previous_line, previous_last = line, None
+    for run_line, run_last, _ in later_runs:
+        if run_line in stores:
+            return run_last
+        if previous_last is not None and _passes_any(file, previous_line, run_line, stores):
             return previous_last
+        previous_line, previous_last = run_line, run_last
     return end
+
+
+def _passes_any(file: str, from_line: int, to_line: int, lines: frozenset[int]) -> bool:
+    """Does execution going from statement `from_line` to statement `to_line` pass one of `lines`?
+    Forward: the lines between; backward (the next iteration of a loop): the rest of the loop's body
+    after `from_line`, its header, and its body before `to_line`."""
+    if from_line < to_line:
+        return any(from_line < ln < to_line for ln in lines)
+    loop = _innermost_loop(file, from_line, to_line)
+    if loop is None:
+        return False
+    return any(from_line < ln <= loop[1] or loop[0] <= ln < to_line for ln in lines)
 
 
 @functools.lru_cache(maxsize=64)
@@ -112,13 +156,41 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
 
 
 def _statement_line(file: str, line: int) -> int:
-    """The first line of the simple statement covering `line` (the line itself when the file is unreadable)."""
+    """The first line of the statement covering `line` (ops of one multi-line statement share it)."""
     stmt, _ = _statement_at(file, line)
-    return stmt.lineno if stmt is not None else line
+    return line if stmt is None else stmt.lineno
 
 
-def _bound_name(file: str, line: int) -> str | None:
+@functools.lru_cache(maxsize=64)
+def _loops(file: str) -> tuple[tuple[int, int], ...]:
+    """(first line, last line) of every for/while loop in the file."""
+    tree = _parse(file)
+    if tree is None:
+        return ()
+    return tuple((node.lineno, node.end_lineno or node.lineno) for node in ast.walk(tree)
+                 if isinstance(node, (ast.For, ast.AsyncFor, ast.While)))
+
+
+def _innermost_loop(file: str, a: int, b: int) -> tuple[int, int] | None:
+    inside = [loop for loop in _loops(file) if loop[0] <= min(a, b) and max(a, b) <= loop[1]]
+    return min(inside, key=lambda loop: loop[1] - loop[0]) if inside else None
+
+
+def _in_one_loop(file: str, a: int, b: int) -> bool:
+    return _innermost_loop(file, a, b) is not None
+
+
+_COLLECTING_METHODS = frozenset({"append", "extend", "insert"})
+
+
+def _holding_name(file: str, line: int) -> str | None:
+    """The local name that holds the value the statement at `line` computes, if any."""
     stmt, _ = _statement_at(file, line)
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        method = stmt.value.func
+        if (isinstance(method, ast.Attribute) and method.attr in _COLLECTING_METHODS
+                and isinstance(method.value, ast.Name)):
+            return method.value.id
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
         return stmt.targets[0].id
     if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
@@ -126,29 +198,19 @@ def _bound_name(file: str, line: int) -> str | None:
     return None
 
 
-def _next_rebinding_line(file: str, line: int, name: str) -> int | None:
+def _tuple_target_names(file: str, line: int) -> tuple[str, ...] | None:
     stmt, _ = _statement_at(file, line)
-    lines = [store for store in _storing_lines(file, line, name) if store > (stmt.end_lineno or stmt.lineno)]
-    return min(lines) if lines else None
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], (ast.Tuple, ast.List))):
+        return None
+    elts = stmt.targets[0].elts
+    return tuple(e.id for e in elts) if all(isinstance(e, ast.Name) for e in elts) else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _storing_lines(file: str, line: int, name: str) -> frozenset[int]:
-    """The first lines of the statements, in the function around `line`, that assign or delete `name`."""
+def _store_lines(file: str, line: int, name: str) -> frozenset[int]:
+    """Statement lines of the function around `line` that assign or delete `name` (itself included)."""
     _, func = _statement_at(file, line)
     if func is None:
         return frozenset()
     return frozenset(_statement_line(file, node.lineno) for node in ast.walk(func)
                      if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, (ast.Store, ast.Del)))
-
-
-@functools.lru_cache(maxsize=4096)
-def _in_one_loop(file: str, earlier: int, later: int) -> bool:
-    """Some `for` / `while` statement's body covers both lines: going back from `later` to `earlier` may be
-    the loop's next iteration rather than a new call."""
-    tree = _parse(file)
-    if tree is None:
-        return False
-    return any(isinstance(node, (ast.For, ast.AsyncFor, ast.While)) and node.body
-               and node.body[0].lineno <= earlier and later <= (node.body[-1].end_lineno or node.body[-1].lineno)
-               for node in ast.walk(tree))

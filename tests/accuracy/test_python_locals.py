@@ -1,0 +1,27 @@
+"""Python locals keep tensors alive past their last use (tracer/capture/pylocals.py), also across a loop
+inside one function: a recurrent scan written in Python (Mamba's slow path) holds its loop inputs, its
+state and its list of per-step outputs until the function returns."""
+import os
+
+from test_eager_step import assert_step_matches, predict_and_measure
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "recurrent_scan.py")
+
+
+def test_a_python_loop_over_the_sequence_keeps_its_locals_until_the_function_returns():
+    result, measured = predict_and_measure(FIXTURE, batch=2, seq=32, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+
+
+CHUNKED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "chunked_state_scan.py")
+
+
+def test_a_chunked_scan_writes_in_place_and_computes_a_state_nothing_reads():
+    """Eager writes each chunk's output into the preallocated tensor (forward copy_ through a view, backward
+    CopySlices), computes the last state update that the traced graph drops as dead code, and holds the
+    padded inputs a tuple target binds."""
+    result, measured = predict_and_measure(CHUNKED, batch=2, seq=30, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+    assert result.phases["backward"].peak_bytes == measured.phase_peaks["backward"]
