@@ -113,10 +113,12 @@ def unused_forward_ops_kept():
 
 
 def _forward_tensor_op(node: torch.fx.Node) -> bool:
+    """A forward op with a tensor output, other than a 0-dim bool: an unread 0-dim bool is a decomposition's
+    value check (one_hot's `(x >= 0).all()`), which eager's fused kernel never makes as a tensor."""
     values = node.meta.get("val")
     values = values if isinstance(values, (tuple, list)) else (values,)
     return (node.op == "call_function" and node.meta.get("partitioner_tag") == "is_forward"
-            and any(isinstance(v, torch.Tensor) for v in values))
+            and any(isinstance(v, torch.Tensor) and not (v.dim() == 0 and v.dtype == torch.bool) for v in values))
 
 
 # aten op -> positions of inputs that eager autograd saves although the traced backward reads only their

@@ -16,6 +16,9 @@ From each forward op's user stack (outer -> inner frames, kept whole by the capt
   * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
     run reads, in the order they were made) are bound to the names in order when there are as many of
     them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); otherwise none is held.
+  * a statement whose ops run in called functions binds their last op's output only when each call returns
+    what its statement made (a `return`, or an assignment to a name it returns): a call that ends with a
+    check (`if (m == 0).all(): return None`) binds nothing.
 Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
 a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
 function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
@@ -34,6 +37,7 @@ Frame = tuple[str, int, str]          # (file, line, function)
 @dataclasses.dataclass
 class _Invocation:
     file: str
+    depth: int                        # its frame's position in the ops' user stacks (0: outermost)
     runs: list[list]                  # [statement line, last op index, op indices] in execution order
     end: int = -1                     # last op index of the invocation
 
@@ -41,16 +45,35 @@ class _Invocation:
 def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
     """forward_ops: (op index, user frames outer->inner, output storage ids[, input storage ids]), in
     execution order. Returns storage id -> index of the last op during which a Python local still holds it."""
+    forward_ops = _below_the_common_frames(forward_ops)
     outputs = {op[0]: op[2] for op in forward_ops}
     inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
+    frames_of = {op[0]: op[1] for op in forward_ops}
     holds: dict[int, int] = {}
     for inv in _invocations(forward_ops):
         for k, (line, last, run_ops) in enumerate(inv.runs):
+            if not _callees_return_it(frames_of[last][inv.depth + 1:]):
+                continue                   # the call returned something its last op did not make (None, a bool)
             for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
                 release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
                 for sid in sids:
                     holds[sid] = max(holds.get(sid, -1), release)
     return holds
+
+
+def _below_the_common_frames(forward_ops: Sequence[tuple]) -> list[tuple]:
+    """The ops with the frames every op shares (same file, line and function) cut off: those statements
+    (a script's or test's `graph, analysis = predict(...)`, the wrapper calling the model) enclose the whole
+    forward, so nothing they bind is let go before it ends, and what they bind is not the model's."""
+    if not forward_ops:
+        return []
+    common = min(len(op[1]) for op in forward_ops)
+    first = forward_ops[0][1]
+    for op in forward_ops:
+        while common and op[1][:common] != first[:common]:
+            common -= 1
+    common = min(common, min(len(op[1]) for op in forward_ops) - 1)    # an op's own frame is never cut
+    return [(op[0], op[1][max(common, 0):], *op[2:]) for op in forward_ops]
 
 
 def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[int]):
@@ -87,7 +110,7 @@ def _invocations(forward_ops) -> list[_Invocation]:
             inv_id, last_line = current.get(key, (None, -1))
             if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
                 inv_id = len(invocations)
-                invocations.append(_Invocation(file=file, runs=[]))
+                invocations.append(_Invocation(file=file, depth=depth, runs=[]))
             current[key] = (inv_id, line)
             inv = invocations[inv_id]
             if inv.runs and inv.runs[-1][0] == line:
@@ -98,6 +121,36 @@ def _invocations(forward_ops) -> list[_Invocation]:
             inv.end = index
             outer_ids += (inv_id,)
     return invocations
+
+
+def _callees_return_it(frames: Sequence[Frame]) -> bool:
+    """Does each called function (outer -> inner) return what its statement at the frame's line made: a
+    `return` statement, or an assignment to a name the function returns (`x = self.fc2(x)` ... `return x`)?
+    A condition (`if (m == 0).all():`) or an expression statement makes a value the call does not return.
+    Comprehensions and lambdas are parts of their statement."""
+    for file, line, func in frames:
+        if func.startswith("<"):
+            continue
+        stmt, function = _statement_at(file, line)
+        if stmt is None or isinstance(stmt, ast.Return):
+            continue
+        names = _assigned_names(stmt)
+        if not names or not names & _returned_names(function):
+            return False
+    return True
+
+
+def _assigned_names(stmt: ast.stmt) -> set[str]:
+    targets = (stmt.targets if isinstance(stmt, ast.Assign)
+               else [stmt.target] if isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) else [])
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _returned_names(function: ast.AST | None) -> set[str]:
+    if function is None:
+        return set()
+    return {n.id for r in ast.walk(function) if isinstance(r, ast.Return) and r.value is not None
+            for n in ast.walk(r.value) if isinstance(n, ast.Name)}
 
 
 def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int) -> int:
