@@ -205,7 +205,7 @@ class _Runner:
 def _profile(policy) -> tuple[tuple[int, ...], dict[str, int]]:
     """(bytes live during each op, peak per phase) that the fit models: rank 0's under --shard."""
     extra = _extra_bytes(policy)
-    if policy.sharded is not None:
+    if getattr(policy, "sharded", None) is not None:
         return (tuple(b + extra for b in policy.sharded.live_during),
                 {name: b + extra for name, b in policy.sharded.phases.items()})
     return (tuple(b + extra for b in policy.liveness.live_during),
@@ -214,7 +214,8 @@ def _profile(policy) -> tuple[tuple[int, ...], dict[str, int]]:
 
 def _peak_bytes(policy) -> int:
     """The peak a budget is checked against: rank 0's under --shard, with the device's extra bytes."""
-    peak = policy.sharded.peak_bytes if policy.sharded is not None else policy.peak_bytes
+    sharded = getattr(policy, "sharded", None)
+    peak = sharded.peak_bytes if sharded is not None else policy.peak_bytes
     return peak + _extra_bytes(policy)
 
 
