@@ -56,6 +56,7 @@ def test_help_documents_every_flag():
         assert flag in proc.stdout
 
 
+@pytest.mark.slow
 def test_readme_example_file_runs_as_written():
     proc = subprocess.run([sys.executable, "-m", "tracer", "examples/tiny_mlp_lm.py", "--seq", "128", "--batch", "4"],
                           capture_output=True, text=True, cwd=ROOT)
@@ -82,6 +83,7 @@ def test_snapshot_subcommand_missing_file(capsys):
     assert "snapshot file not found" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_policy_table_and_json_per_policy(tmp_path, capsys):
     out = tmp_path / "p.json"
     assert main(["llama-debug", "--seq", "32", "--policy", "all", "--json", str(out), "--quiet"]) == ExitCode.OK
@@ -100,6 +102,7 @@ def test_unknown_save_policy_lists_the_valid_ones(capsys):
     assert "matmul-attention" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_check_subcommand_and_save_baseline(tmp_path, capsys):
     baseline = tmp_path / "b.json"
     assert main(["llama-debug", "--seq", "32", "--quiet", "--save-baseline", str(baseline)]) == ExitCode.OK
@@ -115,6 +118,7 @@ def test_export_failure_falls_back_and_says_so(capsys):
     assert "capture: dispatch" in out and "export failed" in out and "data_dependent.py:13" in out
 
 
+@pytest.mark.slow
 def test_fit_and_shard(capsys):
     assert main(["llama-debug", "--seq", "64", "--fit", "3MiB", "--quiet"]) == ExitCode.OK
     assert "largest batch that fits" in capsys.readouterr().out

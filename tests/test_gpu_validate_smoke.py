@@ -19,6 +19,7 @@ def gpu_validate():
     return module
 
 
+@pytest.mark.slow
 def test_smoke_mode_runs_every_row_with_zero_error(gpu_validate, capsys, tmp_path):
     assert gpu_validate.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -20,6 +20,7 @@ def table():
     return run_levers("llama-debug", BASE, world_size=4, levers=SOME)
 
 
+@pytest.mark.slow
 def test_each_row_is_the_analysis_of_its_settings_run_alone(table):
     for row in table.rows:
         label = row.options.policy_specs()[0].label
@@ -29,12 +30,14 @@ def test_each_row_is_the_analysis_of_its_settings_run_alone(table):
             peak, alone.saved.activation_bytes, alone.recompute_flops), row.lever
 
 
+@pytest.mark.slow
 def test_levers_that_change_only_the_policy_or_the_step_around_it_share_one_capture(table):
     # baseline, full, ZeRO-2 and 8-bit AdamW share one joint capture; accumulation (a smaller micro-batch)
     # and pure bf16 need their own
     assert table.captures == 3
 
 
+@pytest.mark.slow
 def test_the_levers_change_what_they_should(table):
     rows = {row.lever: row for row in table.rows}
     base = rows["baseline"]
@@ -53,6 +56,7 @@ def test_a_lever_that_does_not_apply_says_why():
     assert options is None and "does not split into 4 micro-batches" in reason
 
 
+@pytest.mark.slow
 def test_fit_levers_gives_the_planners_answer_per_lever():
     levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing"))
     fits = fit_levers("llama-debug", "6MiB", BASE, levers=levers)
@@ -62,6 +66,7 @@ def test_fit_levers_gives_the_planners_answer_per_lever():
     assert fits[1].largest_batch > fits[0].largest_batch
 
 
+@pytest.mark.slow
 def test_the_command_line_prints_every_lever_and_writes_json(tmp_path, capsys):
     path = tmp_path / "levers.json"
     assert main(["llama-debug", "--seq", "16", "--batch", "4", "--target", "cpu", "--levers", "--world-size", "2",

@@ -39,6 +39,7 @@ def _signature(graph):
     ("gpt2-debug", "fp32"),
     (os.path.join(FIXTURES, "batchnorm_shared_head.py"), "fp32"),
 ])
+@pytest.mark.slow
 def test_the_direct_trace_equals_the_exported_one(model, precision):
     options = CaptureOptions(batch=2, seq=32, precision=precision)
     policies = ("eager", "compiled") if "batchnorm" in model else ("eager", "compiled", "full")   # no blocks

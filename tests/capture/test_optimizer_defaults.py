@@ -1,5 +1,6 @@
 """An optimizer built without foreach=/fused= is traced as the target device runs it: for-loop kernels on
 CPU, foreach kernels on CUDA (torch.optim's `_default_to_fused_or_foreach`)."""
+import pytest
 import os
 
 from tracer.capture import CaptureOptions, capture_step, load_model_source
@@ -13,6 +14,7 @@ def _optimizer_targets(target: str) -> set[str]:
     return {op.target for op in graph.ops if op.phase is Phase.OPTIMIZER}
 
 
+@pytest.mark.slow
 def test_default_adam_runs_for_loop_kernels_on_cpu_and_foreach_kernels_on_cuda():
     cpu, cuda = _optimizer_targets("cpu"), _optimizer_targets("cuda:h100")
     assert not any(t.startswith("aten._foreach_") for t in cpu)

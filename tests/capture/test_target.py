@@ -136,6 +136,7 @@ def llama_debug():
     return load_model_source("llama-debug")
 
 
+@pytest.mark.slow
 def test_cuda_capture_of_llama_debug_saves_flash_logsumexp_and_rng_state(llama_debug):
     """bf16 on an A100: flash attention; it saves out, logsumexp (b, h, s) fp32 and the philox RNG state
     (2,) uint64 per layer, as the CUDA op does (the CPU kernel saves no RNG state)."""
@@ -152,6 +153,7 @@ def test_cuda_capture_of_llama_debug_saves_flash_logsumexp_and_rng_state(llama_d
     assert saved[("uint64", (2,))] == layers                             # philox seed + offset (rng_state)
 
 
+@pytest.mark.slow
 def test_cuda_capture_fp32_uses_efficient_attention_with_padded_logsumexp(llama_debug):
     options = CaptureOptions(batch=2, seq=40, precision="fp32", target="cuda:a100")
     result = analyze_graph(capture_step(llama_debug, options)).policies["eager"]
@@ -163,6 +165,7 @@ def test_cuda_capture_fp32_uses_efficient_attention_with_padded_logsumexp(llama_
         ("float32", (2, 4, 40))] == 2                                    # CPU: unpadded, no RNG state
 
 
+@pytest.mark.slow
 def test_cuda_capture_without_a_fused_kernel_falls_back_to_math(llama_debug):
     options = CaptureOptions(batch=2, seq=32, precision="bf16", target="cuda:v100")
     graph = capture_step(llama_debug, options)

@@ -95,6 +95,7 @@ def test_activation_upcast_to_fp32_is_caught(tmp_path, monkeypatch, capsys, base
     assert top.delta_bytes == top.delta_saved == LAYERS * B * S * H * 4      # the fp32 copy, saved by gelu
 
 
+@pytest.mark.slow
 def test_module_attribute_cache_is_caught(tmp_path, monkeypatch, baseline):
     """`self.cache = h` keeps gelu's output alive past the step. Export drops the attribute, but the fake run of
     the forward sees it (tracer.capture.joint.ForwardObservations). The predicted growth of the optimizer-phase

@@ -28,6 +28,7 @@ def test_plugin_is_registered_through_the_pytest11_entry_point(pytester):
     result.stdout.fnmatch_lines(["*memory_budget(model, peak=None*"])
 
 
+@pytest.mark.slow
 def test_budgets_hold_on_the_model_and_fail_on_regressions(pytester, base_bill):
     peak, activation = base_bill
     pytester.makepyfile(base=BASE_TEXT,

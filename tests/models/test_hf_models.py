@@ -170,6 +170,7 @@ def test_a_vision_sub_config_gives_the_image_size_and_the_model_is_built_without
     assert resnet.config._attn_implementation == "eager"      # ResNet has no sdpa path; sdpa is not refused
 
 
+@pytest.mark.slow
 def test_a_multimodal_causal_lm_draws_its_token_ids_from_the_text_sub_config():
     spec = hf_spec("gemma3", overrides=parse_overrides(CONFIGS["gemma3"]))
     tokens, labels = hf_example_batch(spec, 2, 16)
@@ -184,6 +185,7 @@ def _predict(name):
     return graphs["eager"], source
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["opt", "gpt_neox", "phi", "gemma", "falcon", "whisper", "t5", "distilbert"])
 def test_an_architecture_traces_to_a_prediction(name):
     graph, source = _predict(name)
@@ -223,6 +225,7 @@ def test_hf_task_reaches_analyze():
         tracer.analyze("hf:vit", hf_task="causal-lm")
 
 
+@pytest.mark.slow
 def test_a_sequence_classifier_is_analysed_by_depth(capsys):
     """Its inputs are the (2, 16) token ids and one label per sequence: 256 + 16 bytes of int64."""
     from tracer.cli import main

@@ -32,6 +32,7 @@ def _compare(estimate, full):
     (2, 64, "adamw", POLICIES),               # peaks at the loss's backward and in the optimizer step
     (8, 64, "sgd", ("eager", "full")),        # peaks inside the last (eager) and the first (full) block
 ])
+@pytest.mark.slow
 def test_extrapolated_depth_equals_the_full_analysis(batch, seq, optimizer, policies):
     report = analyze_by_depth(LLAMA6, batch=batch, seq=seq, policies=policies, optimizer=optimizer)
     full = tracer.analyze(LLAMA6, batch=batch, seq=seq, policies=policies, optimizer=optimizer)
@@ -40,6 +41,7 @@ def test_extrapolated_depth_equals_the_full_analysis(batch, seq, optimizer, poli
         _compare(report.policies[policy], full.policies[policy])
 
 
+@pytest.mark.slow
 def test_blocks_that_differ_are_refused():
     """Every second block checkpointed: the middle blocks are two kinds. (A for-loop optimizer is refused
     the same way: its allocating ops grow with the number of parameters.)"""
@@ -47,6 +49,7 @@ def test_blocks_that_differ_are_refused():
         analyze_by_depth(LLAMA6, batch=1, seq=16, policies=("full",), checkpoint_every=2)
 
 
+@pytest.mark.slow
 def test_shallow_models_and_bad_samples_are_refused():
     with pytest.raises(DepthError, match="has 2 blocks"):
         analyze_by_depth("llama-debug", batch=1, seq=16)

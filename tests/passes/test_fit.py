@@ -61,6 +61,7 @@ class _CountingAnalyze:
         return tracer.analyze(model, **kwargs)
 
 
+@pytest.mark.slow
 def test_largest_batch_fits_and_the_next_does_not():
     seq, policies = 64, ("eager", "full")
     budget = tracer.analyze("llama-debug", batch=5, seq=seq, target="cpu").policies["eager"].peak_bytes + 1000
@@ -79,6 +80,7 @@ def test_largest_batch_fits_and_the_next_does_not():
     assert len(counting.calls) == 3 + len({s for r in report.results.values() for s in (r.largest, r.next_size)})
 
 
+@pytest.mark.slow
 def test_largest_sequence_at_a_fixed_batch():
     budget = tracer.analyze("llama-debug", batch=2, seq=200, target="cpu").policies["eager"].peak_bytes
     report = fit_budget("llama-debug", budget, seq=256, batch=2, policies=("eager",), target="cpu")
@@ -87,6 +89,7 @@ def test_largest_sequence_at_a_fixed_batch():
     assert result.largest == 200 and result.peak_bytes == budget < result.next_peak_bytes
 
 
+@pytest.mark.slow
 def test_on_a_cuda_target_the_budget_holds_the_cublas_workspaces_too():
     """The default (CUDA) fit counts what the device holds besides the step: the same budget fits a
     smaller batch than on CPU, and the answer is the device view's requested peak."""
@@ -97,6 +100,7 @@ def test_on_a_cuda_target_the_budget_holds_the_cublas_workspaces_too():
     assert on_cpu.results["eager"].largest > 5
 
 
+@pytest.mark.slow
 def test_nothing_fits():
     report = fit_budget("llama-debug", "1MiB", seq=64, policies=("eager",))
     result = report.results["eager"]
@@ -132,6 +136,7 @@ def test_a_graph_that_changes_with_the_size_is_searched_with_full_analyses():
     assert (result.largest, result.peak_bytes, result.next_peak_bytes) == (20, 5000, 1000 + 10 * 21**2)
 
 
+@pytest.mark.slow
 def test_under_sharding_the_fit_is_rank_zeros_peak():
     """--fit with --shard fits the per-rank peak (each rank runs --batch), not the single device's."""
     report = fit_budget("llama-debug", "3MiB", seq=64, policies=("eager",), target="cpu", shard="fsdp",

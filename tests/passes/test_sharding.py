@@ -119,6 +119,7 @@ def test_unknown_strategy_and_world_size_are_usage_errors(debug_step):
         shard_memory(debug_step, "fsdp", 2, backend="mpi")
 
 
+@pytest.mark.slow
 def test_the_device_view_is_per_rank_under_sharding():
     """With --shard the allocated/reserved view and the out-of-memory check are rank 0's; the whole model's
     view is kept for reference but never checked against the device memory."""
@@ -147,6 +148,7 @@ def test_world_size_needs_a_shard_and_a_shard_needs_a_world_size():
         tracer.analyze("llama-debug", batch=1, seq=8, shard="zero3")
 
 
+@pytest.mark.slow
 def test_compiled_fsdp_gathers_one_block_at_a_time():
     """The compiled forward ends with detaches of saved activations attributed to the blocks that made
     them; they do not keep every block gathered until the end of forward."""
@@ -159,6 +161,7 @@ def test_compiled_fsdp_gathers_one_block_at_a_time():
     assert compiled.by_category_at_peak["unsharded_parameter"] <= root + max(u.padded_bytes for u in blocks)
 
 
+@pytest.mark.slow
 def test_fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_compute():
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the step computes as bf16-pure (gathered
     parameters and activations in bf16), while the sharded parameters, gradients and optimizer state are

@@ -25,6 +25,7 @@ def test_the_models_failure_is_exit_3(run_cli, name, needle):
     assert needle in one_line(err) and out == ""
 
 
+@pytest.mark.slow
 def test_the_models_own_keyboard_interrupt_is_exit_3():
     """In a subprocess: a KeyboardInterrupt the model raises unwinds through torch's tracing, which may
     leave tracing state behind in the process (the CLI exits right after; a test session would not)."""

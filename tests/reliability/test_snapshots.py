@@ -173,6 +173,7 @@ def _trimmed(path: Path, entries: int = 400) -> dict:
     return data
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cs336-medium-ctx128-fp32-train-step.pickle", "cs336-medium-ctx512-bf16-train-step.pickle"])
 def test_fuzzer_finds_no_traceback(tmp_path, name):
     import copy

@@ -135,6 +135,7 @@ document.body.dataset.sortDesc = JSON.stringify(first); document.body.dataset.so
 
 
 @needs_chromium
+@pytest.mark.slow
 def test_report_opens_and_renders_in_headless_chromium(llama_debug, tmp_path):
     report = write_report_dir(llama_debug, tmp_path / "report", device_memory_bytes=3 * 2**20)["html"]
     probe = tmp_path / "report" / "probe.html"
