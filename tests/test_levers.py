@@ -54,6 +54,9 @@ def test_a_lever_that_does_not_apply_says_why():
     assert lever_options(zero2, BASE) == (None, "give --world-size N")
     options, reason = lever_options(accumulate, dataclasses.replace(BASE, batch=6))
     assert options is None and "does not split into 4 micro-batches" in reason
+    offload = next(lever for lever in LEVERS if lever.name == "offload optimizer")
+    options, reason = lever_options(offload, dataclasses.replace(BASE, accumulate=2))
+    assert options is None and "--offload with --accumulate" in reason          # AnalysisOptions' own refusal
 
 
 @pytest.mark.slow

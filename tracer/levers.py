@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from tracer.errors import UsageError
 from tracer.pipeline import AnalysisOptions, analyze_captured, capture_variants, load_source
 
 ACCUMULATE_STEPS = 4
@@ -93,12 +94,10 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         if base.batch % steps or base.batch < steps:
             return None, f"--batch {base.batch} does not split into {steps} micro-batches"
         settings["batch"] = base.batch // steps
-    if "offload" in settings and (base.accumulate > 1 or base.shard is not None or not base.zero_grad_set_to_none):
-        return None, "offload is simulated without --accumulate, --shard and --zero-grad zeros"
     policy = lever.policy or base.policies[0]
     try:
         return dataclasses.replace(base, policies=(policy,), memory_budgets=(None,), **settings), ""
-    except Exception as exc:                   # a combination AnalysisOptions refuses: shown, not fatal
+    except UsageError as exc:                  # a combination AnalysisOptions refuses: shown, not fatal
         return None, str(exc).splitlines()[0]
 
 
