@@ -326,6 +326,18 @@ def _run_tracked_step(tracker, model, batch, optimizer, saved: _SavedStorages, a
     return forward_end
 
 
+def assert_step_exact(predicted, measured, *, scalar_bytes: int = 8) -> None:
+    """A prediction (PolicyAnalysis) equals a real step: start bytes, saved bytes and the peak's phase
+    exactly; every phase peak within `scalar_bytes` (the 0-dim tensors eager wraps Python scalars in,
+    which are not in the traced graph)."""
+    assert predicted.start_bytes == measured.start_bytes
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert predicted.peak_phase == measured.peak_phase
+    for phase in ("forward", "backward", "optimizer"):
+        p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
+        assert abs(p - m) <= scalar_bytes, f"{phase}: predicted {p:,} measured {m:,}"
+
+
 def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
     """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption: its weight
     reads the first `experts` features, and a pre-hook feeds it token t's preference for experts

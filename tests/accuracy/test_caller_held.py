@@ -14,7 +14,7 @@ from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model
 from tracer.capture.caller_held import extra_bytes
 from tracer.errors import ModelInputError
 from tracer.passes.analysis import analyze_graphs
-from truth import measure_step
+from truth import assert_step_exact, measure_step
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 BATCH, SEQ = 2, 16
@@ -50,18 +50,9 @@ def predict_and_measure(fixture, pick=lambda out: out):
     return graph, predicted, measured
 
 
-def assert_exact(predicted, measured):
-    assert predicted.start_bytes == measured.start_bytes
-    assert predicted.saved.total_bytes == measured.saved_bytes
-    assert predicted.peak_phase == measured.peak_phase
-    for phase in ("forward", "backward", "optimizer"):
-        p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
-        assert abs(p - m) <= 8, f"{phase}: predicted {p:,} measured {m:,}"
-
-
 def test_the_loop_keeps_the_logits_through_backward_and_the_optimizer_step():
     graph, predicted, measured = predict_and_measure("caller_keeps_logits.py", pick=lambda out: out["loss"])
-    assert_exact(predicted, measured)
+    assert_step_exact(predicted, measured)
     logits_bytes = BATCH * SEQ * 512 * 4
     assert predicted.at_peak.by_category["caller_held"] == logits_bytes
     # the same step with the logits dropped as the loss is taken: they are gone before the optimizer step
@@ -75,7 +66,7 @@ def test_the_loop_keeps_the_logits_through_backward_and_the_optimizer_step():
 
 def test_a_resident_reference_model_and_keep_alive():
     graph, predicted, measured = predict_and_measure("caller_reference_model.py", pick=lambda out: out[1])
-    assert_exact(predicted, measured)
+    assert_step_exact(predicted, measured)
     resident = 1_000_000 * 2 + BATCH * SEQ * 256 * 2
     assert predicted.start_bytes - resident == sum(
         s.nbytes for s in graph.storages if s.preexisting and not s.caller_held)
@@ -84,7 +75,7 @@ def test_a_resident_reference_model_and_keep_alive():
 
 def test_retain_graph_holds_every_saved_tensor_to_the_end_of_the_step():
     graph, predicted, measured = predict_and_measure("caller_retain_graph.py")
-    assert_exact(predicted, measured)
+    assert_step_exact(predicted, measured)
     assert predicted.phases["optimizer"].peak_bytes - predicted.start_bytes >= predicted.saved.activation_bytes
 
 
