@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tracer.reports.compare_text import render_comparison
     from tracer.reports.units import format_bytes
-    from tracer.target_cli import compare
+    from tracer.cli.compare import compare
 
     aliases = line_aliases()
     summary = []

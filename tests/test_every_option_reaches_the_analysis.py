@@ -73,12 +73,24 @@ def test_tracer_check_passes_every_option(reached, tmp_path):
 def test_the_python_api_and_the_marker_keywords_reach_the_pipeline(reached):
     from tracer.checks.plugin import check_budget_marker
 
-    with pytest.raises(_Reached):
-        tracer.analyze("llama-debug", batch=3, seq=40, **EXPECTED)
-    _check(reached[0], EXPECTED)
     marker = {k: v for k, v in EXPECTED.items() if k != "zero_grad_set_to_none"}
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", batch=3, seq=40, zero_grad="zeros", **marker)
+    _check(reached[0], EXPECTED)
     check_budget_marker((), dict(model="llama-debug", peak="1GiB", zero_grad="zeros", **marker), test_dir=".")
     _check(reached[1], EXPECTED)
+
+
+def test_zero_grad_has_one_spelling_and_the_old_keyword_still_works(reached):
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", zero_grad="zeros")
+    with pytest.warns(DeprecationWarning, match="zero_grad='none' or 'zeros'"), pytest.raises(_Reached):
+        tracer.analyze("llama-debug", zero_grad_set_to_none=False)
+    assert [o.zero_grad_set_to_none for o in reached] == [False, False]
+    with pytest.raises(UsageError, match="zero_grad='sometimes' is not valid"):
+        tracer.analyze("llama-debug", zero_grad="sometimes")
+    with pytest.warns(DeprecationWarning), pytest.raises(UsageError, match="both given"):
+        tracer.analyze("llama-debug", zero_grad="none", zero_grad_set_to_none=True)
 
 
 def test_an_unknown_keyword_is_a_usage_error():

@@ -2,7 +2,7 @@
 
 Public API:
     analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=True, step="steady",
-            zero_grad_set_to_none=True, policies=("eager",), memory_budget=None, blocks=None,
+            zero_grad="none", policies=("eager",), memory_budget=None, blocks=None,
             checkpoint_every=1, save_policy=None, save_ops=(), hf_config=(), config_json=None,
             hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",
             cublas_workspace_config=None, device_memory_bytes=None) -> Analysis
@@ -11,7 +11,8 @@ Public API:
 compiled policy with a memory budget is keyed `compiled@<budget>`). The default target is a CUDA step on
 the default GPU (h100): each policy then carries `.device` (requested, allocated and reserved peaks);
 `target="cpu"` predicts a CPU step. `moe_routing` (balanced, worst or a JSON file of per-expert token counts)
-sizes what mixture-of-experts routing decides at run time (tracer/capture/routing.py). Every keyword is a field of `tracer.pipeline.AnalysisOptions`.
+sizes what mixture-of-experts routing decides at run time (tracer/capture/routing.py). Every keyword is a field of `tracer.pipeline.AnalysisOptions`,
+except `zero_grad` ("none": set_to_none=True, or "zeros"; spelled as `--zero-grad`), the field zero_grad_set_to_none.
 """
 from __future__ import annotations
 
@@ -21,4 +22,8 @@ __version__ = "0.1.0"
 def analyze(model, *, memory_budget: float | None = None, **options):
     from tracer.pipeline import options_from_keywords, run_analysis
 
+    if "zero_grad_set_to_none" in options:
+        import warnings
+        warnings.warn("tracer.analyze(zero_grad_set_to_none=...) is deprecated: use zero_grad='none' or 'zeros', "
+                      "as --zero-grad", DeprecationWarning, stacklevel=2)
     return run_analysis(model, options_from_keywords(memory_budget=memory_budget, **options))

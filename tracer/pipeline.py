@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tracer.capture.target import DEFAULT_TARGET
+from tracer.choices import DEFAULT_TARGET
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
                    "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets")
@@ -292,10 +292,12 @@ def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> 
     """`tracer.analyze`'s keywords -> AnalysisOptions. Raises UsageError naming an unknown keyword."""
     from tracer.errors import UsageError
 
+    keywords = _zero_grad_keyword(keywords)
     names = {f.name for f in dataclasses.fields(AnalysisOptions)} - {"memory_budgets"}
     unknown = sorted(set(keywords) - names)
     if unknown:
-        raise UsageError(f"unknown option {unknown[0]!r}", hint=f"valid: memory_budget, {', '.join(sorted(names))}")
+        valid = sorted(names - {"zero_grad_set_to_none"} | {"zero_grad"})
+        raise UsageError(f"unknown option {unknown[0]!r}", hint=f"valid: memory_budget, {', '.join(valid)}")
     for name in ("policies", "save_ops", "hf_config", "lora_targets"):
         if name in keywords and not isinstance(keywords[name], str):
             keywords[name] = tuple(keywords[name])
@@ -305,3 +307,18 @@ def options_from_keywords(*, memory_budget: float | None = None, **keywords) -> 
     if isinstance(keywords.get("policies"), str):
         keywords["policies"] = (keywords["policies"],)
     return AnalysisOptions(memory_budgets=(memory_budget,), **keywords)
+
+
+def _zero_grad_keyword(keywords: dict) -> dict:
+    """`zero_grad="none"|"zeros"`, spelled as `--zero-grad` and the marker's keyword, -> the field
+    zero_grad_set_to_none (which callers inside tracer pass as it is)."""
+    from tracer.errors import UsageError
+
+    if "zero_grad" not in keywords:
+        return keywords
+    if "zero_grad_set_to_none" in keywords:
+        raise UsageError("zero_grad and zero_grad_set_to_none both given", hint="give zero_grad='none' or 'zeros'")
+    from tracer.checks.options import MODEL_OPTIONS, check_option_value, options_fields
+
+    check_option_value(next(o for o in MODEL_OPTIONS if o.name == "zero_grad"), keywords["zero_grad"])
+    return options_fields(keywords)

@@ -63,9 +63,7 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
     `tracer.analyze` (precision, optimizer, target, ...). On a CUDA target the peak counts the cuBLAS
     workspaces too (requested bytes; the allocator's rounding and caching are not part of the fit).
     Raises UsageError for a bad budget or size."""
-    if analyze is None:
-        import tracer
-        analyze = tracer.analyze
+    analyze = analyze or analyze_model
     budget_bytes = parse_budget(budget)
     dimension = "batch" if batch is None else "seq"
     degree = 1 if dimension == "batch" else 2
@@ -115,7 +113,7 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
     samples = {}
     for k in sorted(sample_depths):
         try:
-            samples[k] = _analyze_source(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
+            samples[k] = analyze_model(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
                                          **options)
         except DepthError:
             raise
@@ -274,7 +272,8 @@ def _block_list(model) -> tuple[str, object]:
     return best
 
 
-def _analyze_source(source, *, batch: int, seq: int, policies: tuple[str, ...], **options):
-    """`tracer.analyze` for a `ModelSource` rather than a name."""
+def analyze_model(model, *, batch: int, seq: int, policies: tuple[str, ...], **options):
+    """`tracer.analyze` with AnalysisOptions' field names (zero_grad_set_to_none), for a model argument or a
+    `ModelSource`."""
     from tracer.pipeline import options_from_keywords, run_analysis
-    return run_analysis(source, options_from_keywords(batch=batch, seq=seq, policies=policies, **options))
+    return run_analysis(model, options_from_keywords(batch=batch, seq=seq, policies=policies, **options))

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import TINY, model
 from tracer.checks import load_baseline
-from tracer.checks.cli import check_main
+from tracer.cli.check import check_main
 from tracer.errors import ExitCode, UsageError
 
 CHECK_FLAGS = TINY[:-2]           # tracer check has no --top

@@ -40,7 +40,7 @@ def test_the_models_own_keyboard_interrupt_is_exit_3():
 
 
 def test_sys_exit_0_in_the_model_cannot_pass_tracer_check(tmp_path, capsys):
-    from tracer.checks.cli import check_main
+    from tracer.cli.check import check_main
     baseline = tmp_path / "b.json"
     code = check_main([model("exit_in_forward"), "--baseline", str(baseline), "--update-baseline", *TINY[:-2]])
     assert code == ExitCode.ANALYSIS
@@ -115,7 +115,7 @@ def test_tolerance_with_compare_must_read(run_cli, no_analysis, tmp_path):
     assert code == ExitCode.USAGE and "--tolerance" in one_line(err)
 
 
-@pytest.mark.parametrize("flag", ["--json", "--plot", "--graph", "--snapshot", "--save-baseline"])
+@pytest.mark.parametrize("flag", ["--json", "--plot", "--graph", "--export-snapshot", "--save-baseline"])
 def test_output_path_errors_are_found_before_the_analysis(run_cli, no_analysis, tmp_path, flag):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")

@@ -1,5 +1,5 @@
 """Prediction vs snapshot: the device view (tracer.passes.device), the comparison (tracer.passes.compare),
-its text/JSON rendering and the CLI glue (tracer.target_cli).
+its text/JSON rendering and the CLI glue (tracer.cli.compare).
 
 The measured side is a snapshot our own code writes (tracer.reports.memviz) of the same prediction, so
 every difference is known exactly: zero, or the extra device allocations added on one side.
@@ -156,7 +156,7 @@ def test_target_cli_glue(synthetic, tmp_path):
     from tracer.passes.analysis import Analysis, with_device_view
     from tracer.passes.device import DeviceSetup
     from tracer.reports.compare_text import render_device_memory
-    from tracer.target_cli import add_target_arguments, run_target_outputs
+    from tracer.cli.compare import add_target_arguments, run_target_outputs
 
     parser = argparse.ArgumentParser()
     add_target_arguments(parser)

@@ -29,9 +29,8 @@ from tracer.capture.convert import OpDraft
 from tracer.capture.splice import remap
 from tracer.capture.storages import StorageTable
 from tracer.errors import UsageError
+from tracer.choices import OFFLOAD_MODES  # noqa: F401 - the names, without torch, for the CLI
 from tracer.stepgraph import Phase, StorageRole, TensorValue
-
-OFFLOAD_MODES = ("optimizer", "optimizer+params")
 
 
 def check_offload(mode: str | None, *, accumulate: int, zero_grad_set_to_none: bool, shard: str | None = None) -> None:

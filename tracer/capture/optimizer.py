@@ -26,8 +26,7 @@ class _NotAnOptimizer(Exception):
     """make_optimizer returned something without step(); the argument is what it returned."""
 from tracer.stepgraph import StorageRole, TensorValue
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", "adafactor-hf", "lion",
-              "adamw8bit", "paged-adamw8bit", "none")
+from tracer.choices import OPTIMIZERS  # noqa: E402 - the names, without torch, for the CLI
 
 
 def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.Optimizer | None:

@@ -22,7 +22,8 @@ import contextlib
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")
+from tracer.choices import PRECISIONS  # noqa: F401 - the names, without torch, for the CLI
+
 LOSS_SCALE = 2.0 ** 16                     # GradScaler's init_scale; the value never changes memory
 
 

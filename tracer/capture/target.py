@@ -37,34 +37,14 @@ import math
 import re
 import warnings
 
+# the GPU table and the target names live in tracer.choices (no torch there: the CLI's --help reads them)
+from tracer.choices import DEFAULT_GPU, DEFAULT_TARGET, GPUS, TARGET_DEVICES, GpuSpec  # noqa: F401
 from tracer.errors import UsageError
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
-TARGET_DEVICES = ("cpu", "cuda")
 
 
 # ---------------------------------------------------------------------------------------------- GPUs
-
-@dataclasses.dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    sm: tuple[int, int]               # compute capability (major, minor)
-    memory_bytes: int
-    description: str
-
-
-GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("v100", (7, 0), 32 * GIB, "Volta V100 32GB"),
-    GpuSpec("t4", (7, 5), 16 * GIB, "Turing T4 16GB"),
-    GpuSpec("a100", (8, 0), 80 * GIB, "Ampere A100 80GB"),
-    GpuSpec("a10g", (8, 6), 24 * GIB, "Ampere A10G 24GB"),
-    GpuSpec("l4", (8, 9), 24 * GIB, "Ada L4 24GB"),
-    GpuSpec("h100", (9, 0), 80 * GIB, "Hopper H100 80GB"),
-    GpuSpec("h200", (9, 0), 141 * 10**9, "Hopper H200 141GB"),
-    GpuSpec("b200", (10, 0), 180 * 10**9, "Blackwell B200 180GB"),
-)}
-DEFAULT_GPU = "h100"                 # the GPU a prediction is for unless --gpu names another
-DEFAULT_TARGET = "cuda"              # what every command predicts unless --target cpu
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp), defined once.
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
 value (missing names take the default) and returns the keyword arguments of `tracer.analyze`.
-Names are the CLI's, with `_` for `-`: `zero_grad` is "none" (set_to_none=True) or "zeros".
+Names are the CLI's, with `_` for `-`, and `tracer.analyze`'s: `zero_grad` is "none" (set_to_none=True) or
+"zeros" (one spelling everywhere; `options_fields` maps it to AnalysisOptions.zero_grad_set_to_none).
 """
 from __future__ import annotations
 
@@ -12,9 +13,7 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
-from tracer.capture.offload import OFFLOAD_MODES
-from tracer.capture.optimizer import OPTIMIZERS
-from tracer.capture.target import DEFAULT_GPU, DEFAULT_TARGET, GPUS, TARGET_DEVICES
+from tracer.choices import DEFAULT_GPU, DEFAULT_TARGET, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS, TARGET_DEVICES
 from tracer.errors import UsageError
 
 
@@ -35,7 +34,7 @@ class ModelOption:
 MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("batch", 2, None, "batch size passed to example_batch (default 2)"),
     ModelOption("seq", 1024, None, "sequence length passed to example_batch (default 1024)"),
-    ModelOption("precision", "fp32", ("fp32", "bf16", "bf16-pure", "fp16"),
+    ModelOption("precision", "fp32", PRECISIONS,
                 "fp32; bf16 = torch.autocast(bfloat16) around forward and loss with fp32 weights; "
                 "bf16-pure = bf16 weights and inputs, no autocast; fp16 = torch.autocast(float16) with fp32 "
                 "weights and torch.amp.GradScaler (scaled loss, unscale_, update) (default fp32)"),
@@ -154,6 +153,13 @@ def analyze_kwargs(values: Mapping[str, object]) -> dict:
             value = comma_names(value) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
         check_option_value(option, value)
         out[option.name] = value
-    zero_grad = out.pop("zero_grad")
-    out["zero_grad_set_to_none"] = zero_grad == "none"
     return out
+
+
+def options_fields(kwargs: Mapping[str, object]) -> dict:
+    """`analyze_kwargs`' result (or part of it) -> AnalysisOptions fields: zero_grad ("none" | "zeros") is
+    the field zero_grad_set_to_none."""
+    fields = dict(kwargs)
+    if "zero_grad" in fields:
+        fields["zero_grad_set_to_none"] = fields.pop("zero_grad") == "none"
+    return fields

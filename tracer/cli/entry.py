@@ -1,4 +1,4 @@
-"""The exit-code contract of every entry point (`python -m tracer`, `tracer check`, `tracer snapshot`).
+"""The exit-code contract of every subcommand (`python -m tracer`, `tracer check`, `tracer snapshot`, ...).
 
     run_entry_point(body, *, prog, verbose) -> int
 

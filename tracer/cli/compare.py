@@ -1,4 +1,4 @@
-"""Command-line flags for a CUDA target and for comparing with a real snapshot, for `tracer.cli` to wire in.
+"""Command-line flags for a CUDA target and for comparing with a real snapshot, for tracer.cli.analyze.
 
     add_target_arguments(parser)          --alloc-conf CONF (--target and --gpu: tracer.checks.options)
                                           --cublas-workspace-config CONF  --compare PATH  --tolerance T
@@ -21,6 +21,7 @@ from tracer.errors import ExitCode, UsageError
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser = parser.add_argument_group("CUDA target and comparison with a real snapshot")
     parser.add_argument("--alloc-conf", metavar="CONF", default="",
                         help="PYTORCH_CUDA_ALLOC_CONF for the caching-allocator model, e.g. expandable_segments:True")
     parser.add_argument("--cublas-workspace-config", metavar="CONF", default=None,

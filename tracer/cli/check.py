@@ -7,57 +7,57 @@ baseline's, and the report says so. `--update-baseline` rewrites the baseline fr
 (the flags given, else the defaults; the file need not exist).
 Exit codes (tracer.errors.ExitCode): 0 ok, 1 regression, 2 usage (flags, missing or foreign baseline, a
 baseline made with other settings, a baseline that gates nothing, model file), 3 analysis error (the
-model raised or exited, or any unexpected error: never 0 or 1), 130 interrupted (see tracer.entry).
+model raised or exited, or any unexpected error: never 0 or 1), 130 interrupted (see tracer.cli.entry).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tracer.checks.options import MODEL_OPTIONS, add_model_arguments, analyze_kwargs
+from tracer.checks.options import MODEL_OPTIONS, analyze_kwargs, options_fields
 from tracer.errors import ExitCode, UsageError
-from tracer.policies import ALL_POLICIES, POLICIES
 
-POLICY_CHOICES = POLICIES + ("all",)
+PROG = "python -m tracer check"
+SUMMARY = "fail on memory regressions against a --save-baseline file"
 
 
-def build_check_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tracer check", description=(
+def build_parser() -> argparse.ArgumentParser:
+    from tracer.cli import args as groups
+
+    p = argparse.ArgumentParser(prog=PROG, description=(
         "Re-analyse MODEL and compare with a baseline written by --save-baseline: exit 1 if a peak, a "
         "phase peak, the saved bytes, the bytes live after the step or the recompute FLOPs grew beyond "
-        "the tolerance, with the lines and layers that account for the growth."),
+        "the tolerance, with the lines and layers that account for the growth. A model option not given "
+        "takes the baseline's value."),
         epilog="exit codes: 0 ok, 1 regression, 2 usage error (flags, baseline, model file), 3 analysis error "
                "(the model raised or exited, or an unexpected error), 130 interrupted")
-    p.add_argument("model", help="zoo name or path to a model file (as given when the baseline was saved)")
-    p.add_argument("--baseline", metavar="PATH", required=True, help="baseline JSON written by --save-baseline")
-    p.add_argument("--tolerance", default="2%",
-                   help="allowed growth, as a percentage (2%%) or a fraction (0.02) (default 2%%)")
-    p.add_argument("--update-baseline", action="store_true", help="rewrite the baseline from this analysis; exit 0")
-    add_model_arguments(p, only_given=True)
-    p.add_argument("--policy", choices=POLICY_CHOICES, default=argparse.SUPPRESS,
-                   help="policies to analyse (default: the baseline's; all = eager, compiled, selective, full)")
-    p.add_argument("--hf-config", action="append", default=argparse.SUPPRESS, metavar="KEY=VALUE",
-                   help="hf: models: override a config field (repeatable; default: the baseline's)")
-    p.add_argument("--config-json", metavar="PATH", default=argparse.SUPPRESS,
-                   help="hf: models: build from this local config.json (default: the baseline's)")
-    p.add_argument("--hf-task", metavar="TASK", default=argparse.SUPPRESS,
-                   help="hf: models: the head whose loss is trained (default: the baseline's)")
-    p.add_argument("--shard", default=argparse.SUPPRESS, help="per-rank memory under this strategy (default: the baseline's)")
-    p.add_argument("--world-size", type=int, default=argparse.SUPPRESS, help="--shard: number of ranks")
+    baseline = p.add_argument_group("baseline")
+    baseline.add_argument("--baseline", metavar="PATH", required=True, help="baseline JSON written by --save-baseline")
+    baseline.add_argument("--tolerance", default="2%",
+                          help="allowed growth, as a percentage (2%%) or a fraction (0.02) (default 2%%)")
+    baseline.add_argument("--update-baseline", action="store_true",
+                          help="rewrite the baseline from this analysis; exit 0")
+    groups.add_model_group(p, only_given=True,
+                           model_help="zoo name or path to a model file (as given when the baseline was saved)")
+    groups.add_policy_group(p, only_given=True)
+    groups.add_sharding_group(p, only_given=True)
     p.add_argument("--top", type=int, default=10, help="rows shown per diff table (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
     return p
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def run(args) -> int:
+    return _run_check(args)
+
+
 def check_main(argv: list[str] | None = None) -> int:
-    """Entry point of the `check` subcommand (argv: the arguments after `check`). Returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        args = build_check_parser().parse_args(argv)
-    except SystemExit as exc:                      # --help (0) or a bad flag (2, message already printed)
-        return int(exc.code or 0)
-    from tracer.entry import run_entry_point
-    return run_entry_point(lambda: _run_check(args), prog="tracer check", verbose=args.verbose)
+    """The `check` subcommand (argv: the arguments after `check`). Returns the exit code."""
+    from tracer.cli import main
+    return main(["check", *(sys.argv[1:] if argv is None else argv)])
 
 
 def _run_check(args) -> int:
@@ -95,9 +95,9 @@ def given_options(args) -> dict:
     given = {name: values[name] for name in (o.name for o in MODEL_OPTIONS) if name in values}
     if given:
         checked = analyze_kwargs({**{o.name: o.default for o in MODEL_OPTIONS}, **given})
-        given = {("zero_grad_set_to_none" if name == "zero_grad" else name): checked[
-            "zero_grad_set_to_none" if name == "zero_grad" else name] for name in given}
+        given = options_fields({name: checked[name] for name in given})
     if "policy" in values:
+        from tracer.policies import ALL_POLICIES
         given["policies"] = ALL_POLICIES if values["policy"] == "all" else (values["policy"],)
     for name in ("hf_config", "config_json", "hf_task", "shard", "world_size"):
         if name in values:

@@ -1,0 +1,232 @@
+"""`python -m tracer [analyze] [MODEL] [options]`: predict the memory of one training step. A thin layer:
+parse, call the library (tracer.pipeline, tracer.planning, tracer.levers), render (tracer.reports).
+
+Every flag and output path is checked before the analysis runs; exit codes: tracer.cli.entry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from tracer.cli.progress import Progress
+from tracer.errors import ExitCode
+
+PROG = "python -m tracer"
+SUMMARY = "predict the memory of one training step (the default command)"
+
+
+def build_parser(epilog: str = ""):
+    import argparse
+
+    from tracer.cli import args as groups
+    from tracer.cli.compare import add_target_arguments
+
+    p = argparse.ArgumentParser(prog=PROG, description=(
+        "Predict the memory of one training step (forward, loss, backward, optimizer step) without a GPU: "
+        "the peak, its phase, the bill by category, and the lines and layers holding memory at the peak."),
+        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    groups.add_model_group(p)
+    groups.add_policy_group(p)
+    planning = p.add_argument_group("planning")
+    planning.add_argument("--fit", metavar="SIZE",
+                          help="largest batch at --seq (with an explicit --batch: largest --seq) whose peak fits "
+                               "SIZE, per policy; checked by full analyses")
+    planning.add_argument("--levers", action="store_true",
+                          help="what-if table: one row per training lever and combination (checkpointing, compile, "
+                               "8-bit AdamW, Adafactor, pure bf16, accumulation, LoRA, offload, ZeRO-2/FSDP at "
+                               "--world-size), each a full analysis; with --fit SIZE: the largest batch per lever")
+    planning.add_argument("--by-depth", action="store_true",
+                          help="analyse the model cut to 3, 4, 5 blocks and extrapolate to its depth (exact; refused "
+                               "when blocks differ) - fast for very deep models")
+    groups.add_sharding_group(p)
+    add_target_arguments(p)   # --alloc-conf --cublas-workspace-config --compare --tolerance --compare-json
+    groups.add_output_group(p)
+    groups.add_display_group(p)
+    return p
+
+
+def parse_args(argv: list[str]):
+    from tracer.cli import epilog
+
+    args = build_parser(epilog()).parse_args(argv)
+    args.batch_given = any(a == "--batch" or a.startswith("--batch=") for a in argv)
+    return args
+
+
+def run(args) -> int:
+    from tracer.cli.args import check_output_paths
+
+    check_output_paths(args)
+    return _run(args)
+
+
+def _plan(args, options) -> int:
+    """--fit and --by-depth: the same options as the full analysis, sizes varied by the planner."""
+    from tracer.planning import analyze_by_depth, fit_budget
+    from tracer.reports.planning_text import render_depth, render_fit
+
+    keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+                if f.name not in ("batch", "seq", "policies", "memory_budgets")}
+    budget = next((b for b in options.memory_budgets if b is not None), None)
+    names = options.policies
+    if args.fit:
+        report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
+                            policies=names, memory_budget=budget, **keywords)
+        sys.stdout.write(render_fit(report))
+    else:
+        sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
+                                                       memory_budget=budget, **keywords)))
+    return int(ExitCode.OK)
+
+
+def _levers(args) -> int:
+    """--levers (with --fit: the largest batch per lever). --world-size alone sets the sharding levers' ranks."""
+    from tracer.errors import UsageError
+    from tracer.levers import fit_levers, run_levers
+    from tracer.reports.levers_text import levers_json, render_lever_fits, render_levers
+
+    if args.by_depth:
+        raise UsageError("--levers and --by-depth cannot be combined", hint="drop one of them")
+    world_size = args.world_size
+    if args.shard is None:
+        args.world_size = None             # the sharding levers take it; the baseline is one device
+    options = analysis_options(args)
+    if args.fit:
+        from tracer.planning import parse_budget
+        fits = fit_levers(args.model, args.fit, options, world_size=world_size)
+        sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
+        return int(ExitCode.OK)
+    progress = Progress.from_args(args)
+    table = run_levers(args.model, options, world_size=world_size, on_progress=progress)
+    sys.stdout.write(render_levers(table))
+    if args.json:
+        _write_json(args.json, levers_json(table))
+    progress.done()
+    return int(ExitCode.OK)
+
+
+def _write_visual_outputs(args, analysis, policy: str) -> None:
+    from tracer.errors import UsageError
+    from tracer.reports.units import parse_bytes
+
+    device_memory = None
+    if args.device_memory:
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as exc:
+            raise UsageError(f"--device-memory: {exc}") from exc
+    if args.lines:
+        from tracer.reports.line_table import build_line_table, render_line_table
+        sys.stdout.write("\n" + render_line_table(build_line_table(analysis, policy), top=None))
+    if args.plot:
+        from tracer.reports.timeline import render_timeline
+        render_timeline(analysis, args.plot, device_memory_bytes=device_memory)
+    if args.graph:
+        from tracer.reports.layer_graph import render_layer_graph, write_layer_graph
+        write_layer_graph(render_layer_graph(analysis, layer=args.graph_layer, policy=policy), args.graph)
+    if args.export_snapshot:
+        from tracer.reports.memviz import write_memviz_snapshot
+        write_memviz_snapshot(analysis, args.export_snapshot, policy=policy)
+    if args.report:
+        from tracer.reports.report_dir import write_report_dir
+        write_report_dir(analysis, args.report, policy=policy, layer=args.graph_layer,
+                         device_memory_bytes=device_memory)
+
+
+def _write_json(path: str, data: dict) -> None:
+    from tracer.outputs import write_output
+    write_output(path, json.dumps(data, indent=2), what="--json")
+
+
+def analysis_options(args):
+    """The parsed flags -> the pipeline's AnalysisOptions (every flag that changes the answer)."""
+    from tracer.errors import UsageError
+    from tracer.pipeline import AnalysisOptions
+    from tracer.reports.units import parse_bytes
+
+    if args.batch < 1 or args.seq < 1:
+        raise UsageError("--batch and --seq must be positive integers")
+    device_memory = None
+    if getattr(args, "device_memory", None):
+        try:
+            device_memory = parse_bytes(args.device_memory)
+        except ValueError as exc:
+            raise UsageError(f"--device-memory: {exc}") from exc
+    from tracer.cli.compare import check_target_flags
+    check_target_flags(args)
+    names, budgets = policy_names_and_budgets(args)
+    options = AnalysisOptions(
+        batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer, foreach=args.foreach,
+        step=args.step, zero_grad_set_to_none=args.zero_grad == "none", policies=names, memory_budgets=budgets,
+        blocks=args.blocks, checkpoint_every=args.checkpoint_every, save_policy=args.save_policy,
+        save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
+        config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, moe_routing=args.moe_routing,
+        target=args.target,
+        gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
+        device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
+        reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
+        accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
+        tp=args.tp, sp=args.sp)
+    return options                          # AnalysisOptions validates every field when made: before any capture
+
+
+def _run(args) -> int:
+    import torch
+
+    import tracer
+    from tracer.pipeline import run_analysis
+    from tracer.cli.compare import run_target_outputs
+    from tracer.reports.json_report import report_json
+    from tracer.reports.text import render_text
+
+    if args.levers:
+        return _levers(args)
+    options = analysis_options(args)
+    if args.fit or args.by_depth:
+        return _plan(args, options)
+    progress = Progress.from_args(args)
+    analysis = run_analysis(args.model, options, on_progress=progress)
+    specs = options.policy_specs()
+    shown = None if args.policy == "all" or len(specs) > 1 else specs[0].label
+    sys.stdout.write(render_text(analysis, policy=shown, top=args.top))
+    if args.json:
+        versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
+        _write_json(args.json, report_json(analysis, top=args.top, versions=versions))
+    if args.save_baseline:
+        from tracer.checks import save_baseline
+        save_baseline(analysis, args.save_baseline, top=args.top)
+    _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
+    if args.shard:
+        from tracer.reports.planning_text import render_sharding
+        sharded = {label: policy.sharded for label, policy in analysis.policies.items()}
+        sys.stdout.write("\n" + render_sharding(sharded, single_device_peaks={
+            k: p.peak_bytes for k, p in analysis.policies.items()}))
+    code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))
+    progress.done()
+    return code
+
+
+BUDGET_SWEEP = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0)
+
+
+def policy_names_and_budgets(args) -> tuple[tuple[str, ...], tuple[float | None, ...]]:
+    """--policy and --memory-budget -> (policy names, compiled memory budgets). A budget adds compiled."""
+    from tracer.errors import UsageError
+    from tracer.policies import ALL_POLICIES
+
+    names = ALL_POLICIES if args.policy == "all" else (args.policy,)
+    budgets: tuple = (None,)
+    if args.memory_budget is not None:
+        if args.memory_budget == "sweep":
+            budgets = BUDGET_SWEEP
+        else:
+            try:
+                budgets = (float(args.memory_budget),)
+            except ValueError:
+                raise UsageError(f"--memory-budget {args.memory_budget!r} is not a number or 'sweep'") from None
+            if not 0.0 <= budgets[0] <= 1.0:
+                raise UsageError("--memory-budget must be between 0 and 1 (a fraction of activation bytes)")
+        if "compiled" not in names:
+            names = names + ("compiled",)
+    return names, budgets
