@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tracer.stepgraph import OpNode, Phase, SourceLoc, StepConfig, StepGraph, Storage, StorageRole, TensorValue
+from graph_builder import GraphBuilder
+from tracer.stepgraph import SourceLoc, StepGraph, StorageRole, TensorValue
 
 MATMUL = SourceLoc("model.py", 10, "forward", "h = x @ self.w")
 RELU = SourceLoc("model.py", 11, "forward", "return torch.relu(h)  # <keep> & \"quote\"")
@@ -19,29 +20,8 @@ LOSS = SourceLoc("model.py", 20, "forward", "loss = model(x).sum()")
 STEP = SourceLoc("train.py", 30, "step", "optimizer.step()")
 
 
-class _Builder:
-    def __init__(self):
-        self.storages: list[Storage] = []
-        self.ops: list[OpNode] = []
-
-    def storage(self, shape, role=StorageRole.INTERMEDIATE, **fields) -> TensorValue:
-        sid = len(self.storages)
-        nbytes = 4
-        for dim in shape:
-            nbytes *= dim
-        self.storages.append(Storage(sid, nbytes, role, "float32", tuple(shape), **fields))
-        return TensorValue(sid, tuple(shape), "float32")
-
-    def op(self, phase, target, args, outputs, *, module="", source=None, is_view=False, name=None) -> int:
-        index = len(self.ops)
-        self.ops.append(OpNode(index=index, name=name or f"{target.split('.')[1]}_{index}", target=target,
-                               phase=Phase(phase), args=tuple(args), kwargs=(), outputs=tuple(outputs),
-                               source=source, module=module, is_view=is_view))
-        return index
-
-
 def two_block_step() -> StepGraph:
-    b = _Builder()
+    b = GraphBuilder()
     w0 = b.storage((4, 4), StorageRole.PARAMETER, preexisting=True, persistent=True, name="blocks.0.lin.weight")
     w1 = b.storage((4, 4), StorageRole.PARAMETER, preexisting=True, persistent=True, name="blocks.1.lin.weight")
     x = b.storage((2, 4), StorageRole.INPUT, preexisting=True, name="input 0")
@@ -50,34 +30,32 @@ def two_block_step() -> StepGraph:
     h0, a0, h1, a1 = (b.storage((2, 4)) for _ in range(4))
     loss = b.storage((1,), persistent=True)
     # forward
-    b.op("forward", "aten.mm.default", [x, w0], [h0], module="blocks.0.lin", source=MATMUL)
-    b.op("forward", "aten.relu.default", [h0], [a0], module="blocks.0", source=RELU)
-    b.op("forward", "aten.view.default", [a0, (2, 4)], [a0], module="blocks.0", source=RELU, is_view=True)
-    b.op("forward", "aten.mm.default", [a0, w1], [h1], module="blocks.1.lin", source=MATMUL)
-    b.op("forward", "aten.relu.default", [h1], [a1], module="blocks.1", source=RELU)
-    b.op("forward", "aten.sum.default", [a1], [loss], source=LOSS)
-    b.op("forward", "aten.my_check.default", [loss], [], source=LOSS)      # no FLOP formula: flagged with *
+    b.aten("forward", "aten.mm.default", [x, w0], [h0], module="blocks.0.lin", source=MATMUL)
+    b.aten("forward", "aten.relu.default", [h0], [a0], module="blocks.0", source=RELU)
+    b.aten("forward", "aten.view.default", [a0, (2, 4)], [a0], module="blocks.0", source=RELU, is_view=True)
+    b.aten("forward", "aten.mm.default", [a0, w1], [h1], module="blocks.1.lin", source=MATMUL)
+    b.aten("forward", "aten.relu.default", [h1], [a1], module="blocks.1", source=RELU)
+    b.aten("forward", "aten.sum.default", [a1], [loss], source=LOSS)
+    b.aten("forward", "aten.my_check.default", [loss], [], source=LOSS)      # no FLOP formula: flagged with *
     # backward (each op points at the forward line and module that caused it)
     seed, g_a1 = b.storage((1,)), b.storage((2, 4))
     gh1, gw1, ga0, gh0 = b.storage((2, 4)), b.storage((4, 4), StorageRole.GRADIENT, persistent=True), \
         b.storage((2, 4)), b.storage((2, 4))
     gw0 = b.storage((4, 4), StorageRole.GRADIENT, persistent=True)
-    b.op("backward", "aten.ones_like.default", [loss], [seed], name="loss_grad_seed")
-    b.op("backward", "aten.expand.default", [seed, (2, 4)], [g_a1], source=LOSS)
-    b.op("backward", "aten.threshold_backward.default", [g_a1, a1, 0], [gh1], module="blocks.1", source=RELU)
-    b.op("backward", "aten.mm.default", [TensorValue(a0.storage_id, (4, 2), "float32"), gh1], [gw1],
+    b.aten("backward", "aten.ones_like.default", [loss], [seed], name="loss_grad_seed")
+    b.aten("backward", "aten.expand.default", [seed, (2, 4)], [g_a1], source=LOSS)
+    b.aten("backward", "aten.threshold_backward.default", [g_a1, a1, 0], [gh1], module="blocks.1", source=RELU)
+    b.aten("backward", "aten.mm.default", [TensorValue(a0.storage_id, (4, 2), "float32"), gh1], [gw1],
          module="blocks.1.lin", source=MATMUL)
-    b.op("backward", "aten.mm.default", [gh1, TensorValue(w1.storage_id, (4, 4), "float32")], [ga0],
+    b.aten("backward", "aten.mm.default", [gh1, TensorValue(w1.storage_id, (4, 4), "float32")], [ga0],
          module="blocks.1.lin", source=MATMUL)
-    b.op("backward", "aten.threshold_backward.default", [ga0, a0, 0], [gh0], module="blocks.0", source=RELU)
-    b.op("backward", "aten.mm.default", [TensorValue(x.storage_id, (4, 2), "float32"), gh0], [gw0],
+    b.aten("backward", "aten.threshold_backward.default", [ga0, a0, 0], [gh0], module="blocks.0", source=RELU)
+    b.aten("backward", "aten.mm.default", [TensorValue(x.storage_id, (4, 2), "float32"), gh0], [gw0],
          module="blocks.0.lin", source=MATMUL)
     # optimizer
-    b.op("optimizer", "aten._foreach_add_.List", [(m0, m1), (gw0, gw1)], [m0, m1], source=STEP)
-    b.op("optimizer", "aten._foreach_add_.List", [(w0, w1), (m0, m1)], [w0, w1], source=STEP)
-    cfg = StepConfig(model="two-block", batch=2, seq=1, precision="fp32", optimizer="sgd", step="steady",
-                     zero_grad_set_to_none=True, capture_path="hand-built")
-    return StepGraph(config=cfg, ops=tuple(b.ops), storages=tuple(b.storages), parameter_count=32)
+    b.aten("optimizer", "aten._foreach_add_.List", [(m0, m1), (gw0, gw1)], [m0, m1], source=STEP)
+    b.aten("optimizer", "aten._foreach_add_.List", [(w0, w1), (m0, m1)], [w0, w1], source=STEP)
+    return b.build(model="two-block", batch=2, optimizer="sgd", parameter_count=32)
 
 
 def two_policies(analysis, second: str):

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from synthetic import _Builder
+from graph_builder import GraphBuilder
 from tracer.errors import UsageError
 from tracer.passes.allocator import simulate_allocator
 from tracer.passes.analysis import analyze_graph
@@ -20,7 +20,7 @@ from tracer.passes.device import predict_device_memory, step_requests
 from tracer.reports.compare_text import comparison_json, device_memory_json, render_comparison, render_device_memory
 from tracer.reports.memviz import predicted_snapshot, write_memviz_snapshot
 from tracer.snapshots import summarize_snapshot
-from tracer.stepgraph import StepConfig, StepGraph, StorageRole
+from tracer.stepgraph import StepGraph, StorageRole
 
 
 @pytest.fixture(params=["synthetic", "llama_debug"])
@@ -119,20 +119,18 @@ def test_step_requests_stream(analysis):
 
 def _replacing_optimizer_step() -> StepGraph:
     """w (param), m (state, replaced): forward y = w*2; optimizer m_new = m*0.9 + g; m freed after op 2."""
-    b = _Builder()
+    b = GraphBuilder()
     w = b.storage((256, 256), StorageRole.PARAMETER, preexisting=True, persistent=True, name="w")
     m = b.storage((256, 256), StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, released_after_op=2,
                   name="w.m")
     y = b.storage((256, 256), persistent=True)
     g = b.storage((256, 256), StorageRole.GRADIENT, released_after_op=3)
     m_new = b.storage((256, 256), StorageRole.OPTIMIZER_STATE, persistent=True, name="w.m")
-    b.op("forward", "aten.mul.Tensor", [w, 2], [y])
-    b.op("backward", "aten.ones_like.default", [y], [g])
-    b.op("optimizer", "aten.add.Tensor", [m, g], [m_new])
-    b.op("optimizer", "aten.add_.Tensor", [w, m_new], [w], is_view=True)
-    cfg = StepConfig(model="replacing", batch=1, seq=1, precision="fp32", optimizer="custom", step="steady",
-                     zero_grad_set_to_none=True, capture_path="hand-built")
-    return StepGraph(config=cfg, ops=tuple(b.ops), storages=tuple(b.storages), parameter_count=65536)
+    b.aten("forward", "aten.mul.Tensor", [w, 2], [y])
+    b.aten("backward", "aten.ones_like.default", [y], [g])
+    b.aten("optimizer", "aten.add.Tensor", [m, g], [m_new])
+    b.aten("optimizer", "aten.add_.Tensor", [w, m_new], [w], is_view=True)
+    return b.build(model="replacing", optimizer="custom", parameter_count=65536)
 
 
 def test_warm_replay_frees_the_replacement_of_replaced_state():
