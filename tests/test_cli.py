@@ -67,6 +67,7 @@ def test_readme_example_file_runs_as_written():
 SNAPSHOT = os.path.join(ROOT, "..", "shared", "snapshots", "cs336-medium-ctx128-fp32-train-step.pickle")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(SNAPSHOT), reason="../shared/snapshots is not beside the checkout")
 def test_snapshot_subcommand_reads_a_real_snapshot(tmp_path, capsys):
     out = tmp_path / "snap.json"
@@ -127,6 +128,7 @@ def test_fit_and_shard(capsys):
     assert "zero3 on 2 ranks" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_outputs_go_to_folders_that_do_not_exist_yet(tmp_path):
     out = tmp_path / "new" / "deeper"
     assert main(["llama-debug", "--seq", "8", "--quiet", "--plot", str(out / "step.svg"),

@@ -60,6 +60,7 @@ def test_no_real_memory_is_allocated_for_a_7b_model():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1_000_000   # KiB: far below 27 GB
 
 
+@pytest.mark.slow
 def test_a_fused_rnn_module_is_flagged_in_the_report():
     """nn.LSTM runs a fused kernel in eager that the traced step decomposes: never silently off."""
     path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lstm_lm.py")
@@ -68,7 +69,7 @@ def test_a_fused_rnn_module_is_flagged_in_the_report():
     assert note.startswith("rnn: nn.LSTM runs a fused RNN kernel")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
 def test_no_op_is_attributed_to_tracers_own_code(precision):
     """Lines point at model code (the zoo's files count as model code), never at tracer's pipeline or
     capture wrappers (fp16's loss scaling runs in the capture's step module)."""

@@ -75,6 +75,7 @@ def test_cuda_autocast_output_dtype(path, make_inputs, fn, cuda_dtype, cpu_agree
         assert real.dtype == cuda_dtype, f"{path}: a real CPU autocast run gives {real.dtype}"
 
 
+@pytest.mark.slow
 def test_cross_entropy_saves_an_fp32_copy_of_the_log_probabilities_in_the_cuda_graph():
     """cross_entropy_loss (LossNLL.cpp) calls log_softmax(self, dim, self.scalar_type()): the explicit dtype
     keeps log_softmax in bf16 under CUDA autocast, and nll_loss (on the fp32 list) gets an fp32 copy of the

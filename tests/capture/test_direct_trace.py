@@ -51,6 +51,7 @@ def test_the_direct_trace_equals_the_exported_one(model, precision):
         assert _signature(direct[policy]) == _signature(exported[policy]), policy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["user_checkpoint.py", "attribute_cache.py"])
 def test_a_model_the_direct_trace_cannot_observe_is_exported(fixture):
     """Export drops torch.utils.checkpoint and tensors kept on module attributes, and tracer re-applies both

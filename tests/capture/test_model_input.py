@@ -1,6 +1,8 @@
 """The model-file convention: build_model + example_batch, optional loss_fn and make_optimizer."""
 import os
 
+import pytest
+
 from tracer.capture import CaptureOptions, capture_step, load_model_source
 from tracer.passes.analysis import analyze_graph
 from tracer.stepgraph import Phase
@@ -19,6 +21,7 @@ def test_loss_fn_wraps_the_model_and_keeps_module_paths():
     assert result.peak_bytes > result.start_bytes
 
 
+@pytest.mark.slow
 def test_make_optimizer_from_the_file_is_used():
     source = load_model_source(os.path.join(FIXTURES, "custom_optimizer.py"))
     graph = capture_step(source, CaptureOptions(batch=1, seq=8))

@@ -21,6 +21,7 @@ def test_default_adam_runs_for_loop_kernels_on_cpu_and_foreach_kernels_on_cuda()
     assert "aten._foreach_sqrt.default" in cuda and "aten._foreach_mul_.Scalar" in cuda
 
 
+@pytest.mark.slow
 def test_the_cuda_default_leaves_torch_optim_as_it_was():
     import torch
     import torch.optim.optimizer as optimizer_module

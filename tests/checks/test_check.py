@@ -61,6 +61,7 @@ def check(tmp_path, monkeypatch, baseline_path, edit, *extra):
     return code, result
 
 
+@pytest.mark.slow
 def test_unchanged_model_passes_from_another_checkout(tmp_path, monkeypatch, capsys, baseline):
     code, result = check(tmp_path, monkeypatch, baseline, None)
     assert code == ExitCode.OK and result.ok
@@ -70,6 +71,7 @@ def test_unchanged_model_passes_from_another_checkout(tmp_path, monkeypatch, cap
     assert diff.lines == diff.layers == diff.categories == ()
 
 
+@pytest.mark.slow
 def test_wider_mlp_is_caught(tmp_path, monkeypatch, capsys, baseline):
     code, result = check(tmp_path, monkeypatch, baseline, "wide_mlp")
     out = capsys.readouterr().out
@@ -118,6 +120,7 @@ def test_module_attribute_cache_is_caught(tmp_path, monkeypatch, baseline):
     assert grown == predicted == LAYERS * B * S * H * 2
 
 
+@pytest.mark.slow
 def test_checkpointing_turned_off_is_caught(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(write_model(tmp_path / "checkpointed", "checkpointed"))
     with_ckpt = tracer.analyze("model.py", **OPTIONS)
@@ -132,6 +135,7 @@ def test_checkpointing_turned_off_is_caught(tmp_path, monkeypatch, capsys):
     assert "saved_activation_bytes" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_two_analyses_give_identical_numbers(tmp_path):
     first = tracer.analyze(BASE, **OPTIONS)
     second = tracer.analyze(BASE, **OPTIONS)
@@ -160,6 +164,7 @@ def test_comparing_an_analysis_made_with_other_settings_is_refused(baseline):
     assert "seq (baseline 64, now 32)" in str(info.value) and "precision (baseline 'bf16', now 'fp32')" in str(info.value)
 
 
+@pytest.mark.slow
 def test_update_baseline_locks_in_a_change(tmp_path, monkeypatch, capsys, baseline):
     path = str(tmp_path / "baseline.json")
     with open(baseline) as src, open(path, "w") as dst:
@@ -213,6 +218,7 @@ def test_parse_tolerance():
             parse_tolerance(bad)
 
 
+@pytest.mark.slow
 def test_improvement_and_one_byte_regression_are_classified():
     analysis = tracer.analyze("llama-debug", batch=1, seq=8)
     data = baseline_json(analysis)

@@ -65,6 +65,7 @@ def test_budgets_hold_on_the_model_and_fail_on_regressions(pytester, base_bill):
     assert "peak 2.75 MiB" in out.split("_ test_base_over_a_tiny_budget _")[1]
 
 
+@pytest.mark.slow
 def test_the_body_runs_first_and_its_failure_wins(pytester):
     pytester.makepyfile(test_body="""
         import pytest
@@ -80,11 +81,16 @@ def test_the_body_runs_first_and_its_failure_wins(pytester):
 
 @pytest.mark.parametrize("marker,needle", [
     ('model="llama-debug"', "memory_budget needs a budget: peak= or one of parameter"),
-    ('model="llama-debug", peak="lots"', "memory_budget peak='lots': cannot read 'lots' as a size"),
-    ('model="llama-debug", peak="1GiB", sequence=8', "unknown keyword(s) sequence (valid: model, policy, peak"),
-    ('model="llama-debug", peak="1GiB", precision="fp8"', "precision='fp8' is not valid"),
-    ('model="missing.py", peak="1GiB"', "memory_budget: model file not found: missing.py"),
-    ('model="llama-debug", peak="1GiB", seq=8, policy="nope"', "unknown policy 'nope'; valid policies: "),
+    pytest.param('model="llama-debug", peak="lots"', "memory_budget peak='lots': cannot read 'lots' as a size",
+                 marks=pytest.mark.slow),
+    pytest.param('model="llama-debug", peak="1GiB", sequence=8', "unknown keyword(s) sequence (valid: model, policy, peak",
+                 marks=pytest.mark.slow),
+    pytest.param('model="llama-debug", peak="1GiB", precision="fp8"', "precision='fp8' is not valid",
+                 marks=pytest.mark.slow),
+    pytest.param('model="missing.py", peak="1GiB"', "memory_budget: model file not found: missing.py",
+                 marks=pytest.mark.slow),
+    pytest.param('model="llama-debug", peak="1GiB", seq=8, policy="nope"', "unknown policy 'nope'; valid policies: ",
+                 marks=pytest.mark.slow),
 ])
 def test_marker_mistakes_fail_with_one_clear_line(pytester, marker, needle):
     pytester.makepyfile(test_marker=f"""

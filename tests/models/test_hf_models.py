@@ -6,6 +6,7 @@ import json
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+pytestmark = pytest.mark.slow       # builds transformers models (importing transformers alone takes seconds)
 
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
 from tracer.errors import ExitCode, ModelInputError, ModelRunError  # noqa: E402

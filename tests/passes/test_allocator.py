@@ -255,6 +255,7 @@ def _seed(inputs) -> list[SeedSegment]:
             for s in inputs.segments]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SNAPSHOTS)
 def test_replay_of_real_snapshot_matches_its_final_segments(name):
     """Replay each snapshot's own requests from its starting state; the model reproduces it exactly.

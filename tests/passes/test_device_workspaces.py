@@ -2,6 +2,8 @@
 holds them (before a warm step), a step without one never allocates them."""
 import os
 
+import pytest
+
 import tracer
 from tracer.passes.device import runs_cublas
 
@@ -15,6 +17,7 @@ def test_a_step_without_a_matmul_holds_no_cublas_workspace():
     assert result.device.peak_bytes == result.peak_bytes
 
 
+@pytest.mark.slow
 def test_a_step_with_a_matmul_holds_both_workspaces_from_before_the_step():
     result = tracer.analyze("llama-debug", batch=1, seq=8, gpu="a100").policies["eager"]
     assert runs_cublas(result.graph)

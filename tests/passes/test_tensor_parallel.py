@@ -38,7 +38,7 @@ def layer_norm_statistics_bytes(s: int, b: int, t: int, sp: bool) -> int:
     return 2 * 2 * (s * b * 2) // (t if sp else 1)
 
 
-@pytest.fixture(scope="module", params=[(32, 2), (64, 1)], ids=["s32-b2", "s64-b1"])
+@pytest.fixture(scope="module", params=[(32, 2), pytest.param((64, 1), marks=pytest.mark.slow)], ids=["s32-b2", "s64-b1"])
 def gpt_step(request):
     seq, batch = request.param
     source = load_model_source(os.path.join(FIXTURES, "megatron_gpt.py"))
@@ -73,6 +73,7 @@ def test_roles_come_from_the_data_flow(gpt_step):
     assert plan_tensor_parallel(graph, 4, sp=True).roles == plan.roles   # sp splits values, not roles
 
 
+@pytest.mark.slow
 def test_roles_of_a_llama_block_with_other_names():
     """llama-debug names its linears wq/wk/wv/wo and w1/w2/w3 (SwiGLU), ties the head to the embedding and
     runs RoPE and SDPA: the roles still follow from the graph."""

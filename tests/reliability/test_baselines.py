@@ -95,6 +95,7 @@ def test_the_same_model_file_by_another_path_is_the_same_model(tmp_path, saved, 
 pytest_plugins = ["pytester"]
 
 
+@pytest.mark.slow
 def test_every_memory_budget_marker_is_checked(pytester):
     tiny = model("tiny")
     pytester.makepyfile(test_markers=f"""

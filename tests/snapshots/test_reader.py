@@ -39,7 +39,7 @@ def _shared(name: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=SNAPSHOTS)
+@pytest.fixture(scope="module", params=[SNAPSHOTS[0], *(pytest.param(name, marks=pytest.mark.slow) for name in SNAPSHOTS[1:])])
 def real(request):
     path = _shared(request.param)
     return path, load_snapshot_dict(path), read_snapshot(path)
@@ -114,6 +114,7 @@ def test_real_phases_follow_frames_and_optimizer_annotation(real):
     assert reading.peak_bytes == max(reading.phases.values())
 
 
+@pytest.mark.slow
 def test_real_peak_phase_is_where_the_frames_say():
     fp32 = read_snapshot(_shared(SNAPSHOTS[0]))
     bf16 = read_snapshot(_shared(SNAPSHOTS[1]))
@@ -150,6 +151,7 @@ def test_real_top_lines_are_user_lines(real):
     assert sum(r.bytes_at_peak for r in reading.top_lines) <= reading.peak_bytes
 
 
+@pytest.mark.slow
 def test_real_top_lines_measured():
     fp32 = read_snapshot(_shared(SNAPSHOTS[0]))
     bf16 = read_snapshot(_shared(SNAPSHOTS[1]))
