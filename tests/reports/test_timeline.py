@@ -6,13 +6,14 @@ from synthetic import two_policies
 
 from tracer.errors import UsageError
 from tracer.passes.attribution import CATEGORIES
-from tracer.reports.timeline import GIB, build_timeline, drawn_points, render_timeline, timeline_figure, timeline_svg
+from tracer.reports.timeline import (axis_unit, build_timeline, drawn_points, render_timeline, timeline_figure,
+                                     timeline_svg)
 
 
-def _drawn_max_bytes(ax) -> float:
-    """Top of the stacked areas as drawn (data coordinates, GiB -> bytes)."""
+def _drawn_max_bytes(ax, unit_bytes: int) -> float:
+    """Top of the stacked areas as drawn (data coordinates, in the axis unit -> bytes)."""
     tops = [path.vertices[:, 1].max() for coll in ax.collections for path in coll.get_paths() if len(path.vertices)]
-    return max(tops) * GIB
+    return max(tops) * unit_bytes
 
 
 def test_stack_equals_live_bytes_per_op(synthetic):
@@ -43,9 +44,11 @@ def test_llama_debug_plot_peak_equals_analysis_peak(llama_debug, tmp_path):
     result = llama_debug.policies["eager"]
     fig, (tl,) = timeline_figure(llama_debug, device_memory_bytes=3 * 2**20)
     ax = fig.axes[0]
-    assert _drawn_max_bytes(ax) == result.peak_bytes          # GiB = 2**30: the division is exact
+    unit_name, unit_bytes = axis_unit((tl,), 3 * 2**20)
+    assert ax.get_ylabel() == f"live memory ({unit_name})"
+    assert _drawn_max_bytes(ax, unit_bytes) == result.peak_bytes      # a power of two: the division is exact
     assert max(tl.total_bytes) == result.peak_bytes
-    device_lines = [line for line in ax.lines if list(line.get_ydata()) == [3 * 2**20 / GIB] * 2]
+    device_lines = [line for line in ax.lines if list(line.get_ydata()) == [3 * 2**20 / unit_bytes] * 2]
     assert len(device_lines) == 1
     labels = [t.get_text() for t in ax.texts]
     peak_label = next(t for t in labels if t.startswith("peak "))
@@ -68,7 +71,7 @@ def test_one_panel_per_policy_on_a_shared_y_axis(synthetic):
     assert len(fig.axes) == 2
     assert fig.axes[0].get_shared_y_axes().joined(fig.axes[0], fig.axes[1])
     for ax, tl in zip(fig.axes, timelines):
-        assert _drawn_max_bytes(ax) == tl.peak_bytes
+        assert _drawn_max_bytes(ax, axis_unit(timelines)[1]) == tl.peak_bytes
         assert ax.get_title(loc="left") == f"policy {tl.policy}"
 
 
@@ -83,3 +86,25 @@ def test_unknown_suffix_and_policy_are_usage_errors(synthetic, tmp_path):
         render_timeline(synthetic, tmp_path / "t.jpg")
     with pytest.raises(UsageError, match="unknown policy 'full'; this analysis has: eager"):
         build_timeline(synthetic, "full")
+
+
+@pytest.mark.parametrize("peak_bytes, device_bytes, unit", [
+    (44 * 2**20, None, "MiB"),             # a 44 MiB step: a 0..52 MiB axis, not 0.01..0.05 GiB
+    (3 * 2**30, None, "GiB"),
+    (44 * 2**20, 80 * 2**30, "GiB"),       # the device-memory line is drawn too: the axis must reach it
+    (452, None, "B"),
+    (1024, None, "KiB"),
+])
+def test_the_axis_unit_fits_the_largest_value_drawn(peak_bytes, device_bytes, unit):
+    class Drawn:                            # axis_unit reads only the peak of each timeline
+        pass
+    timeline = Drawn()
+    timeline.peak_bytes = peak_bytes
+    assert axis_unit((timeline,), device_bytes)[0] == unit
+
+
+def test_the_synthetic_step_is_plotted_in_bytes(synthetic):
+    fig, (tl,) = timeline_figure(synthetic)
+    ax = fig.axes[0]
+    assert tl.peak_bytes == 452 and ax.get_ylabel() == "live memory (B)"
+    assert _drawn_max_bytes(ax, 1) == 452 and ax.get_ylim()[1] == pytest.approx(452 * 1.18)

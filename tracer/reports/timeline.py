@@ -9,7 +9,8 @@ Contract:
         stack is the policy's peak. Phase bands are the runs of consecutive ops of one phase.
     timeline_figure(analysis, ...) -> matplotlib Figure
         One panel per policy (all of them unless `policies` names some), stacked areas, phase bands, the
-        peak marked and labelled with its op and source line, a shared y axis in GiB, and a dashed
+        peak marked and labelled with its op and source line, a shared y axis in the unit that fits its top
+        (`axis_unit`: MiB for a 44 MiB step, GiB for 3 GiB), and a dashed
         device-memory line when `device_memory_bytes` is given. Uses `matplotlib.figure.Figure` directly:
         no pyplot, no global state.
     render_timeline(analysis, path, ...) -> tuple[PolicyTimeline, ...]
@@ -35,9 +36,8 @@ from tracer.passes.attribution import CATEGORIES
 from tracer.passes.liveness import BEFORE_STEP
 from tracer.reports.line_table import short_path
 from tracer.reports.policy_view import policy_graph, policy_result
-from tracer.reports.units import format_bytes
+from tracer.reports.units import byte_unit, format_bytes
 
-GIB = 2**30
 CATEGORY_COLORS = {"parameter": "#4c72b0", "gradient": "#dd8452", "optimizer_state": "#8172b3",
                    "activation": "#c44e52", "temporary": "#ccb974", "input": "#64b5cd", "caller_held": "#8c8c8c"}
 PHASE_COLORS = {"forward": "#e3ecf9", "backward": "#fbe9dc", "optimizer": "#ececec", "recompute": "#e2f4e4"}
@@ -118,16 +118,22 @@ def timeline_figure(analysis: Analysis, *, policies: list[str] | None = None,
     timelines = tuple(build_timeline(analysis, name) for name in names)
     fig = Figure(figsize=(width_in, panel_height_in * len(timelines) + 0.6), layout="constrained")
     axes = fig.subplots(len(timelines), 1, sharey=True, squeeze=False)[:, 0]
-    top_gib = max([t.peak_bytes for t in timelines] + [device_memory_bytes or 0]) / GIB * 1.18 or 1.0
+    unit = axis_unit(timelines, device_memory_bytes)
     for ax, tl in zip(axes, timelines):
-        _draw_panel(ax, tl, device_memory_bytes, max_points)
-    axes[0].set_ylim(0, top_gib)
+        _draw_panel(ax, tl, device_memory_bytes, max_points, unit)
+    top_bytes = max([t.peak_bytes for t in timelines] + [device_memory_bytes or 0])
+    axes[0].set_ylim(0, top_bytes / unit[1] * 1.18 or 1.0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
     cfg = analysis.graph.config
     fig.suptitle(f"{cfg.model}: live memory over one training step (batch {cfg.batch}, seq {cfg.seq}, "
                  f"{cfg.precision}, optimizer {cfg.optimizer})", fontsize=10)
     return fig, timelines
+
+
+def axis_unit(timelines, device_memory_bytes: int | None = None) -> tuple[str, int]:
+    """(name, bytes per unit) of the shared y axis: the unit of the largest value drawn (format_bytes' rule)."""
+    return byte_unit(max([t.peak_bytes for t in timelines] + [device_memory_bytes or 0]))
 
 
 def drawn_points(tl: PolicyTimeline, max_points: int) -> tuple[list[int], dict[str, list[int]]]:
@@ -144,10 +150,12 @@ def drawn_points(tl: PolicyTimeline, max_points: int) -> tuple[list[int], dict[s
     return edges, {cat: [series[i] for i in picks] for cat, series in tl.bytes_by_category.items()}
 
 
-def _draw_panel(ax, tl: PolicyTimeline, device_memory_bytes: int | None, max_points: int) -> None:
+def _draw_panel(ax, tl: PolicyTimeline, device_memory_bytes: int | None, max_points: int,
+                unit: tuple[str, int]) -> None:
     n = tl.op_count
+    unit_name, unit_bytes = unit
     xs, drawn = drawn_points(tl, max_points)                 # bin k spans [xs[k], xs[k + 1])
-    ys = [[v / GIB for v in values] + [values[-1] / GIB if values else 0.0] for values in drawn.values()]
+    ys = [[v / unit_bytes for v in values] + [values[-1] / unit_bytes if values else 0.0] for values in drawn.values()]
     for band in tl.bands:
         ax.axvspan(band.first_op, band.last_op + 1, color=PHASE_COLORS.get(band.phase, "#f5f5f5"), lw=0, zorder=0)
     seen = set()
@@ -159,18 +167,18 @@ def _draw_panel(ax, tl: PolicyTimeline, device_memory_bytes: int | None, max_poi
     ax.stackplot(xs, ys, labels=[c.replace("_", " ") for c in drawn],
                  colors=[CATEGORY_COLORS.get(c, "#999999") for c in drawn],
                  step="post", lw=0, zorder=2)
-    peak_x, peak_y = tl.peak_op_index + 0.5, tl.peak_bytes / GIB
+    peak_x, peak_y = tl.peak_op_index + 0.5, tl.peak_bytes / unit_bytes
     ax.plot([peak_x], [peak_y], marker="v", color="black", ms=7, zorder=4, label="peak")
     ax.annotate(tl.peak_label, xy=(peak_x, peak_y), xytext=(0.5 if peak_x < 0.6 * n else -0.5, 0.0),
                 textcoords="offset fontsize", ha="left" if peak_x < 0.6 * n else "right", va="bottom",
                 fontsize=7.5, zorder=5, bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#888888",
                                                "alpha": 0.9})
     if device_memory_bytes:
-        ax.axhline(device_memory_bytes / GIB, color="#d62728", ls="--", lw=1.2, zorder=3,
+        ax.axhline(device_memory_bytes / unit_bytes, color="#d62728", ls="--", lw=1.2, zorder=3,
                    label=f"device memory {format_bytes(device_memory_bytes)}")
     ax.set_xlim(0, max(n, 1))
     ax.set_title(f"policy {tl.policy}", fontsize=9, loc="left")
-    ax.set_ylabel("live memory (GiB)", fontsize=8)
+    ax.set_ylabel(f"live memory ({unit_name})", fontsize=8)
     ax.set_xlabel("op index (execution order)", fontsize=8)
     ax.tick_params(labelsize=7)
     ax.yaxis.set_major_formatter("{x:.3g}")

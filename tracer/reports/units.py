@@ -7,13 +7,21 @@ _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def format_bytes(nbytes: int) -> str:
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:,.0f} B" if unit == "B" else f"{value:,.2f} {unit}"
-        value /= 1024
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def byte_unit(nbytes: int) -> tuple[str, int]:
+    """The unit that shows `nbytes` as a number below 1024 (TiB at most): ("MiB", 2**20) for 44 MiB."""
+    for power, unit in enumerate(BYTE_UNITS):
+        if abs(nbytes) < 1024 ** (power + 1) or unit == BYTE_UNITS[-1]:
+            return unit, 1024 ** power
     raise AssertionError("unreachable")
+
+
+def format_bytes(nbytes: int) -> str:
+    unit, unit_bytes = byte_unit(nbytes)
+    value = nbytes / unit_bytes
+    return f"{value:,.0f} B" if unit == "B" else f"{value:,.2f} {unit}"
 
 
 def format_flops(flops: int) -> str:
