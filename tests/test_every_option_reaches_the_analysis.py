@@ -105,7 +105,7 @@ def test_the_levers_reach_the_capture_and_the_analysis(monkeypatch):
     import tracer.passes.analysis
     seen = {}
 
-    def capture(source, options, specs, on_policy=None):
+    def capture(source, options, specs, **progress):
         seen["capture"] = options
         return {}
 

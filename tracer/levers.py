@@ -147,7 +147,7 @@ class LeverFit:
 
 
 def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | None = None,
-               levers: tuple[Lever, ...] = LEVERS) -> list[LeverFit]:
+               levers: tuple[Lever, ...] = LEVERS, on_progress: Callable[[str], None] | None = None) -> list[LeverFit]:
     """`--fit SIZE --levers`: the largest batch at --seq whose peak fits, per lever (accumulation: the
     largest micro-batch; sharding: per rank)."""
     from tracer.planning import fit_budget
@@ -160,7 +160,9 @@ def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | N
             continue
         keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
                     if f.name not in ("batch", "seq", "policies", "memory_budgets")}
-        report = fit_budget(model, budget, seq=options.seq, policies=options.policies, **keywords)
+        say = on_progress or (lambda message: None)
+        report = fit_budget(model, budget, seq=options.seq, policies=options.policies,
+                            on_progress=lambda message, lever=lever.name: say(f"{lever}: {message}"), **keywords)
         result = report.results[options.policy_specs()[0].label]
         out.append(LeverFit(lever=lever.name, largest_batch=result.largest, peak_bytes=result.peak_bytes))
     return out

@@ -234,7 +234,7 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
     say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
     with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
         return capture_steps(source, options.capture_options(), specs,
-                             on_policy=lambda label: say(f"simulating {label} ..."))
+                             on_policy=lambda label: say(f"simulating {label} ..."), on_stage=say)
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -249,7 +249,8 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
     say = on_progress or (lambda message: None)
     say(f"capturing {source.name} (batch {variants[0].batch}, seq {variants[0].seq}) under fake tensors ...")
     with running_user_code(source.name):
-        return capture_step_requests(source, requests, on_policy=lambda label: say(f"simulating {label} ..."))
+        return capture_step_requests(source, requests, on_policy=lambda label: say(f"simulating {label} ..."),
+                                     on_stage=say)
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,

@@ -57,18 +57,18 @@ class FitReport:
 
 def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = None,
                policies: tuple[str, ...] = ALL_POLICIES, multiple: int = 1, analyze: Callable | None = None,
-               **options) -> FitReport:
+               on_progress: Callable[[str], None] | None = None, **options) -> FitReport:
     """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
     is at most `budget` (bytes, or a size string such as "80GiB"), for each policy. `options` go to
     `tracer.analyze` (precision, optimizer, target, ...). On a CUDA target the peak counts the cuBLAS
     workspaces too (requested bytes; the allocator's rounding and caching are not part of the fit).
-    Raises UsageError for a bad budget or size."""
+    `on_progress(message)` is told each analysis before it runs. Raises UsageError for a bad budget or size."""
     analyze = analyze or analyze_model
     budget_bytes = parse_budget(budget)
     dimension = "batch" if batch is None else "seq"
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
-    runner = _Runner(analyze, model, dimension, batch, seq, policies, options)
+    runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None))
     rows: dict[str, list] = {}
     phase_rows: dict[str, list] = {}
     for size in samples:
@@ -102,7 +102,8 @@ class DepthReport:
 
 
 def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, ...] = ("eager",),
-                     sample_depths: tuple[int, ...] = (3, 4, 5), **options) -> DepthReport:
+                     sample_depths: tuple[int, ...] = (3, 4, 5), on_progress: Callable[[str], None] | None = None,
+                     **options) -> DepthReport:
     """The step of `model` at its full depth, extrapolated from analyses of the model cut to
     `sample_depths` blocks. `options` are `tracer.analyze`'s. Raises DepthError when the model cannot be
     cut or the cut steps are not the same step with fewer identical blocks."""
@@ -112,9 +113,11 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
     seen: dict = {}
     samples = {}
     for k in sorted(sample_depths):
+        if on_progress is not None:
+            on_progress(f"by depth: the model cut to {k} blocks ...")
         try:
             samples[k] = analyze_model(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
-                                         **options)
+                                       on_progress=on_progress, **options)
         except DepthError:
             raise
         except TracerError as exc:
@@ -165,9 +168,9 @@ def _check(runner: "_Runner", label: str, peak_model: PeakModel, per_op: bool, b
 class _Runner:
     """Runs `analyze` once per size (all requested policies together) and keeps only the numbers needed."""
 
-    def __init__(self, analyze, model, dimension, batch, seq, policies, options):
+    def __init__(self, analyze, model, dimension, batch, seq, policies, options, say):
         self.analyze, self.model, self.dimension = analyze, model, dimension
-        self.batch, self.seq, self.policies, self.options = batch, seq, policies, options
+        self.batch, self.seq, self.policies, self.options, self.say = batch, seq, policies, options, say
         self.peaks: dict[tuple[int, str], int] = {}
         self.runs = 0
 
@@ -193,6 +196,7 @@ class _Runner:
         """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`)."""
         kwargs = {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
         names = tuple(dict.fromkeys(label.split("@")[0] for label in labels))
+        self.say(f"fit: analysis {self.runs + 1} at {self.dimension} {size} ({', '.join(names)}) ...")
         analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
         self.runs += 1
         for label, policy in analysis.policies.items():
@@ -272,8 +276,10 @@ def _block_list(model) -> tuple[str, object]:
     return best
 
 
-def analyze_model(model, *, batch: int, seq: int, policies: tuple[str, ...], **options):
+def analyze_model(model, *, batch: int, seq: int, policies: tuple[str, ...],
+                  on_progress: Callable[[str], None] | None = None, **options):
     """`tracer.analyze` with AnalysisOptions' field names (zero_grad_set_to_none), for a model argument or a
     `ModelSource`."""
     from tracer.pipeline import options_from_keywords, run_analysis
-    return run_analysis(model, options_from_keywords(batch=batch, seq=seq, policies=policies, **options))
+    return run_analysis(model, options_from_keywords(batch=batch, seq=seq, policies=policies, **options),
+                        on_progress=on_progress)

@@ -62,9 +62,10 @@ def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec 
 
 
 def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[PolicySpec, ...],
-                  on_policy=None) -> dict[str, StepGraph]:
-    """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`)."""
-    graphs = capture_step_requests(source, tuple((options, spec) for spec in specs), on_policy)
+                  on_policy=None, on_stage=None) -> dict[str, StepGraph]:
+    """Capture the joint graph once, then build one StepGraph per policy (keyed by `PolicySpec.label`).
+    `on_policy(label)` before each policy's step is built; `on_stage(message)` as each capture path is tried."""
+    graphs = capture_step_requests(source, tuple((options, spec) for spec in specs), on_policy, on_stage)
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
 
 
@@ -74,7 +75,7 @@ STEP_FIELDS = ("optimizer", "foreach", "step", "zero_grad_set_to_none", "accumul
 
 
 def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOptions, PolicySpec], ...],
-                          on_policy=None) -> tuple[StepGraph, ...]:
+                          on_policy=None, on_stage=None) -> tuple[StepGraph, ...]:
     """One StepGraph per (options, policy) request, from one joint capture: the requests' options may differ
     only in `STEP_FIELDS` (an optimizer, accumulation or offload lever on the same forward and backward).
     Raises UsageError when they differ in anything else."""
@@ -91,7 +92,7 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
         # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
         warnings.filterwarnings("ignore", message="Error detected in")
         with routing_assumption(parse_routing(options.moe_routing)) as routing:
-            graphs = _capture_steps(source, requests, on_policy)
+            graphs = _capture_steps(source, requests, on_policy, on_stage or (lambda message: None))
         notes = source.notes + routing.notes
         if routing.grouped_mm_lines and options.target != "cpu":
             notes += ("whether the CUDA grouped matmul takes "
@@ -123,13 +124,15 @@ def _gc_skips_the_heap_so_far():
         gc.unfreeze()
 
 
-def _capture_steps(source, requests, on_policy) -> tuple[StepGraph, ...]:
+def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ...]:
     options = requests[0][0]
     kept = observe_kept_outputs(source, options) if source.keep is not None else ()
     if options.capture == "dispatch":
+        on_stage("running the step op by op on fake tensors (no graph) ...")
         return _dispatch_requests(source, requests, reason="--capture dispatch", kept=kept)
     cap, failures = None, []
-    for rung in _ladder(options.capture):
+    for label, rung in _ladder(options.capture):
+        on_stage(f"tracing {label} ..." if not failures else f"that failed; tracing {label} ...")
         try:
             cap = rung(source, options)
             break
@@ -142,6 +145,7 @@ def _capture_steps(source, requests, on_policy) -> tuple[StepGraph, ...]:
     if cap is None:
         if options.capture != "auto":      # the export rungs observe the forward: their errors name the line
             raise next((e for e in failures if not e.direct), failures[0])
+        on_stage("no graph; running the step op by op on fake tensors ...")
         return _dispatch_requests(source, requests, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
@@ -174,8 +178,9 @@ def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGrap
 
 
 def _ladder(capture: str) -> list:
-    """The graph rungs to try in order: the module traced directly (one trace), non-strict export, strict
-    export, torch.compile's joint graph. `auto` falls back to the dispatch run after them."""
+    """The graph rungs to try in order, as (what it traces, for progress lines; the rung): the module traced
+    directly (one trace), non-strict export, strict export, torch.compile's joint graph. `auto` falls back
+    to the dispatch run after them."""
     def direct(source, o):
         return export_joint(source, o.batch, o.seq, o.precision, target=o.target, direct=True)
 
@@ -188,8 +193,11 @@ def _ladder(capture: str) -> list:
     def compiled(source, o):
         return compile_rung.dynamo_joint(source, o.batch, o.seq, o.precision, target=o.target)
 
-    rungs = {"auto": [direct, non_strict, strict, compiled], "export": [direct, non_strict, strict],
-             "compile": [compiled]}
+    direct_, non_strict_, strict_, compiled_ = (
+        ("the joint graph from the module", direct), ("the joint graph through torch.export (non-strict)", non_strict),
+        ("the joint graph through torch.export (strict)", strict), ("torch.compile's joint graph", compiled))
+    rungs = {"auto": [direct_, non_strict_, strict_, compiled_], "export": [direct_, non_strict_, strict_],
+             "compile": [compiled_]}
     if capture not in rungs:
         raise UsageError(f"unknown capture path {capture!r}", hint="valid: auto, export, compile, dispatch")
     return rungs[capture]

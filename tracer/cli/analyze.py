@@ -70,13 +70,15 @@ def _plan(args, options) -> int:
                 if f.name not in ("batch", "seq", "policies", "memory_budgets")}
     budget = next((b for b in options.memory_budgets if b is not None), None)
     names = options.policies
+    progress = Progress.from_args(args)
     if args.fit:
         report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
-                            policies=names, memory_budget=budget, **keywords)
+                            policies=names, memory_budget=budget, on_progress=progress, **keywords)
         sys.stdout.write(render_fit(report))
     else:
         sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
-                                                       memory_budget=budget, **keywords)))
+                                                       memory_budget=budget, on_progress=progress, **keywords)))
+    progress.done()
     return int(ExitCode.OK)
 
 
@@ -92,12 +94,13 @@ def _levers(args) -> int:
     if args.shard is None:
         args.world_size = None             # the sharding levers take it; the baseline is one device
     options = analysis_options(args)
+    progress = Progress.from_args(args)
     if args.fit:
         from tracer.planning import parse_budget
-        fits = fit_levers(args.model, args.fit, options, world_size=world_size)
+        fits = fit_levers(args.model, args.fit, options, world_size=world_size, on_progress=progress)
         sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
+        progress.done()
         return int(ExitCode.OK)
-    progress = Progress.from_args(args)
     table = run_levers(args.model, options, world_size=world_size, on_progress=progress)
     sys.stdout.write(render_levers(table))
     if args.json:
@@ -189,6 +192,11 @@ def _run(args) -> int:
     analysis = run_analysis(args.model, options, on_progress=progress)
     specs = options.policy_specs()
     shown = None if args.policy == "all" or len(specs) > 1 else specs[0].label
+    if args.shard:                          # what one rank holds is the answer asked for: it comes first
+        from tracer.reports.planning_text import render_sharding
+        sharded = {label: policy.sharded for label, policy in analysis.policies.items()}
+        sys.stdout.write(render_sharding(sharded, single_device_peaks={
+            k: p.peak_bytes for k, p in analysis.policies.items()}) + "\n")
     sys.stdout.write(render_text(analysis, policy=shown, top=args.top))
     if args.json:
         versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
@@ -197,11 +205,6 @@ def _run(args) -> int:
         from tracer.checks import save_baseline
         save_baseline(analysis, args.save_baseline, top=args.top)
     _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
-    if args.shard:
-        from tracer.reports.planning_text import render_sharding
-        sharded = {label: policy.sharded for label, policy in analysis.policies.items()}
-        sys.stdout.write("\n" + render_sharding(sharded, single_device_peaks={
-            k: p.peak_bytes for k, p in analysis.policies.items()}))
     code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))
     progress.done()
     return code
