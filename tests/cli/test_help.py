@@ -1,17 +1,18 @@
 """`--help` of every subcommand: fast, without torch, with every flag's choices read from its registry; an
 old spelling still works with a deprecation note."""
 import os
+import resource
 import subprocess
 import sys
-import time
 
 import pytest
 
 from tracer.cli import SUBCOMMANDS, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# python -m tracer --help takes ~0.25 s without torch; importing torch alone takes >1 s on the same machine
-HELP_SECONDS = 1.0
+# python -m tracer --help takes ~0.25 s of CPU without torch; importing torch alone takes ~1.4 s. CPU time, not
+# wall time: the machine may be shared
+HELP_CPU_SECONDS = 1.0
 
 _NO_TORCH = """
 import sys
@@ -36,12 +37,17 @@ def test_help_imports_no_torch(subcommand):
     assert proc.stdout.rstrip().endswith("IMPORTED:"), proc.stdout[-200:]
 
 
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def test_help_is_fast():
-    start = time.monotonic()
+    before = _children_cpu_seconds()
     proc = subprocess.run([sys.executable, "-m", "tracer", "--help"], capture_output=True, text=True, cwd=ROOT)
-    seconds = time.monotonic() - start
+    seconds = _children_cpu_seconds() - before
     assert proc.returncode == 0
-    assert seconds < HELP_SECONDS, f"python -m tracer --help took {seconds:.2f} s"
+    assert seconds < HELP_CPU_SECONDS, f"python -m tracer --help took {seconds:.2f} s of CPU"
 
 
 def test_choices_come_from_the_registries(capsys, monkeypatch):
