@@ -180,10 +180,11 @@ def test_a_save_policy_in_the_model_file_is_the_policy_written_in_the_model():
                for n in named.graph.config.notes)
 
 
-@pytest.mark.xfail(strict=True, reason="backward peak 6,080 B (0.17%) above the real step: the selective-checkpointing "
-                   "simulation holds a few small tensors longer than torch does at the blocks' bias-gradient sum; "
-                   "tests/fixtures/checkpoint_selective.py shows the same 6,080 B at seq 128")
 def test_a_save_policy_in_the_model_file_matches_the_real_step():
+    """The model file's save_policy under --policy selective predicts the real step in which the blocks
+    checkpoint themselves with that policy: the recompute runs when the region's first backward node unpacks
+    a saved tensor, and a MUST_SAVE output the recompute stops before stays cached until the region's
+    backward ends."""
     source, module = _save_policy_file(in_model=False)
     try:
         from tracer.pipeline import AnalysisOptions, run_analysis

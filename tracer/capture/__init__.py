@@ -443,12 +443,6 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
         elif d.recomputed:
             recompute_start.setdefault(region, i)
             recompute_end[region] = i
-    for i, d in enumerate(ops):
-        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
-            end = recompute_end.get(d.checkpoint_region, first_backward)
-            for value in d.outputs:
-                held = table.get(value.storage_id).held_until_op
-                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     # the checkpoint frame (and the RNG state in it) lives while any backward node of the region still holds
     # a saved tensor: until the region's last backward op (a forward op's backward shares its seq_nr)
     region_of_seq = {d.seq_nr: d.checkpoint_region for d in ops
@@ -457,6 +451,18 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
     for i, d in enumerate(ops):
         if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
             backward_end[region_of_seq[d.seq_nr]] = i
+    last_rerun_seq = _last_rerun_seq(ops)
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
+            region = d.checkpoint_region
+            reached = d.seq_nr is not None and d.seq_nr <= last_rerun_seq.get(region, -1)
+            # the recompute pops the cached output when it reaches the op; one it stops before stays cached
+            # in the checkpoint frame until the frame dies
+            end = recompute_end.get(region, first_backward) if reached else \
+                max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
+            for value in d.outputs:
+                held = table.get(value.storage_id).held_until_op
+                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
@@ -478,6 +484,21 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
         if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
             table.update(sid, persistent=True)
+
+
+def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
+    """Per checkpointed region, the forward sequence number where eager's recompute stops: the last op
+    whose output the region's backward reads, recomputed or (a MUST_SAVE op, popped from the cache) kept."""
+    read_by_backward = {v.storage_id for d in ops if d.phase is Phase.BACKWARD and not d.recomputed
+                        for v in _input_values(d)}
+    last: dict[int, int] = {}
+    for d in ops:
+        if d.checkpoint_region is None or d.seq_nr is None:
+            continue
+        if d.recomputed or (d.phase is Phase.FORWARD and d.must_save
+                            and any(v.storage_id in read_by_backward for v in d.outputs)):
+            last[d.checkpoint_region] = max(last.get(d.checkpoint_region, -1), d.seq_nr)
+    return last
 
 
 def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
