@@ -284,7 +284,7 @@ def _recompute_at_first_unpack(backward: torch.fx.GraphModule) -> None:
     region's whole recompute runs before the first op of its first backward node that reads any saved value
     (a parameter, an input or a forward value, recomputed or not), while the partitioner places each
     recomputed op just before its own first use (after a linear's input-gradient matmul, which reads only
-    the weight). Move each region's recomputed ops there, in their order."""
+    the weight). Move each region's recomputed ops there, in the partitioner's order."""
     nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
     recomputed: dict[int, list] = collections.defaultdict(list)
     for node in nodes:
@@ -309,8 +309,6 @@ def _recompute_at_first_unpack(backward: torch.fx.GraphModule) -> None:
             continue       # reads something made after the trigger: keep the partitioner's place
         for node in late:
             trigger.prepend(node)
-            for item in [u for u in node.users if u.target is operator.getitem]:
-                node.append(item)
 
 
 def _is_backward(node) -> bool:
