@@ -20,7 +20,15 @@ HF_CONFIGS = {
                 "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0"),
     "hf:llama": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
                  "num_key_value_heads=2", "vocab_size=512"),
+    "hf:gpt2": ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "resid_pdrop=0", "embd_pdrop=0", "attn_pdrop=0"),
+    "hf:t5": ("num_layers=2", "num_decoder_layers=2", "d_model=64", "d_ff=128", "num_heads=4", "d_kv=16",
+              "vocab_size=512", "dropout_rate=0"),
 }
+_GPT2_GAP = ("forward 32,768 B (1.0%) under: inside a checkpointed region the SDPA node's stack trace names the "
+             "caller's earlier line (modeling_gpt2.py:193), so the Python locals holding q, k and v (one c_attn "
+             "storage) are released at SDPA instead of when GPT2Attention.forward returns")
+_T5_GAP = ("backward 7.6% under: during the recompute, T5Attention's Python locals (query/key/value states, "
+           "position_bias) hold recomputed values until the function returns; locals are followed in forward only")
 BATCH, SEQ = 2, 64
 
 
@@ -58,20 +66,22 @@ def _hf_source(name, attn, *, reentrant=None):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("name, attn", [("hf:bert", "eager"), ("hf:llama", "sdpa")])
+@pytest.mark.parametrize("name, attn", [("hf:bert", "eager"), ("hf:llama", "sdpa"),
+                                        pytest.param("hf:gpt2", "sdpa", marks=pytest.mark.xfail(strict=True, reason=_GPT2_GAP)),
+                                        pytest.param("hf:t5", "sdpa", marks=pytest.mark.xfail(strict=True, reason=_T5_GAP))])
 def test_transformers_gradient_checkpointing_enable(name, attn):
     """Each layer is checkpointed as functools.partial(Layer.forward, layer, **kwargs). Remainder on Llama:
     the partial holds position_ids ((1, seq) int64) until backward though no op of the layer reads it; the
     prediction frees it at its last use, so saved bytes and peaks are that much under."""
     source = _hf_source(name, attn, reentrant=False)
     predicted = _predict(source)
+    notes = [n for n in predicted.graph.config.notes if n.startswith("checkpointed region")]
+    assert len(notes) == (4 if name == "hf:t5" else 2) and all("\n" not in n for n in notes)   # one per layer
+    assert "functools.partial of" in notes[0] and "non-reentrant, full" in notes[0]
     measured = _measure(source)
     _assert_phases(predicted, measured)
     held_unread = 8 * SEQ if name == "hf:llama" else 0      # position_ids, (1, seq) int64
     assert predicted.saved.total_bytes == measured.saved_bytes - held_unread
-    notes = [n for n in predicted.graph.config.notes if n.startswith("checkpointed region")]
-    assert len(notes) == 2 and all("\n" not in n for n in notes)
-    assert "functools.partial of" in notes[0] and "non-reentrant, full" in notes[0]
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -180,10 +190,11 @@ def test_a_save_policy_in_the_model_file_is_the_policy_written_in_the_model():
                for n in named.graph.config.notes)
 
 
-@pytest.mark.xfail(strict=True, reason="backward peak 6,080 B (0.17%) above the real step: the selective-checkpointing "
-                   "simulation holds a few small tensors longer than torch does at the blocks' bias-gradient sum; "
-                   "tests/fixtures/checkpoint_selective.py shows the same 6,080 B at seq 128")
 def test_a_save_policy_in_the_model_file_matches_the_real_step():
+    """The model file's save_policy under --policy selective predicts the real step in which the blocks
+    checkpoint themselves with that policy: the recompute runs when the region's first backward node unpacks
+    a saved tensor, and a MUST_SAVE output the recompute stops before stays cached until the region's
+    backward ends."""
     source, module = _save_policy_file(in_model=False)
     try:
         from tracer.pipeline import AnalysisOptions, run_analysis

@@ -451,12 +451,6 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
         elif d.recomputed:
             recompute_start.setdefault(region, i)
             recompute_end[region] = i
-    for i, d in enumerate(ops):
-        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
-            end = recompute_end.get(d.checkpoint_region, first_backward)
-            for value in d.outputs:
-                held = table.get(value.storage_id).held_until_op
-                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     # the checkpoint frame (and the RNG state in it) lives while any backward node of the region still holds
     # a saved tensor: until the region's last backward op (a forward op's backward shares its seq_nr)
     region_of_seq = {d.seq_nr: d.checkpoint_region for d in ops
@@ -465,7 +459,20 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
     for i, d in enumerate(ops):
         if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
             backward_end[region_of_seq[d.seq_nr]] = i
+    last_rerun_seq = _last_rerun_seq(ops)
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
+            region = d.checkpoint_region
+            reached = d.seq_nr is not None and d.seq_nr <= last_rerun_seq.get(region, -1)
+            # the recompute pops the cached output when it reaches the op; one it stops before stays cached
+            # in the checkpoint frame until the frame dies
+            end = recompute_end.get(region, first_backward) if reached else \
+                max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
+            for value in d.outputs:
+                held = table.get(value.storage_id).held_until_op
+                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
+    _release_unpacked_recomputes(ops, table)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
@@ -486,6 +493,56 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
         if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
             table.update(sid, persistent=True)
+
+
+def _release_unpacked_recomputes(ops: list[OpDraft], table: StorageTable) -> None:
+    """A value a non-reentrant region recomputes is held by the checkpoint frame only until a backward node
+    unpacks it; from then on only that node's local holds it, which dies when the node's formula returns,
+    before the engine reduces the node's gradients to their inputs' shapes (`sum_to`: a keepdim `sum` and
+    its `view` at the node's end in the graph, such as a bias gradient's). So it is freed after the last
+    formula op of the last node that reads it, not after that node's reductions."""
+    last_use: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        for value in d.outputs + tuple(_input_values(d)):
+            last_use[value.storage_id] = i
+    formula_end: dict[int, int] = {}        # seq_nr -> its node's last op before the engine's reductions
+    for i, d in enumerate(ops):
+        if d.phase is Phase.BACKWARD and not d.recomputed and d.seq_nr is not None and not _engine_reduction(d):
+            formula_end[d.seq_nr] = i
+    for d in ops:
+        if not d.recomputed or d.rerun or d.is_view:
+            continue
+        for value in d.outputs:
+            entry = table.get(value.storage_id)
+            if entry.role is not StorageRole.INTERMEDIATE or entry.held_until_op is not None \
+                    or entry.released_after_op is not None:
+                continue
+            last = last_use[value.storage_id]
+            if ops[last].recomputed:
+                continue       # used up inside the recompute: never unpacked by a backward node
+            table.update(value.storage_id, released_after_op=max(last, formula_end.get(ops[last].seq_nr, last)))
+
+
+def _engine_reduction(d: OpDraft) -> bool:
+    """An op of the autograd engine's `sum_to` after a node's formula: a keepdim sum, or a view of one."""
+    if d.target == "aten.sum.dim_IntList":
+        return dict(d.kwargs).get("keepdim", len(d.args) > 2 and d.args[2] is True) is True
+    return d.is_view
+
+
+def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
+    """Per checkpointed region, the forward sequence number where eager's recompute stops: the last op
+    whose output the region's backward reads, recomputed or (a MUST_SAVE op, popped from the cache) kept."""
+    read_by_backward = {v.storage_id for d in ops if d.phase is Phase.BACKWARD and not d.recomputed
+                        for v in _input_values(d)}
+    last: dict[int, int] = {}
+    for d in ops:
+        if d.checkpoint_region is None or d.seq_nr is None:
+            continue
+        if d.recomputed or (d.phase is Phase.FORWARD and d.must_save
+                            and any(v.storage_id in read_by_backward for v in d.outputs)):
+            last[d.checkpoint_region] = max(last.get(d.checkpoint_region, -1), d.seq_nr)
+    return last
 
 
 def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:

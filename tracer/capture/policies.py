@@ -36,6 +36,7 @@ from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
 from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
+BACKWARD_REGION_KEY = "tracer_backward_of_region"   # a backward node of a checkpointed region's forward op
 _BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -113,6 +114,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
+    _recompute_at_first_unpack(backward)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
 
 
@@ -269,8 +271,44 @@ def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide, *, w
             tagged.meta["recompute"] = policy
     region_of_seq = {node.meta["seq_nr"]: region for node, region in region_of_node.items()
                      if region is not None and node.meta.get("seq_nr") is not None}
+    for node in joint.graph.nodes:
+        if _is_backward(node) and node.meta.get("seq_nr") in region_of_seq:
+            node.meta[BACKWARD_REGION_KEY] = region_of_seq[node.meta["seq_nr"]]
     for node, region in boundary:
         _recompute_for_backward(joint, node, region, lambda user: region_of_seq.get(user.meta.get("seq_nr")))
+
+
+def _recompute_at_first_unpack(backward: torch.fx.GraphModule) -> None:
+    """Eager non-reentrant checkpointing recomputes a region when its backward first unpacks a tensor saved
+    inside it, and autograd unpacks all of a node's saved tensors before the node computes anything. So the
+    region's whole recompute runs before the first op of its first backward node that reads any saved value
+    (a parameter, an input or a forward value, recomputed or not), while the partitioner places each
+    recomputed op just before its own first use (after a linear's input-gradient matmul, which reads only
+    the weight). Move each region's recomputed ops there, in the partitioner's order."""
+    nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
+    recomputed: dict[int, list] = collections.defaultdict(list)
+    for node in nodes:
+        if not _is_backward(node) and node.meta.get("ac_graph_id") is not None:
+            recomputed[node.meta["ac_graph_id"]].append(node)
+
+    def saved(value) -> bool:
+        return (value.op == "placeholder" and not value.name.startswith("tangents")) or \
+            (value.op == "call_function" and not _is_backward(value))
+
+    unpacking = {(n.meta[BACKWARD_REGION_KEY], n.meta.get("seq_nr")) for n in nodes
+                 if _is_backward(n) and BACKWARD_REGION_KEY in n.meta and any(saved(a) for a in n.all_input_nodes)}
+    for region, ops in recomputed.items():
+        trigger = next((n for n in nodes if _is_backward(n) and (n.meta.get(BACKWARD_REGION_KEY), n.meta.get("seq_nr"))
+                        in unpacking and n.meta.get(BACKWARD_REGION_KEY) == region), None)
+        if trigger is None:
+            continue
+        position = {n: i for i, n in enumerate(backward.graph.nodes)}
+        late = [n for n in ops if position[n] > position[trigger]]
+        moved = set(late)
+        if any(position[a] > position[trigger] and a not in moved for n in late for a in n.all_input_nodes):
+            continue       # reads something made after the trigger: keep the partitioner's place
+        for node in late:
+            trigger.prepend(node)
 
 
 def _is_backward(node) -> bool:
