@@ -138,18 +138,45 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
     from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_graph
 
     regions = []
+    compiled: dict[tuple, tuple] = {}          # structure -> (forward, backward, their plans)
     for block, (forward_nodes, backward_nodes) in _block_nodes(joint, blocks).items():
         if not forward_nodes:
             continue
         gm, primals, tangents, fw_outs, bw_outs, static = region_joint(joint, forward_nodes, backward_nodes)
-        forward, backward = inductor_partition(gm, fake_mode, num_fwd_outputs=len(fw_outs), static_inputs=static)
-        for graph in (forward, backward):
-            fill_rng_wrapper_values(graph, fake_mode)
-        donated = donated_inputs(forward, backward, len(fw_outs))
+        key = _structure(gm)
+        if key not in compiled:       # identical blocks run one compiled graph, as Dynamo reuses it
+            forward, backward = inductor_partition(gm, fake_mode, num_fwd_outputs=len(fw_outs), static_inputs=static)
+            for graph in (forward, backward):
+                fill_rng_wrapper_values(graph, fake_mode)
+            donated = donated_inputs(forward, backward, len(fw_outs))
+            compiled[key] = (forward, backward, plan_graph(forward, fake_mode, is_backward=False),
+                             plan_graph(backward, fake_mode, is_backward=True, donated=donated))
+        forward, backward, forward_plan, backward_plan = compiled[key]
         regions.append(CompiledRegion(
             block=block, forward_nodes=frozenset(forward_nodes), backward_nodes=frozenset(backward_nodes),
             primals=tuple(primals), tangents=tuple(tangents), forward_outputs=tuple(fw_outs),
             backward_outputs=tuple(bw_outs), forward=forward, backward=backward, num_forward_outputs=len(fw_outs),
-            forward_plan=plan_graph(forward, fake_mode, is_backward=False),
-            backward_plan=plan_graph(backward, fake_mode, is_backward=True, donated=donated)))
+            forward_plan=forward_plan, backward_plan=backward_plan))
     return tuple(regions)
+
+
+def _structure(gm: fx.GraphModule) -> tuple:
+    """What the region's compiled graphs depend on: every node's op, target, arguments (other nodes by
+    position), tags and value layouts; equal for blocks that differ only in their parameters' values."""
+    position: dict = {}
+    out = []
+    for i, node in enumerate(gm.graph.nodes):
+        position[node] = i
+        arguments = fx.node.map_arg((node.args, node.kwargs), lambda n: ("node", position[n]))
+        out.append((node.op, str(node.target), repr(arguments), _layout(node.meta.get("val")),
+                    type(node.meta.get("desc")).__name__, node.meta.get("partitioner_tag"),
+                    bool(node.meta.get("is_gradient_acc")), str(node.meta.get("recompute"))))
+    return tuple(out)
+
+
+def _layout(val):
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), val.storage_offset(), str(val.dtype), val.requires_grad)
+    if isinstance(val, (list, tuple)):
+        return tuple(_layout(v) for v in val)
+    return repr(val)

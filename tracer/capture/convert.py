@@ -207,7 +207,7 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
     writes = in_place_writes(gm)
     region_at = {node: (region, False) for region in regions for node in region.forward_nodes}
     region_at.update({node: (region, True) for region in regions for node in region.backward_nodes})
-    region_storages: dict[tuple[int, bool], set[int]] = {}     # (id(region), backward) -> storages it made
+    region_runs: dict[tuple[int, bool], tuple] = {}     # (id(region), backward) -> (storages made, saved values)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -215,9 +215,9 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
             region, backward = region_at[node]
             if backward and tangent[0] is not None and tangent[0] not in values:
                 ops.append(_tangent_op(tangent, table, values))
-            if (id(region), backward) not in region_storages:
-                region_storages[id(region), backward] = _convert_region(
-                    region, backward, table, values, node_pos, ops, region_storages.get((id(region), False), set()))
+            if (id(region), backward) not in region_runs:
+                region_runs[id(region), backward] = _convert_region(
+                    region, backward, table, values, node_pos, ops, region_runs.get((id(region), False)))
             continue
         if node.target is _GETITEM:
             values[node] = values[node.args[0]][node.args[1]]
@@ -235,23 +235,26 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         node_pos[node] = len(ops) - 1
 
 
-def _convert_region(region, backward: bool, table: StorageTable, values, node_pos, ops, forward_storages: set[int]):
+def _convert_region(region, backward: bool, table: StorageTable, values, node_pos, ops,
+                    forward_run: tuple | None) -> tuple[set[int], list]:
     """One compiled block's forward or backward (compiled_blocks.CompiledRegion), as its CompiledFunction
     runs it inside the eager step: its graph's inputs bound to the joint's values, its outputs bound to the
     joint nodes they stand for. The compiled backward frees a saved activation where its wrapper deletes it
-    when the block's forward made it (`forward_storages`); the block's inputs and incoming gradients are
-    eager tensors: the gradients stay held by the node's arguments until it returns. Its ops have no
-    autograd sequence number: eager's per-node rules (formula temporaries, saved-for-shape) do not apply.
-    Returns the storages this graph made."""
+    when the block's forward made it (`forward_run`: what the forward returned for this block); the block's
+    inputs and incoming gradients are eager tensors: the gradients stay held by the node's arguments until
+    it returns. Its ops have no autograd sequence number: eager's per-node rules (formula temporaries,
+    saved-for-shape) do not apply. Returns the storages this graph made and the values it saved (identical
+    blocks share one compiled graph, as Dynamo reuses it: values are bound afresh for each block)."""
     gm, plan = (region.backward, region.backward_plan) if backward else (region.forward, region.forward_plan)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    saved = iter(_output_args(region.forward)[region.num_forward_outputs:])
+    forward_storages, saved_values = forward_run if backward else (None, [])
+    saved = iter(saved_values)
     for placeholder in placeholders:
         kind, _, number = placeholder.name.rpartition("_")
         if kind == "tangents":
             values[placeholder] = values[region.tangents[int(number) - 1]]
         elif backward:
-            values[placeholder] = values[next(saved)]
+            values[placeholder] = next(saved)
         else:
             values[placeholder] = values[region.primals[int(number) - 1]]
     start = len(ops)
@@ -269,7 +272,7 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
         values[joint_node] = values[out]
         node_pos[joint_node] = len(ops) - 1
         _bind_items(joint_node, values, node_pos)
-    return set(made)
+    return set(made), [values[out] for out in _output_args(gm)[len(joint_outputs):]]
 
 
 def _written_storage(destination: fx.Node | None, table: StorageTable, values) -> int | None:
