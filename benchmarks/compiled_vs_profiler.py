@@ -209,7 +209,7 @@ def main() -> None:
         errors = [(error, where) for error, s, where in worst if s == style]
         if errors:
             error, where = max(errors)
-            print(f"worst |error| over predicted phases, {style} compile: {error:.2f}% ({where})")
+            print(f"worst |error| over predicted phases, {style} compile: {error:.4f}% ({where})")
 
 
 if __name__ == "__main__":
