@@ -38,6 +38,7 @@ from tracer.capture.source import module_from_stack
 class CompiledRegion:
     """One compiled block: its nodes in the whole-model joint graph, and its own partition and plans."""
     block: str
+    graph_block: str                    # the block whose nodes the (shared) compiled graphs were made from
     forward_nodes: frozenset            # joint forward nodes of the block (getitems included)
     backward_nodes: frozenset           # joint backward nodes it runs in its compiled backward
     primals: tuple                      # joint nodes the region's forward reads, in `primals_*` order
@@ -150,10 +151,10 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
                 fill_rng_wrapper_values(graph, fake_mode)
             donated = donated_inputs(forward, backward, len(fw_outs))
             compiled[key] = (forward, backward, plan_graph(forward, fake_mode, is_backward=False),
-                             plan_graph(backward, fake_mode, is_backward=True, donated=donated))
-        forward, backward, forward_plan, backward_plan = compiled[key]
+                             plan_graph(backward, fake_mode, is_backward=True, donated=donated), block)
+        forward, backward, forward_plan, backward_plan, graph_block = compiled[key]
         regions.append(CompiledRegion(
-            block=block, forward_nodes=frozenset(forward_nodes), backward_nodes=frozenset(backward_nodes),
+            block=block, graph_block=graph_block, forward_nodes=frozenset(forward_nodes), backward_nodes=frozenset(backward_nodes),
             primals=tuple(primals), tangents=tuple(tangents), forward_outputs=tuple(fw_outs),
             backward_outputs=tuple(bw_outs), forward=forward, backward=backward, num_forward_outputs=len(fw_outs),
             forward_plan=forward_plan, backward_plan=backward_plan))

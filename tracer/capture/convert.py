@@ -262,6 +262,8 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
                             phase=Phase.BACKWARD if backward else Phase.FORWARD, releasable=forward_storages)
     for op in ops[start:]:
         op.seq_nr, op.frames = None, ()
+        if op.module == region.graph_block or op.module.startswith(region.graph_block + "."):
+            op.module = region.block + op.module[len(region.graph_block):]     # a graph shared with an identical block
     for placeholder in placeholders:
         if placeholder.name.startswith("tangents") and isinstance(values.get(placeholder), TensorValue):
             sid = values[placeholder].storage_id
