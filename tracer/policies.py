@@ -63,8 +63,8 @@ POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
     Policy("compiled-blocks", None, False,
            "block.compile() on every repeated block (--blocks): each block partitioned and planned by Inductor "
            "on its own, the rest of the step eager",
-           f"{_INDUCTOR}; graph breaks inside a block; Python locals that hold a block's output "
-           "(a block's output is freed at its last use); eager's own not-modelled items outside the blocks.",
+           f"{_INDUCTOR}; graph breaks inside a block; Python locals that hold a block's output (freed at its "
+           "last use); outside the blocks, as eager: Python references other than plain `name = ...` locals.",
            compiled_blocks=True),
 )}
 POLICIES = tuple(POLICY_REGISTRY)

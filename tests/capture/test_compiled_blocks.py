@@ -26,13 +26,13 @@ def test_each_block_is_a_joint_of_its_own(llama_joint):
     blocks = find_blocks(llama_joint, None)
     assert blocks == ["blocks.0", "blocks.1"]
     for block, (forward, backward) in _block_nodes(llama_joint, blocks).items():
-        gm, primals, tangents, forward_outputs, backward_outputs, static = region_joint(llama_joint, forward, backward)
-        params = [p for p in primals if type(p.meta.get("desc")).__name__ == "ParamAOTInput"]
+        cut = region_joint(llama_joint, forward, backward)
+        params = [p for p in cut.primals if type(p.meta.get("desc")).__name__ == "ParamAOTInput"]
         assert len(params) == 9 and all(f"{block}." in p.meta["desc"].target for p in params)
-        assert static == [primals.index(p) for p in params]
-        assert len(primals) == 12 and len(tangents) == 1 and len(forward_outputs) == 1
-        assert len(backward_outputs) == 10
-        assert [p.name for p in gm.graph.find_nodes(op="placeholder")] == \
+        assert cut.static_inputs == tuple(cut.primals.index(p) for p in params)
+        assert len(cut.primals) == 12 and len(cut.tangents) == 1 and len(cut.forward_outputs) == 1
+        assert len(cut.backward_outputs) == 10
+        assert [p.name for p in cut.gm.graph.find_nodes(op="placeholder")] == \
             [f"primals_{i}" for i in range(1, 13)] + ["tangents_1"]
 
 

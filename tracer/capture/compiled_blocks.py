@@ -95,9 +95,20 @@ def _block_nodes(joint: fx.GraphModule, blocks: list[str]) -> dict[str, tuple[li
     return out
 
 
-def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: list):
-    """The block's own joint graph: (graph module, primals, tangents, forward outputs, backward outputs, static
-    input indices), the lists being the whole-model joint's nodes each placeholder or output stands for."""
+@dataclasses.dataclass(frozen=True)
+class RegionJoint:
+    """A block's own joint graph; the node lists are the whole-model joint's nodes that each placeholder
+    (`primals_1`, ..., `tangents_1`, ...) or output (forward outputs, then backward outputs) stands for."""
+    gm: fx.GraphModule
+    primals: tuple
+    tangents: tuple
+    forward_outputs: tuple
+    backward_outputs: tuple
+    static_inputs: tuple[int, ...]      # the primals that are parameters or buffers
+
+
+def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: list) -> RegionJoint:
+    """The block's own joint graph, as AOT autograd traces the compiled block."""
     members = set(forward_nodes) | set(backward_nodes)
     ordered = [n for n in joint.graph.nodes if n in members]
     primals: list = []
@@ -129,8 +140,8 @@ def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: lis
     backward_outputs = [n for n in ordered if _is_backward(n) and leaves(n)]
     output = graph.output(tuple(env[n] for n in forward_outputs + backward_outputs))
     output.meta["desc"] = [None] * (len(forward_outputs) + len(backward_outputs))   # the partitioner zips them
-    gm = fx.GraphModule(torch.nn.Module(), graph)
-    return gm, primals, tangents, forward_outputs, backward_outputs, static
+    return RegionJoint(fx.GraphModule(torch.nn.Module(), graph), tuple(primals), tuple(tangents),
+                       tuple(forward_outputs), tuple(backward_outputs), tuple(static))
 
 
 def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tuple[CompiledRegion, ...]:
@@ -143,21 +154,23 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
     for block, (forward_nodes, backward_nodes) in _block_nodes(joint, blocks).items():
         if not forward_nodes:
             continue
-        gm, primals, tangents, fw_outs, bw_outs, static = region_joint(joint, forward_nodes, backward_nodes)
-        key = _structure(gm)
+        cut = region_joint(joint, forward_nodes, backward_nodes)
+        num_forward_outputs = len(cut.forward_outputs)
+        key = _structure(cut.gm)
         if key not in compiled:       # identical blocks run one compiled graph, as Dynamo reuses it
-            forward, backward = inductor_partition(gm, fake_mode, num_fwd_outputs=len(fw_outs), static_inputs=static)
+            forward, backward = inductor_partition(cut.gm, fake_mode, num_fwd_outputs=num_forward_outputs,
+                                                   static_inputs=list(cut.static_inputs))
             for graph in (forward, backward):
                 fill_rng_wrapper_values(graph, fake_mode)
-            donated = donated_inputs(forward, backward, len(fw_outs))
+            donated = donated_inputs(forward, backward, num_forward_outputs)
             compiled[key] = (forward, backward, plan_graph(forward, fake_mode, is_backward=False),
                              plan_graph(backward, fake_mode, is_backward=True, donated=donated), block)
         forward, backward, forward_plan, backward_plan, graph_block = compiled[key]
         regions.append(CompiledRegion(
             block=block, graph_block=graph_block, forward_nodes=frozenset(forward_nodes), backward_nodes=frozenset(backward_nodes),
-            primals=tuple(primals), tangents=tuple(tangents), forward_outputs=tuple(fw_outs),
-            backward_outputs=tuple(bw_outs), forward=forward, backward=backward, num_forward_outputs=len(fw_outs),
-            forward_plan=forward_plan, backward_plan=backward_plan))
+            primals=cut.primals, tangents=cut.tangents, forward_outputs=cut.forward_outputs,
+            backward_outputs=cut.backward_outputs, forward=forward, backward=backward,
+            num_forward_outputs=num_forward_outputs, forward_plan=forward_plan, backward_plan=backward_plan))
     return tuple(regions)
 
 
