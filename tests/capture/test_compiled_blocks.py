@@ -1,6 +1,7 @@
 """How tracer.capture.compiled_blocks cuts each repeated block out of the whole-model joint graph, as
 `block.compile()` makes the block a joint graph of its own."""
 import operator
+import os
 
 import pytest
 
@@ -8,8 +9,11 @@ from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model
 from tracer.capture.compiled_blocks import _block_nodes, region_joint
 from tracer.capture.joint import export_joint
 from tracer.capture.policies import find_blocks
+from tracer.errors import UsageError
 from tracer.passes.analysis import analyze_graphs
 from tracer.stepgraph import Phase
+
+BLOCK_CALLED_TWICE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "block_called_twice.py")
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +65,9 @@ def test_identical_blocks_share_one_compiled_graph_and_keep_their_own_names():
         per_block = [[op.target for op in graph.ops if op.phase is phase and op.module.startswith(b + ".")]
                      for b in ("blocks.0", "blocks.1")]
         assert per_block[0] and per_block[0] == per_block[1]
+
+
+def test_a_block_called_twice_per_step_is_refused():
+    with pytest.raises(UsageError, match="blocks.0 does not run as one call"):
+        capture_steps(load_model_source(BLOCK_CALLED_TWICE), CaptureOptions(batch=2, seq=8, target="cpu"),
+                      (PolicySpec(name="compiled-blocks"),))

@@ -21,7 +21,8 @@ like a whole model.
 
 Not modelled: a gradient accumulation for a value that a block and code outside it both use, when the
 engine's sum happens right after the block's backward, is taken as the block's own (one add at the same
-place); Dynamo guards and graph breaks inside a block (a block that breaks would be several regions).
+place); Dynamo guards and graph breaks inside a block (a block that breaks would be several regions); a
+block called more than once per step (refused).
 """
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
     for block, (forward_nodes, backward_nodes) in _block_nodes(joint, blocks).items():
         if not forward_nodes:
             continue
+        _check_one_call(joint, block, forward_nodes)
         cut = region_joint(joint, forward_nodes, backward_nodes)
         num_forward_outputs = len(cut.forward_outputs)
         key = _structure(cut.gm)
@@ -172,6 +174,21 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
             backward_outputs=cut.backward_outputs, forward=forward, backward=backward,
             num_forward_outputs=num_forward_outputs, forward_plan=forward_plan, backward_plan=backward_plan))
     return tuple(regions)
+
+
+def _check_one_call(joint: fx.GraphModule, block: str, forward_nodes: list) -> None:
+    """A compiled block runs as one call: its forward ops are one run of the joint's forward. Raises
+    UsageError for a block whose ops other code interleaves (a block called twice in one step)."""
+    from tracer.errors import UsageError
+
+    members = set(forward_nodes)
+    forward = [n for n in joint.graph.nodes if n.op == "call_function" and not _is_backward(n)]
+    inside = [i for i, n in enumerate(forward) if n in members]
+    stray = next((n for n in forward[inside[0]:inside[-1] + 1] if n not in members), None)
+    if stray is not None:
+        raise UsageError(f"block {block} does not run as one call ({stray.name} runs between its ops): "
+                         "calling a compiled block more than once per step is not modelled",
+                         hint="name other blocks with --blocks, or use --policy compiled")
 
 
 def _structure(gm: fx.GraphModule) -> tuple:
