@@ -2,7 +2,9 @@
 
 A step is read from a `Schedule`: either the joint graph (eager: forward nodes, then backward nodes in
 autograd-engine order) or a partitioned pair (forward graph, then backward graph whose placeholders are
-the forward graph's saved outputs; backward nodes not tagged `is_backward` are recomputed forward ops).
+the forward graph's saved outputs; backward nodes not tagged `is_backward` are recomputed forward ops), or
+the joint graph with compiled regions (`block.compile()`: each block's nodes replaced by its own compiled
+forward and backward, tracer.capture.compiled_blocks).
 
 Conventions:
   * getitem nodes are not ops: they name an element of their parent's output tuple.
