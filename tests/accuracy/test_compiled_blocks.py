@@ -81,14 +81,15 @@ def test_a_model_without_repeated_blocks_is_refused(compiled_vs_profiler):
 
 @pytest.mark.slow
 def test_a_backward_peak_inside_a_compiled_block_is_exact(compiled_vs_profiler, no_compile_caches, monkeypatch):
-    """A tiny vocabulary and a wide MLP put the backward peak inside the first block's compiled backward
-    (its incoming gradient held, its saved tensors freed as the backward's wrapper deletes them)."""
+    """A tiny vocabulary and a wide MLP put the backward peak inside the last block's compiled backward, the
+    first to run (its incoming gradient held, its saved tensors freed as the backward's wrapper deletes
+    them, every other block's saved tensors still live)."""
     monkeypatch.setitem(compiled_vs_profiler.HF_CONFIGS, "hf:llama", (
         "num_hidden_layers=3", "hidden_size=64", "intermediate_size=512", "num_attention_heads=4",
         "num_key_value_heads=2", "vocab_size=16"))
     analysis = _predicted(compiled_vs_profiler, "hf:llama", "compiled-blocks")
     backward = analysis.phases["backward"]
-    assert analysis.graph.ops[backward.op_index].module.startswith("model.model.layers.0.")
+    assert analysis.graph.ops[backward.op_index].module.startswith("model.model.layers.2.mlp.")
     measured = compiled_vs_profiler.measured_compiled_peaks("hf:llama", 2, SEQ, "blocks")
     assert backward.peak_bytes == measured["backward"]
     assert analysis.phases["forward"].peak_bytes == measured["forward"]
