@@ -5,8 +5,9 @@ compiled, its description and its "not modelled" text): `eager` (what autograd s
 (torch.compile's Inductor partition and plan, optional activation memory budget), `full` (each checkpointed
 block keeps only its input and reruns its forward in backward), `selective` (checkpointed blocks keep the
 outputs of the ops a save predicate names, and recompute the rest), and `compiled+selective` /
-`compiled+full` (the same tags inside torch.compile, whose partitioner honours them). A new policy is one
-entry; `PolicySpec` names one with its settings.
+`compiled+full` (the same tags inside torch.compile, whose partitioner honours them), and `compiled-blocks`
+(`block.compile()` on every repeated block: each block its own compiled region, the rest eager). A new
+policy is one entry; `PolicySpec` names one with its settings.
 
 Save predicates are small named functions of an op name (`"aten.mm.default"` -> save?) in a registry
 filled by `@save_policy(name)`, which refuses duplicates; a policy that counts ops (torchtitan's "every
@@ -37,12 +38,13 @@ class Policy:
     compiled: bool                    # partitioned, lowered and planned as torch.compile's Inductor does
     description: str
     not_modelled: str
+    compiled_blocks: bool = False     # block.compile() on every repeated block, the rest eager
 
 
 _KERNEL_SCRATCH = "kernel scratch"
 _EAGER_CHECKPOINT = "checkpointing is simulated as eager non-reentrant torch.utils.checkpoint"
 _INDUCTOR = ("kernel scratch of extern kernels (SDPA, oneDNN); Inductor's plan is its CPU backend's (on a CUDA "
-             "target Triton's fusion differs); whole-model torch.compile only (not block.compile()); CUDA graphs")
+             "target Triton's fusion differs); CUDA graphs")
 
 POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
     Policy("eager", None, False, "what eager autograd saves and frees",
@@ -58,6 +60,12 @@ POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
            "(must save / prefer recompute), as torchtitan trains", _INDUCTOR + "."),
     Policy("compiled+full", "full", True,
            "full checkpointing inside torch.compile: every block's ops are tagged prefer-recompute", _INDUCTOR + "."),
+    Policy("compiled-blocks", None, False,
+           "block.compile() on every repeated block (--blocks): each block partitioned and planned by Inductor "
+           "on its own, the rest of the step eager",
+           f"{_INDUCTOR}; graph breaks inside a block; Python locals that hold a block's output (freed at its "
+           "last use); outside the blocks, as eager: Python references other than plain `name = ...` locals.",
+           compiled_blocks=True),
 )}
 POLICIES = tuple(POLICY_REGISTRY)
 ALL_POLICIES = ("eager", "compiled", "selective", "full")          # --policy all

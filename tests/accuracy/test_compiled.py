@@ -6,9 +6,7 @@ beyond the user outputs (the saved activations), deduplicated by storage, withou
 Peaks: benchmarks/compiled_vs_profiler.py measures a real compiled step with the profiler (allocator
 events, so Inductor's own buffers are seen) and predicts it with the `compiled` policy.
 """
-import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -16,26 +14,7 @@ import torch
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
 from tracer.passes.analysis import analyze_graphs
 
-BENCHMARK = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "compiled_vs_profiler.py")
 MLP_FILE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_mlp_lm.py")
-
-
-@pytest.fixture(scope="module")
-def compiled_vs_profiler():
-    spec = importlib.util.spec_from_file_location("compiled_vs_profiler", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture
-def no_compile_caches(monkeypatch):
-    """Every compile runs the partitioner (a cached one would skip it)."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    yield
-    torch._dynamo.reset()
 
 
 def _real_compiled_saved_bytes(model, batch, monkeypatch) -> int:

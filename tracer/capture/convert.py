@@ -2,7 +2,9 @@
 
 A step is read from a `Schedule`: either the joint graph (eager: forward nodes, then backward nodes in
 autograd-engine order) or a partitioned pair (forward graph, then backward graph whose placeholders are
-the forward graph's saved outputs; backward nodes not tagged `is_backward` are recomputed forward ops).
+the forward graph's saved outputs; backward nodes not tagged `is_backward` are recomputed forward ops), or
+the joint graph with compiled regions (`block.compile()`: each block's nodes replaced by its own compiled
+forward and backward, tracer.capture.compiled_blocks).
 
 Conventions:
   * getitem nodes are not ops: they name an element of their parent's output tuple.
@@ -53,6 +55,7 @@ class Schedule:
     notes: tuple[str, ...] = ()       # how the policy was applied, for the report
     forward_plan: Any = None          # inductor_plan.GraphPlan of `forward` (compiled): order and storages
     backward_plan: Any = None
+    regions: tuple = ()               # block.compile(): compiled_blocks.CompiledRegion per block of the joint
 
 
 @dataclasses.dataclass
@@ -91,7 +94,8 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
     descs = {node.name: node.meta.get("desc") for node in schedule.joint.graph.find_nodes(op="placeholder")}
     if schedule.forward is None:
         tangent = _add_placeholders(cap, schedule.joint, descs, table, values)
-        _convert_nodes(schedule.joint, table, values, node_pos, ops, tangent, partitioned=False)
+        _convert_nodes(schedule.joint, table, values, node_pos, ops, tangent, partitioned=False,
+                       regions=schedule.regions)
         out = _output_args(schedule.joint)
         out_descs = _output_node(schedule.joint).meta.get("desc") or []
         loss_node, grad_outputs = out[loss_output_index(out_descs)], _grad_outputs(out, out_descs)
@@ -199,10 +203,23 @@ def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
 
 
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
-                   fake_mode=None):
+                   fake_mode=None, regions: tuple = ()):
+    """`regions` (block.compile()): each region's nodes are replaced by its compiled forward, run where its
+    first forward node is, and its compiled backward, run where its first backward node is."""
     writes = in_place_writes(gm)
+    region_at = {node: (region, False) for region in regions for node in region.forward_nodes}
+    region_at.update({node: (region, True) for region in regions for node in region.backward_nodes})
+    region_runs: dict[tuple[int, bool], tuple] = {}     # (id(region), backward) -> (storages made, saved values)
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        if node in region_at:
+            region, backward = region_at[node]
+            if backward and tangent[0] is not None and tangent[0] not in values:
+                ops.append(_tangent_op(tangent, table, values))
+            if (id(region), backward) not in region_runs:
+                region_runs[id(region), backward] = _convert_region(
+                    region, backward, table, values, node_pos, ops, region_runs.get((id(region), False)))
             continue
         if node.target is _GETITEM:
             values[node] = values[node.args[0]][node.args[1]]
@@ -220,6 +237,48 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         node_pos[node] = len(ops) - 1
 
 
+def _convert_region(region, backward: bool, table: StorageTable, values, node_pos, ops,
+                    forward_run: tuple | None) -> tuple[set[int], list]:
+    """One compiled block's forward or backward (compiled_blocks.CompiledRegion), as its CompiledFunction
+    runs it inside the eager step: its graph's inputs bound to the joint's values, its outputs bound to the
+    joint nodes they stand for. The compiled backward frees a saved activation where its wrapper deletes it
+    when the block's forward made it (`forward_run`: what the forward returned for this block); the block's
+    inputs and incoming gradients are eager tensors: the gradients stay held by the node's arguments until
+    it returns. Its ops have no autograd sequence number: eager's per-node rules (formula temporaries,
+    saved-for-shape) do not apply. Returns the storages this graph made and the values it saved (identical
+    blocks share one compiled graph, as Dynamo reuses it: values are bound afresh for each block)."""
+    gm, plan = (region.backward, region.backward_plan) if backward else (region.forward, region.forward_plan)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    forward_storages, saved_values = forward_run if backward else (None, [])
+    saved = iter(saved_values)
+    for placeholder in placeholders:
+        kind, _, number = placeholder.name.rpartition("_")
+        if kind == "tangents":
+            values[placeholder] = values[region.tangents[int(number) - 1]]
+        elif backward:
+            values[placeholder] = next(saved)
+        else:
+            values[placeholder] = values[region.primals[int(number) - 1]]
+    start = len(ops)
+    made = _convert_planned(plan, table, values, node_pos, ops, (None, None),
+                            phase=Phase.BACKWARD if backward else Phase.FORWARD, releasable=forward_storages)
+    for op in ops[start:]:
+        op.seq_nr, op.frames = None, ()
+        if op.module == region.graph_block or op.module.startswith(region.graph_block + "."):
+            op.module = region.block + op.module[len(region.graph_block):]     # a graph shared with an identical block
+    for placeholder in placeholders:
+        if placeholder.name.startswith("tangents") and isinstance(values.get(placeholder), TensorValue):
+            sid = values[placeholder].storage_id
+            held = table.get(sid).held_until_op
+            table.update(sid, held_until_op=max(len(ops) - 1, held if held is not None else -1))
+    joint_outputs = region.backward_outputs if backward else region.forward_outputs
+    for joint_node, out in zip(joint_outputs, _output_args(gm)):
+        values[joint_node] = values[out]
+        node_pos[joint_node] = len(ops) - 1
+        _bind_items(joint_node, values, node_pos)
+    return set(made), [values[out] for out in _output_args(gm)[len(joint_outputs):]]
+
+
 def _written_storage(destination: fx.Node | None, table: StorageTable, values) -> int | None:
     """The intermediate storage an in-place write (capture/inplace.py) puts its output in, if any."""
     value = values.get(destination) if destination is not None else None
@@ -229,13 +288,16 @@ def _written_storage(destination: fx.Node | None, table: StorageTable, values) -
     return value.storage_id if entry.role is StorageRole.INTERMEDIATE and not entry.preexisting else None
 
 
-def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase) -> None:
+def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase,
+                     releasable: set[int] | None = None) -> list[int]:
     """A compiled graph as Inductor runs it (`inductor_plan.GraphPlan`): its fx nodes in kernel order, each
     output in the storage Inductor keeps it in (several values share one when the wrapper reuses a freed
     buffer or updates in place) or in a 0-byte fused storage when it lives only inside a kernel. Every
     storage is allocated at the first op of the kernel step that allocates it (an `inductor_allocates`
     keyword, which the formulas ignore) and released after the last op of the step where the wrapper drops
-    its last name; a saved activation the backward's wrapper deletes is released there too."""
+    its last name; a saved activation the backward's wrapper deletes is released there too (only those in
+    `releasable`, when given: an input that eager code holds as well outlives the graph's reference).
+    Returns the storages the plan allocates."""
     shapes = _planned_storage_layouts(plan)
     sids = [table.add(None, StorageRole.INTERMEDIATE, nbytes=s.nbytes, dtype=shapes.get(i, ("uint8",))[0],
                       shape=shapes.get(i, (None, (s.nbytes,)))[1], name=f"inductor {s.name}")
@@ -264,8 +326,10 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
         value = values.get(placeholder)
         if isinstance(value, TensorValue):
             entry = table.get(value.storage_id)
-            if entry.role is StorageRole.INTERMEDIATE and not entry.persistent and not entry.preexisting:
+            if entry.role is StorageRole.INTERMEDIATE and not entry.persistent and not entry.preexisting \
+                    and (releasable is None or value.storage_id in releasable):
                 table.update(value.storage_id, released_after_op=_op_at_or_before(last_op, step, 0))
+    return sids
 
 
 def _bind_items(node: fx.Node, values, node_pos) -> None:

@@ -77,6 +77,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
+    if spec.policy.compiled_blocks:
+        return _compiled_blocks_schedule(cap, spec)
     from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -133,6 +135,24 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
     backward_plan = plan_graph(backward, cap.fake_mode, is_backward=True, donated=donated)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
                     compiled=True, notes=notes, forward_plan=forward_plan, backward_plan=backward_plan)
+
+
+def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
+    """block.compile() on every block: the joint as eager runs it, with each block's nodes replaced by its own
+    compiled forward and backward (tracer.capture.compiled_blocks)."""
+    from tracer.capture.compiled_blocks import compiled_regions
+
+    if cap.seen.checkpoint_calls:
+        raise UsageError(f"--policy {spec.name} with torch.utils.checkpoint in the model's forward is not modelled",
+                         hint="use --policy compiled (whole model) or eager")
+    blocks = find_blocks(cap.joint, spec.blocks)
+    if not blocks:
+        raise UsageError(f"--policy {spec.name} compiles each repeated block, and "
+                         + (f"no module matches --blocks {spec.blocks!r}" if spec.blocks else "this model has none"),
+                         hint="name the blocks with --blocks (a glob such as 'layers.*'), or use --policy compiled")
+    regions = compiled_regions(cap.joint, blocks, cap.fake_mode)
+    return Schedule(joint=cap.joint, regions=regions,
+                    notes=(f"compiled blocks: {', '.join(r.block for r in regions)}",))
 
 
 def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
