@@ -12,6 +12,7 @@ no recompute policies); the report's capture path and notes say which rung was u
 from __future__ import annotations
 
 import contextlib
+import collections
 import dataclasses
 import gc
 import warnings
@@ -280,8 +281,10 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in _input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        for sid, op_index in local_holds(forward).items():
+        holds = local_holds(forward)
+        for sid, op_index in holds.items():
             table.update(sid, held_until_op=op_index)
+        _recompute_local_holds(part.ops, table, holds)
         for sid, op_index in expression_holds(part.ops, cap.python_backward_nodes).items():    # C++ backward formulas' temporaries
             held = table.get(sid).held_until_op
             table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
@@ -495,6 +498,44 @@ def _eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None
             table.update(sid, persistent=True)
 
 
+def _recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[int, int]) -> None:
+    """A checkpointed region's recompute reruns the region's Python code, so a local that held a forward
+    value inside the region holds its recomputed twin too: until the twin of the op where the forward let
+    it go, or until the recompute stops (the early stop unwinds the frames). Holds that outlast the region
+    belong to the caller's frames, which are not rerun."""
+    last_forward: dict[int, int] = {}
+    twins: dict[tuple, int] = {}
+    seen: collections.Counter = collections.Counter()
+    recompute_end: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.recomputed and not d.rerun and d.checkpoint_region is not None and d.seq_nr is not None:
+            key = (d.seq_nr, d.target)
+            twins[key + (seen[key],)] = i
+            seen[key] += 1
+            recompute_end[d.checkpoint_region] = i
+    seen.clear()
+    forward_twin: dict[int, int] = {}        # forward op index -> its recomputed twin's index
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.seq_nr is not None:
+            key = (d.seq_nr, d.target)
+            if key + (seen[key],) in twins:
+                forward_twin[i] = twins[key + (seen[key],)]
+            seen[key] += 1
+            if d.checkpoint_region is not None:
+                last_forward[d.checkpoint_region] = i
+    for f, r in forward_twin.items():
+        region = ops[r].checkpoint_region
+        for value, twin_value in zip(ops[f].outputs, ops[r].outputs):
+            held = holds.get(value.storage_id)
+            if held is None or held <= f or held > last_forward.get(region, -1) or ops[r].is_view:
+                continue
+            until = next((forward_twin[j] for j in range(held, last_forward[region] + 1) if j in forward_twin),
+                         recompute_end[region])
+            until = min(until, recompute_end[region])
+            previous = table.get(twin_value.storage_id).held_until_op
+            table.update(twin_value.storage_id, held_until_op=max(until, previous if previous is not None else -1))
+
+
 def _release_unpacked_recomputes(ops: list[OpDraft], table: StorageTable) -> None:
     """A value a non-reentrant region recomputes is held by the checkpoint frame only until a backward node
     unpacks it; from then on only that node's local holds it, which dies when the node's formula returns,
@@ -514,13 +555,14 @@ def _release_unpacked_recomputes(ops: list[OpDraft], table: StorageTable) -> Non
             continue
         for value in d.outputs:
             entry = table.get(value.storage_id)
-            if entry.role is not StorageRole.INTERMEDIATE or entry.held_until_op is not None \
-                    or entry.released_after_op is not None:
+            if entry.role is not StorageRole.INTERMEDIATE or entry.released_after_op is not None:
                 continue
             last = last_use[value.storage_id]
             if ops[last].recomputed:
                 continue       # used up inside the recompute: never unpacked by a backward node
-            table.update(value.storage_id, released_after_op=max(last, formula_end.get(ops[last].seq_nr, last)))
+            held = entry.held_until_op if entry.held_until_op is not None else -1
+            table.update(value.storage_id,
+                         released_after_op=max(last, held, formula_end.get(ops[last].seq_nr, last)))
 
 
 def _engine_reduction(d: OpDraft) -> bool:
