@@ -272,7 +272,7 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in _input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        for sid, op_index in local_holds(forward).items():
+        for sid, op_index in local_holds(forward, cap.executed_lines).items():
             table.update(sid, held_until_op=op_index)
         for sid, op_index in expression_holds(part.ops, cap.python_backward_nodes).items():    # C++ backward formulas' temporaries
             held = table.get(sid).held_until_op

@@ -19,17 +19,23 @@ From each forward op's user stack (outer -> inner frames, kept whole by the capt
   * a statement whose ops run in called functions binds their last op's output only when each call returns
     what its statement made (a `return`, or an assignment to a name it returns): a call that ends with a
     check (`if (m == 0).all(): return None`) binds nothing.
+A rebinding statement that runs no aten op is placed at the last op before execution passes its line. Which
+lines execution passes is read from the trace (`record_executed_lines`: the model's lines that ran at least
+once while the forward was traced): a rebinding in a branch that never ran (`if self.q_lora_rank is None:`,
+a scaling the config turns off) lets nothing go.
 Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
-a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
-function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
-for one call.
+a branch that runs in some calls of a function and not in others counts as passed in all of them (a
+rebinding there that runs no op releases the name early in the calls that skip it); a function called
+again from a caller's loop whose first and last ops lie in one of its own loops is taken for one call.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
-from typing import Sequence
+import sys
+from typing import Callable, Sequence
 
 Frame = tuple[str, int, str]          # (file, line, function)
 
@@ -42,9 +48,53 @@ class _Invocation:
     end: int = -1                     # last op index of the invocation
 
 
-def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
+@contextlib.contextmanager
+def record_executed_lines(is_model_file: Callable[[str], bool]):
+    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the context is open.
+    Under another trace function (a debugger, coverage) nothing is recorded (`complete` stays False) and
+    every rebinding line counts as passed, as before."""
+    recorded = ExecutedLines()
+    if sys.gettrace() is not None:
+        yield recorded
+        return
+    lines = recorded.lines
+
+    def in_model_file(frame, event, arg):
+        if event == "line":
+            lines.add((frame.f_code.co_filename, frame.f_lineno))
+        return in_model_file
+
+    def on_call(frame, event, arg):
+        return in_model_file if is_model_file(frame.f_code.co_filename) else None
+
+    sys.settrace(on_call)
+    try:
+        yield recorded
+    finally:
+        sys.settrace(None)
+    recorded.complete = True
+
+
+@dataclasses.dataclass
+class ExecutedLines:
+    """The (file, line) pairs a traced forward ran in model files; `complete` False: not recorded."""
+    lines: set = dataclasses.field(default_factory=set)
+    complete: bool = False
+    _statements: dict = dataclasses.field(default_factory=dict)   # file -> statement lines that ran
+
+    def statement_ran(self, file: str, statement_line: int) -> bool:
+        if not self.complete:
+            return True
+        if file not in self._statements:
+            self._statements[file] = frozenset(_statement_line(f, ln) for f, ln in self.lines if f == file)
+        return statement_line in self._statements[file]
+
+
+def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = None) -> dict[int, int]:
     """forward_ops: (op index, user frames outer->inner, output storage ids[, input storage ids]), in
-    execution order. Returns storage id -> index of the last op during which a Python local still holds it."""
+    execution order; executed: the model lines the trace ran (None: any may have). Returns storage id ->
+    index of the last op during which a Python local still holds it."""
+    executed = executed or ExecutedLines()
     forward_ops = _below_the_common_frames(forward_ops)
     outputs = {op[0]: op[2] for op in forward_ops}
     inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
@@ -55,7 +105,7 @@ def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
             if not _callees_return_it(frames_of[last][inv.depth + 1:]):
                 continue                   # the call returned something its last op did not make (None, a bool)
             for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
-                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
+                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end, executed)
                 for sid in sids:
                     holds[sid] = max(holds.get(sid, -1), release)
     return holds
@@ -153,10 +203,11 @@ def _returned_names(function: ast.AST | None) -> set[str]:
             for n in ast.walk(r.value) if isinstance(n, ast.Name)}
 
 
-def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int) -> int:
+def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int,
+                executed: ExecutedLines) -> int:
     """The last op of the first later run that rebinds `name`; when execution passes a rebinding line
-    without running an op there, the last op before it; else the invocation's end."""
-    stores = _store_lines(file, line, name)
+    (one that ran) without running an op there, the last op before it; else the invocation's end."""
+    stores = frozenset(ln for ln in _store_lines(file, line, name) if executed.statement_ran(file, ln))
     previous_line, previous_last = line, None
     for run_line, run_last, _ in later_runs:
         if run_line in stores:
