@@ -43,3 +43,17 @@ def test_a_local_bound_in_a_loop_is_held_until_the_next_iteration_binds_it():
     """pvt_v2: `layer_output = layer(...)` in the loop over stages held the stage's LayerNorm output while the
     next stage ran; the prediction let it go at the end of its own iteration, 149,744 B under the forward peak."""
     _assert_exact("stage_loop_locals.py")
+
+
+def test_gather_keeps_its_source_for_backward_as_eager_autograd_does():
+    """inkling_text, inkling2_text, inkling2_loop_text: GatherBackward0 saves the gathered-from logits
+    (b, heads, q, rel_extent) although the traced backward reads only their shape: 6.3 to 12.6 MB under the
+    saved bytes and every phase peak."""
+    _assert_exact("gathered_relative_bias.py")
+
+
+def test_a_rebinding_in_a_branch_that_never_ran_lets_nothing_go():
+    """inkling_text: `query_states = ...` under `if not self.is_sliding and ... log_scaling_n_floor is not
+    None:` (off in the config) was taken as passed, releasing the queries before the attention call:
+    1.3 MB under the forward peak."""
+    _assert_exact("untaken_rebinding.py")
