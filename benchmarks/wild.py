@@ -62,6 +62,7 @@ TINY = (
     (256, ("vocab_size",)),
     (32, ("image_size", "max_source_positions", "qk_nope_head_dim")),
     (8, ("patch_size",)),
+    (1, ("n_group", "num_expert_group", "topk_group")),     # expert groups must not outnumber the shrunk experts
 )
 TINY_BY_KEY = {key: value for value, keys in TINY for key in keys}
 LAYER_KEYS = TINY[0][1][:8]

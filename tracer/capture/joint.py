@@ -283,6 +283,7 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         self._modules: list[tuple[str, tuple[str, str]]] = []
         self._handles: list = []
         self._preserve = None
+        self._calls = 0
 
     def __enter__(self):
         import torch.fx.traceback as fx_traceback
@@ -310,17 +311,26 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         import torch.fx.traceback as fx_traceback
         meta = fx_traceback.current_meta
-        saved = {key: meta[key] for key in ("stack_trace", "nn_module_stack") if key in meta}
+        saved = {key: meta[key] for key in _SOURCE_META if key in meta}
         meta["stack_trace"] = _user_stack_trace()
+        self._calls += 1             # which aten ops one call ran (a C++ composite's locals: capture/calls.py)
+        meta["torch_fn"] = (f"{getattr(func, '__name__', 'call')}_{self._calls}", _qualified_name(func))
         if args and _is_inplace(func) and torch.is_grad_enabled():
             _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
         meta["nn_module_stack"] = dict(self._modules)
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            for key in ("stack_trace", "nn_module_stack"):
+            for key in _SOURCE_META:
                 meta.pop(key, None)
             meta.update(saved)
+
+
+_SOURCE_META = ("stack_trace", "nn_module_stack", "torch_fn")
+
+
+def _qualified_name(func) -> str:
+    return f"{getattr(func, '__module__', None) or ''}.{getattr(func, '__qualname__', getattr(func, '__name__', ''))}"
 
 
 # Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
