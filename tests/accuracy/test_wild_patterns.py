@@ -57,3 +57,17 @@ def test_a_rebinding_in_a_branch_that_never_ran_lets_nothing_go():
     None:` (off in the config) was taken as passed, releasing the queries before the attention call:
     1.3 MB under the forward peak."""
     _assert_exact("untaken_rebinding.py")
+
+
+def test_the_math_attention_kernel_holds_its_repeated_keys_until_it_returns():
+    """sarvam_mla, youtu, axk2, hy_v4, inkling_text (CPU runs their attention with the math kernel): the
+    GQA-repeated keys are a C++ local of `_scaled_dot_product_attention_math`, freed when it returns; the
+    graph freed them after their scaling, 131,072 B under this fixture's forward peak."""
+    _assert_exact("math_attention_gqa.py")
+
+
+def test_a_torch_call_holds_its_temporary_argument_until_it_returns():
+    """`F.cross_entropy(self.head(x).flatten(0, 1), y)`: the caller holds the logits argument until the call
+    returns, so they are live when nll_loss allocates its outputs (8 B over the peak the graph's last use
+    gives, at that op)."""
+    _assert_exact("loss_of_a_temporary.py")
