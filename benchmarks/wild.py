@@ -51,7 +51,7 @@ SWEPT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-cla
 TINY = (
     (2, ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
          "num_decoder_layers", "num_encoder_layers", "num_key_value_heads", "num_kv_heads",
-         "multi_query_group_num", "num_experts_per_tok", "moe_topk")),
+         "multi_query_group_num", "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")),
     (64, ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "word_embed_proj_dim", "embedding_size",
           "projection_dim", "d_embed")),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
@@ -62,6 +62,7 @@ TINY = (
     (256, ("vocab_size",)),
     (32, ("image_size", "max_source_positions", "qk_nope_head_dim")),
     (8, ("patch_size",)),
+    (1, ("n_group", "num_expert_group", "topk_group")),     # expert groups must not outnumber the shrunk experts
 )
 TINY_BY_KEY = {key: value for value, keys in TINY for key in keys}
 LAYER_KEYS = TINY[0][1][:8]
@@ -78,7 +79,12 @@ MAX_PARAMETERS = 30_000_000           # a real CPU step of a larger shrink is to
 SHRINKS = ("tiny", "tiny, default heads", "tiny, default heads and per-layer lists", "layers and vocabulary only")
 # what the last shrink still shrinks: depth, vocabulary and expert counts (dropouts are always 0)
 DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", "num_local_experts", "num_experts", "n_routed_experts",
-                                                "moe_num_experts", "num_experts_per_tok", "moe_topk"}
+                                                "moe_num_experts", "num_experts_per_tok", "num_experts_per_token",
+                                                "moe_topk", "moe_k"}
+# key/value head counts and the attention head counts they must equal when the default config has them equal
+# (multi-latent attention expands its latent to one key and value per query head: DeepSeek V2/V3, MiniCPM3)
+KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+ATTENTION_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 
 
 def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
@@ -111,6 +117,7 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
         elif (isinstance(value, list) and layers_before and len(value) == layers_before
               and key not in ("depths", "hidden_sizes") and shrink != SHRINKS[2]):
             out[key] = value[:2]
+    _keep_kv_heads_equal(config, out)
     if shrink == SHRINKS[2]:
         for key in LAYER_KEYS:
             out.pop(key, None)             # per-layer lists at their defaults need the default layer count
@@ -120,6 +127,17 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
                 out[key] = value % vocab
     return out
+
+
+def _keep_kv_heads_equal(config: dict, out: dict) -> None:
+    """A key/value head count equal to the attention head count in the default config stays equal to it
+    (shrinking both independently gives 2 key/value heads for 4 query heads, which such models reject)."""
+    heads_key = next((k for k in ATTENTION_HEADS if isinstance(config.get(k), int)), None)
+    if heads_key is None:
+        return
+    for key in KV_HEADS:
+        if config.get(key) == config[heads_key] and key in out:
+            out[key] = out.get(heads_key, config[heads_key])
 
 
 def hf_names() -> list[str]:

@@ -43,3 +43,38 @@ def test_a_local_bound_in_a_loop_is_held_until_the_next_iteration_binds_it():
     """pvt_v2: `layer_output = layer(...)` in the loop over stages held the stage's LayerNorm output while the
     next stage ran; the prediction let it go at the end of its own iteration, 149,744 B under the forward peak."""
     _assert_exact("stage_loop_locals.py")
+
+
+def test_gather_keeps_its_source_for_backward_as_eager_autograd_does():
+    """inkling_text, inkling2_text, inkling2_loop_text: GatherBackward0 saves the gathered-from logits
+    (b, heads, q, rel_extent) although the traced backward reads only their shape: 6.3 to 12.6 MB under the
+    saved bytes and every phase peak."""
+    _assert_exact("gathered_relative_bias.py")
+
+
+def test_a_rebinding_in_a_branch_that_never_ran_lets_nothing_go():
+    """inkling_text: `query_states = ...` under `if not self.is_sliding and ... log_scaling_n_floor is not
+    None:` (off in the config) was taken as passed, releasing the queries before the attention call:
+    1.3 MB under the forward peak."""
+    _assert_exact("untaken_rebinding.py")
+
+
+def test_the_math_attention_kernel_holds_its_repeated_keys_until_it_returns():
+    """sarvam_mla, youtu, axk2, hy_v4, inkling_text (CPU runs their attention with the math kernel): the
+    GQA-repeated keys are a C++ local of `_scaled_dot_product_attention_math`, freed when it returns; the
+    graph freed them after their scaling, 131,072 B under this fixture's forward peak."""
+    _assert_exact("math_attention_gqa.py")
+
+
+def test_a_torch_call_holds_its_temporary_argument_until_it_returns():
+    """`F.cross_entropy(self.head(x).flatten(0, 1), y)`: the caller holds the logits argument until the call
+    returns, so they are live when nll_loss allocates its outputs (8 B over the peak the graph's last use
+    gives, at that op)."""
+    _assert_exact("loss_of_a_temporary.py")
+
+
+def test_names_bound_from_a_helper_returning_a_tuple_hold_what_the_helper_returned():
+    """sarvam_mla (and the DeepSeek-V3-style MLA models): `key_states, value_states = self.expand_kv(...)`
+    bound nothing (the helper ends with in-place copies, and its split gives two views of one storage), so
+    the key and value storages were let go after the attention call: 1.05 MB under the forward peak."""
+    _assert_exact("tuple_from_a_helper.py")

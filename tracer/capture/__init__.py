@@ -27,6 +27,7 @@ from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, make_grad_scaler
+from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
@@ -281,13 +282,15 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in _input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        holds = local_holds(forward)
+        holds = local_holds(forward, cap.executed_lines)
         for sid, op_index in holds.items():
             table.update(sid, held_until_op=op_index)
         _recompute_local_holds(part.ops, table, holds)
-        for sid, op_index in expression_holds(part.ops, cap.python_backward_nodes).items():    # C++ backward formulas' temporaries
-            held = table.get(sid).held_until_op
-            table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
+        for extra in (expression_holds(part.ops, cap.python_backward_nodes),     # C++ backward formulas' temporaries
+                      call_holds(part.ops)):                      # torch calls' arguments and C++ kernels' locals
+            for sid, op_index in extra.items():
+                held = table.get(sid).held_until_op
+                table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
         _eager_saved_for_shape(part.ops)
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):

@@ -123,8 +123,11 @@ def _forward_tensor_op(node: torch.fx.Node) -> bool:
 
 # aten op -> positions of inputs that eager autograd saves although the traced backward reads only their
 # shape: index_add's source gradient is `grad.index_select(dim, index).expand_as(source)` (derivatives.yaml),
-# so eager keeps `source` until its node runs; the traced backward has only an expand to its shape.
-SAVED_FOR_SHAPE = {"aten.index_add.default": (3,)}
+# so eager keeps `source` until its node runs; the traced backward has only an expand to its shape. gather's
+# self gradient is `gather_backward(grad, self, dim, index)`, which reads only self's shape to make the zeros
+# it scatters into, yet GatherBackward0 saves `self` (a relative-position bias gathered from a
+# [batch, heads, q, extent] logits tensor keeps the whole logits tensor until backward).
+SAVED_FOR_SHAPE = {"aten.index_add.default": (3,), "aten.gather.default": (0,)}
 
 
 # aten op -> position of its `reduction` argument, for loss ops whose eager kernel returns a reduced (0-dim)

@@ -38,7 +38,7 @@ def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) 
     formula's full expression holds it."""
     readers: dict[int, list[int]] = defaultdict(list)
     for index, op in enumerate(ops):
-        for sid in _storage_ids((op.args, op.kwargs)):
+        for sid in storage_ids((op.args, op.kwargs)):
             readers[sid].append(index)
     holds: dict[int, int] = {}
     for start, end in _backward_nodes(ops):
@@ -87,9 +87,9 @@ def _leaves_node(sid: int, made_at: int, start: int, end: int, ops: Sequence, re
     return False
 
 
-def _storage_ids(value) -> list[int]:
+def storage_ids(value) -> list[int]:
     if isinstance(value, TensorValue):
         return [value.storage_id]
     if isinstance(value, (tuple, list)):
-        return [sid for item in value for sid in _storage_ids(item)]
+        return [sid for item in value for sid in storage_ids(item)]
     return []

@@ -26,6 +26,7 @@ from torch import nn
 from tracer.capture.build import step_module
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
+from tracer.capture.pylocals import ExecutedLines, record_executed_lines
 from tracer.capture.source import loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
@@ -45,6 +46,7 @@ class JointCapture:
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
     build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
     python_backward_nodes: frozenset[int] = frozenset()   # seq_nrs of custom autograd Functions' nodes
+    executed_lines: ExecutedLines = dataclasses.field(default_factory=ExecutedLines)   # model lines the trace ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +93,12 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     traced = step_module(built, source, precision)
     stack = contextlib.ExitStack()
     if direct:
-        jd, seen = _trace_directly(stack, traced, args, precision, device, source), _NOTHING_SEEN
+        with record_executed_lines(_is_user_file) as executed:
+            jd = _trace_directly(stack, traced, args, precision, device, source)
+        seen = _NOTHING_SEEN
     else:
-        seen = _observe_forward(traced, args, fake_mode, source)
+        with record_executed_lines(_is_user_file) as executed:
+            seen = _observe_forward(traced, args, fake_mode, source)
         module = _export_module(traced, args, source, strict, tag_checkpoints=bool(seen.checkpoint_calls))
         try:
             jd, _ = _aot_joint(stack, module, args, precision, device, source_meta=False)
@@ -108,7 +113,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
                         build_notes=built.notes + traced.notes(),
-                        python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()))
+                        python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()),
+                        executed_lines=executed)
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
@@ -277,6 +283,7 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         self._modules: list[tuple[str, tuple[str, str]]] = []
         self._handles: list = []
         self._preserve = None
+        self._calls = 0
 
     def __enter__(self):
         import torch.fx.traceback as fx_traceback
@@ -304,17 +311,26 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         import torch.fx.traceback as fx_traceback
         meta = fx_traceback.current_meta
-        saved = {key: meta[key] for key in ("stack_trace", "nn_module_stack") if key in meta}
+        saved = {key: meta[key] for key in _SOURCE_META if key in meta}
         meta["stack_trace"] = _user_stack_trace()
+        self._calls += 1             # which aten ops one call ran (a C++ composite's locals: capture/calls.py)
+        meta["torch_fn"] = (f"{getattr(func, '__name__', 'call')}_{self._calls}", _qualified_name(func))
         if args and _is_inplace(func) and torch.is_grad_enabled():
             _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
         meta["nn_module_stack"] = dict(self._modules)
         try:
             return func(*args, **(kwargs or {}))
         finally:
-            for key in ("stack_trace", "nn_module_stack"):
+            for key in _SOURCE_META:
                 meta.pop(key, None)
             meta.update(saved)
+
+
+_SOURCE_META = ("stack_trace", "nn_module_stack", "torch_fn")
+
+
+def _qualified_name(func) -> str:
+    return f"{getattr(func, '__module__', None) or ''}.{getattr(func, '__qualname__', getattr(func, '__name__', ''))}"
 
 
 # Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)

@@ -15,21 +15,30 @@ From each forward op's user stack (outer -> inner frames, kept whole by the capt
     one output per step of a recurrent scan), the value is held until `name` lets go the same way;
   * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
     run reads, in the order they were made) are bound to the names in order when there are as many of
-    them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); otherwise none is held.
+    them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); every name holds the one storage when
+    the last op gives views of it (`a, b = x.split(...)`); when the statement calls a function that ends
+    in `return x, y` (as many plain names), each name holds what the function's name held at its end
+    (`key_states, value_states = self.expand_kv(...)`); otherwise none is held.
   * a statement whose ops run in called functions binds their last op's output only when each call returns
     what its statement made (a `return`, or an assignment to a name it returns): a call that ends with a
     check (`if (m == 0).all(): return None`) binds nothing.
+A rebinding statement that runs no aten op is placed at the last op before execution passes its line. Which
+lines execution passes is read from the trace (`record_executed_lines`: the model's lines that ran at least
+once while the forward was traced): a rebinding in a branch that never ran (`if self.q_lora_rank is None:`,
+a scaling the config turns off) lets nothing go.
 Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
-a rebinding statement that runs no aten op is placed at the last op before execution passes its line; a
-function called again from a caller's loop whose first and last ops lie in one of its own loops is taken
-for one call.
+a branch that runs in some calls of a function and not in others counts as passed in all of them (a
+rebinding there that runs no op releases the name early in the calls that skip it); a function called
+again from a caller's loop whose first and last ops lie in one of its own loops is taken for one call.
 """
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
-from typing import Sequence
+import sys
+from typing import Callable, Sequence
 
 Frame = tuple[str, int, str]          # (file, line, function)
 
@@ -42,23 +51,110 @@ class _Invocation:
     end: int = -1                     # last op index of the invocation
 
 
-def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
+@contextlib.contextmanager
+def record_executed_lines(is_model_file: Callable[[str], bool]):
+    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the context is open.
+    Under another trace function (a debugger, coverage) nothing is recorded (`complete` stays False) and
+    every rebinding line counts as passed, as before."""
+    recorded = ExecutedLines()
+    if sys.gettrace() is not None:
+        yield recorded
+        return
+    lines = recorded.lines
+
+    def in_model_file(frame, event, arg):
+        if event == "line":
+            lines.add((frame.f_code.co_filename, frame.f_lineno))
+        return in_model_file
+
+    def on_call(frame, event, arg):
+        return in_model_file if is_model_file(frame.f_code.co_filename) else None
+
+    sys.settrace(on_call)
+    try:
+        yield recorded
+    finally:
+        sys.settrace(None)
+    recorded.complete = True
+
+
+@dataclasses.dataclass
+class ExecutedLines:
+    """The (file, line) pairs a traced forward ran in model files; `complete` False: not recorded."""
+    lines: set = dataclasses.field(default_factory=set)
+    complete: bool = False
+    _statements: dict = dataclasses.field(default_factory=dict)   # file -> statement lines that ran
+
+    def statement_ran(self, file: str, statement_line: int) -> bool:
+        if not self.complete:
+            return True
+        if file not in self._statements:
+            self._statements[file] = frozenset(_statement_line(f, ln) for f, ln in self.lines if f == file)
+        return statement_line in self._statements[file]
+
+
+def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = None) -> dict[int, int]:
     """forward_ops: (op index, user frames outer->inner, output storage ids[, input storage ids]), in
-    execution order. Returns storage id -> index of the last op during which a Python local still holds it."""
+    execution order; executed: the model lines the trace ran (None: any may have). Returns storage id ->
+    index of the last op during which a Python local still holds it."""
+    executed = executed or ExecutedLines()
     forward_ops = _below_the_common_frames(forward_ops)
     outputs = {op[0]: op[2] for op in forward_ops}
     inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
     frames_of = {op[0]: op[1] for op in forward_ops}
     holds: dict[int, int] = {}
-    for inv in _invocations(forward_ops):
+    invocations = _invocations(forward_ops)
+    names_at_end = [_names_at_end(inv, outputs, inputs, frames_of) for inv in invocations]
+    invocation_of = {(inv.depth, i): k for k, inv in enumerate(invocations) for run in inv.runs for i in run[2]}
+    for inv in invocations:
         for k, (line, last, run_ops) in enumerate(inv.runs):
-            if not _callees_return_it(frames_of[last][inv.depth + 1:]):
+            bindings = _returned_tuple(inv, line, last, invocations, names_at_end, invocation_of)
+            if bindings is None and not _callees_return_it(frames_of[last][inv.depth + 1:]):
                 continue                   # the call returned something its last op did not make (None, a bool)
-            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
-                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
+            if bindings is None:
+                bindings = _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs))
+            for name, sids in bindings:
+                release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end, executed)
                 for sid in sids:
                     holds[sid] = max(holds.get(sid, -1), release)
     return holds
+
+
+def _names_at_end(inv: _Invocation, outputs: dict, inputs: dict, frames_of: dict) -> dict[str, tuple[int, ...]]:
+    """name -> the storages its last binding in the invocation holds (the names a `return a, b` hands back)."""
+    bound: dict[str, tuple[int, ...]] = {}
+    for line, last, run_ops in inv.runs:
+        if _callees_return_it(frames_of[last][inv.depth + 1:]):
+            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
+                bound[name] = tuple(sids)
+    return bound
+
+
+def _returned_tuple(inv: _Invocation, line: int, last: int, invocations, names_at_end, invocation_of):
+    """For `a, b = f(...)` where the called function (its last op's invocation one frame deeper) ends with
+    `return x, y` (plain names, as many as the targets): (target name, storages x / y hold), else None."""
+    names = _tuple_target_names(inv.file, line)
+    callee_id = invocation_of.get((inv.depth + 1, last))
+    if not names or callee_id is None:
+        return None
+    callee = invocations[callee_id]
+    returned = _returned_tuple_names(callee.file, callee.runs[-1][0], len(names))
+    if returned is None or not all(r in names_at_end[callee_id] for r in returned):
+        return None
+    return [(name, names_at_end[callee_id][r]) for name, r in zip(names, returned)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _returned_tuple_names(file: str, line: int, count: int) -> tuple[str, ...] | None:
+    """The names of the function around `line` that its one `return a, b, ...` (of `count` plain names) gives."""
+    _, function = _statement_at(file, line)
+    if function is None:
+        return None
+    returns = [r.value for r in ast.walk(function) if isinstance(r, ast.Return) and r.value is not None]
+    if len(returns) != 1 or not isinstance(returns[0], ast.Tuple) or len(returns[0].elts) != count \
+            or not all(isinstance(e, ast.Name) for e in returns[0].elts):
+        return None
+    return tuple(e.id for e in returns[0].elts)
 
 
 def _below_the_common_frames(forward_ops: Sequence[tuple]) -> list[tuple]:
@@ -84,6 +180,8 @@ def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[
     names = _tuple_target_names(file, line)
     if names and len(names) == len(finals):
         return [(n, (sid,)) for n, sid in zip(names, finals)]
+    if names and len(finals) == 1 and set(last_outputs) == set(finals):
+        return [(n, tuple(finals)) for n in names]       # `a, b = x.split(...)`: views of one storage
     return []
 
 
@@ -153,10 +251,11 @@ def _returned_names(function: ast.AST | None) -> set[str]:
             for n in ast.walk(r.value) if isinstance(n, ast.Name)}
 
 
-def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int) -> int:
+def _release_op(file: str, line: int, name: str, later_runs: list[list[int]], end: int,
+                executed: ExecutedLines) -> int:
     """The last op of the first later run that rebinds `name`; when execution passes a rebinding line
-    without running an op there, the last op before it; else the invocation's end."""
-    stores = _store_lines(file, line, name)
+    (one that ran) without running an op there, the last op before it; else the invocation's end."""
+    stores = frozenset(ln for ln in _store_lines(file, line, name) if executed.statement_ran(file, ln))
     previous_line, previous_last = line, None
     for run_line, run_last, _ in later_runs:
         if run_line in stores:

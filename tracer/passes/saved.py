@@ -38,9 +38,7 @@ def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
         first_backward.setdefault(op.micro_batch, op.index)
     saved = set()
     for op in backward:
-        if op.target.rsplit(".", 1)[0] in METADATA_READERS:
-            continue
-        for value in op.input_values():
+        for value in _read_values(op):
             storage = graph.storage(value.storage_id)
             alloc = liveness.intervals[value.storage_id].alloc_op
             if storage.role in (StorageRole.PARAMETER, StorageRole.GRADIENT) or alloc is None \
@@ -50,3 +48,11 @@ def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
     total = sum(graph.storage(s).nbytes for s in saved)
     before = sum(graph.storage(s).nbytes for s in saved if liveness.intervals[s].alloc_op == BEFORE_STEP)
     return SavedTensors(frozenset(saved), total, total - before, before)
+
+
+def _read_values(op) -> tuple:
+    """The values `op` reads as data: a metadata reader reads only its `eager_saved` keyword (what eager
+    autograd saves for the node although its formula reads only a shape: capture's `_eager_saved_for_shape`)."""
+    if op.target.rsplit(".", 1)[0] not in METADATA_READERS:
+        return op.input_values()
+    return tuple(v for name, held in op.kwargs if name == "eager_saved" for v in held)

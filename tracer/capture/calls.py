@@ -1,0 +1,77 @@
+"""How long one Python-level torch call holds tensors in eager.
+
+A torch call (`F.cross_entropy(logits.flatten(0, 1), y)`, `F.scaled_dot_product_attention(q, k, v)`) may run
+several aten ops (a C++ composite kernel, or a Python function such as `F.cross_entropy`). The traced graph
+frees each tensor at its last use; eager holds more:
+  * the call's arguments: the caller's frame holds them until the call returns (a temporary argument such
+    as `logits.flatten(0, 1)` included), so every storage the call reads that was made before it lives
+    until the call's last op;
+  * the math kernel of scaled dot-product attention (`_scaled_dot_product_attention_math`, attention.cpp)
+    prepares its inputs into C++ locals (`query_acc`/`key_acc`/`value_acc` casts, the scaled `query`, the
+    GQA-repeated `key_expanded`/`value_expanded`, a converted boolean or causal mask) that live until it
+    returns; the graph frees the repeated key after the scaling that reads it. Measured on CPU (torch 2.13):
+    the repeated key is freed after the output's bmm, while the attention scores it rebinds (`attn =
+    attn.add(mask)`, `attn = _safe_softmax(attn)`) are freed as they are rebound. So every storage the
+    kernel makes before its first matmul (`aten.bmm`) is held until its last op.
+
+`call_holds(ops)` returns storage id -> index of the op until which a call holds it. Forward ops only
+(recomputed ones are left alone); the calls are those the capture stamped (`OpDraft.torch_call`, set while
+the joint graph is traced from the module itself). Not modelled: the locals of other composite kernels
+(each keeps its own; most are rebound or die with their full expression, as the graph has them), and calls
+on the export capture rungs, which record no call per op.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tracer.capture.formulas import storage_ids
+from tracer.stepgraph import Phase
+
+_MATH_ATTENTION_CALLS = ("scaled_dot_product_attention_",)       # the torch_fn name, then a counter
+_MATH_ATTENTION_MARK = "aten._safe_softmax.default"             # only the math kernel runs it
+_MATMULS = ("aten.bmm.default", "aten.mm.default")
+
+
+def call_holds(ops: Sequence) -> dict[int, int]:
+    """ops: OpDrafts in execution order. Returns storage id -> index of the last op of the torch call
+    that holds it."""
+    made_at: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        for value in op.outputs:
+            made_at.setdefault(value.storage_id, index)
+    holds: dict[int, int] = {}
+    for start, end in _call_ranges(ops):
+        first_matmul = _first_matmul(ops, start, end)
+        for index in range(start, end):
+            for sid in storage_ids((ops[index].args, ops[index].kwargs)):
+                if made_at.get(sid, -1) < start:
+                    holds[sid] = max(holds.get(sid, -1), end - 1)       # an argument of the call
+            if first_matmul is not None and index < first_matmul and not ops[index].is_view:
+                for value in ops[index].outputs:
+                    holds[value.storage_id] = max(holds.get(value.storage_id, -1), end - 1)
+    return holds
+
+
+def _call_ranges(ops: Sequence) -> list[tuple[int, int]]:
+    """[start, end) ranges of consecutive forward ops of one torch call."""
+    ranges, index = [], 0
+    while index < len(ops):
+        call = ops[index].torch_call
+        if ops[index].phase is not Phase.FORWARD or call is None or ops[index].recomputed:
+            index += 1
+            continue
+        end = index + 1
+        while end < len(ops) and ops[end].torch_call == call and ops[end].phase is Phase.FORWARD:
+            end += 1
+        ranges.append((index, end))
+        index = end
+    return ranges
+
+
+def _first_matmul(ops: Sequence, start: int, end: int) -> int | None:
+    """The index of the first matmul of a math attention call in [start, end), else None."""
+    call = ops[start].torch_call or ""
+    if not call.startswith(_MATH_ATTENTION_CALLS) or not any(
+            ops[i].target == _MATH_ATTENTION_MARK for i in range(start, end)):
+        return None
+    return next((i for i in range(start, end) if ops[i].target in _MATMULS), None)
