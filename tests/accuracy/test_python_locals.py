@@ -25,3 +25,14 @@ def test_a_chunked_scan_writes_in_place_and_computes_a_state_nothing_reads():
     assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
     assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
     assert result.phases["backward"].peak_bytes == measured.phase_peaks["backward"]
+
+
+TUPLE_RETURN = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tuple_return_locals.py")
+
+
+def test_a_tuple_unpacked_from_a_call_holds_the_local_the_callee_returns():
+    """`h, mask, ids = self.embed(x)` with `return embeddings, None, None`: h holds the embeddings until
+    forward returns (two of the three names receive no tensor, so the statement's values alone bind none)."""
+    result, measured = predict_and_measure(TUPLE_RETURN, batch=2, seq=64, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]

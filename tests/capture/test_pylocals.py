@@ -156,3 +156,34 @@ def test_a_tuple_target_binds_the_statements_final_values_in_order(tmp_path):
     ]
     holds = local_holds(ops)
     assert holds[40] == 5 and holds[41] == 5      # a and b: held until the function returns
+
+
+RETURNED_TUPLE_SOURCE = textwrap.dedent('''\
+    def model(x):
+        h, mask, ids = embed(x)
+        y = block(h)
+        return y
+
+
+    def embed(x):
+        e = patch(x)
+        e = e + pos
+        return e, None, None
+''')
+
+
+def test_a_tuple_target_holds_the_local_the_callee_returns_at_its_position(tmp_path):
+    path = tmp_path / "returned.py"
+    path.write_text(RETURNED_TUPLE_SOURCE)
+    f = str(path)
+    outer = (f, 2, "model")
+    ops = [
+        (0, (outer, (f, 8, "embed")), (50,), (1,)),     # e = patch(x)
+        (1, (outer, (f, 9, "embed")), (51,), (50, 2)),  # e = e + pos: the value `h` receives
+        (2, ((f, 3, "model"),), (52,), (51,)),          # y = block(h): last use of h
+        (3, ((f, 3, "model"),), (53,), (52,)),
+        (4, ((f, 4, "model"),), (54,), (53,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[51] == 4                         # h: held until model returns
+    assert holds[50] == 1                         # the first e: let go when embed rebinds e

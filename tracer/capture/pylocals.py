@@ -16,6 +16,9 @@ From each forward op's user stack (outer -> inner frames, kept whole by the capt
   * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
     run reads, in the order they were made) are bound to the names in order when there are as many of
     them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); otherwise none is held.
+  * for `a, b, c = f(x)` whose ops do not give one final value per name: where every tuple `return` of f
+    with that many elements returns one local at a position (`return h, None, ids`), the name there holds
+    what that local held when the call returned (`h = h + pos` inside f);
   * a statement whose ops run in called functions binds their last op's output only when each call returns
     what its statement made (a `return`, or an assignment to a name it returns): a call that ends with a
     check (`if (m == 0).all(): return None`) binds nothing.
@@ -49,12 +52,22 @@ def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
     outputs = {op[0]: op[2] for op in forward_ops}
     inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
     frames_of = {op[0]: op[1] for op in forward_ops}
+    invocations = _invocations(forward_ops)
+    invocation_at = {(inv.depth, index): n for n, inv in enumerate(invocations)
+                     for run in inv.runs for index in run[2]}
+    bound: list[dict[str, tuple[int, ...]]] = [{} for _ in invocations]    # name -> storages its last binding holds
     holds: dict[int, int] = {}
-    for inv in _invocations(forward_ops):
+    for n in sorted(range(len(invocations)), key=lambda n: -invocations[n].depth):     # callees first
+        inv = invocations[n]
         for k, (line, last, run_ops) in enumerate(inv.runs):
-            if not _callees_return_it(frames_of[last][inv.depth + 1:]):
+            callee = invocation_at.get((inv.depth + 1, last))
+            bindings = _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs))
+            if bindings and not _callees_return_it(frames_of[last][inv.depth + 1:]):
                 continue                   # the call returned something its last op did not make (None, a bool)
-            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
+            if not bindings and callee is not None:       # `a, b, c = f(x)`: f's `return h, None, ids`
+                bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][inv.depth + 1], bound[callee])
+            for name, sids in bindings:
+                bound[n][name] = sids
                 release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end)
                 for sid in sids:
                     holds[sid] = max(holds.get(sid, -1), release)
@@ -85,6 +98,34 @@ def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[
     if names and len(names) == len(finals):
         return [(n, (sid,)) for n, sid in zip(names, finals)]
     return []
+
+
+def _returned_tuple_bindings(file: str, line: int, callee_frame: Frame, callee_bound: dict) -> list:
+    """`a, b, c = f(x)` where every `return` of f with as many elements returns the same local at a position
+    (`return embeddings, mask, ids`): the target name there holds what that local held when f returned (its
+    last binding in that call). Positions returning anything else (None, an expression) bind nothing."""
+    names = _tuple_target_names(file, line)
+    if not names:
+        return []
+    returned = _returned_tuple_names(callee_frame[0], callee_frame[1], len(names))
+    return [(name, callee_bound[local]) for name, local in zip(names, returned)
+            if local is not None and local in callee_bound]
+
+
+@functools.lru_cache(maxsize=4096)
+def _returned_tuple_names(file: str, line: int, arity: int) -> tuple[str | None, ...]:
+    """Per position, the local every `arity`-element tuple `return` of the function around `line` returns
+    there (None where they differ or return no plain name)."""
+    _, function = _statement_at(file, line)
+    if function is None:
+        return (None,) * arity
+    tuples = [r.value.elts for r in ast.walk(function) if isinstance(r, ast.Return)
+              and isinstance(r.value, ast.Tuple) and len(r.value.elts) == arity]
+    out = []
+    for position in range(arity):
+        ids = {e[position].id if isinstance(e[position], ast.Name) else None for e in tuples}
+        out.append(ids.pop() if len(ids) == 1 else None)
+    return tuple(out)
 
 
 def _final_values(run_ops: list[int], outputs: dict, inputs: dict) -> list[int]:
