@@ -36,3 +36,14 @@ def test_a_tuple_unpacked_from_a_call_holds_the_local_the_callee_returns():
     result, measured = predict_and_measure(TUPLE_RETURN, batch=2, seq=64, optimizer="none")
     assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
     assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+
+
+RESIDUAL_WRAPPED = os.path.join(os.path.dirname(__file__), "..", "fixtures", "residual_wrapped_modules.py")
+
+
+def test_two_modules_forward_in_one_file_under_one_caller_line_are_two_calls():
+    """`x + self.module(x)` runs Mix.forward then Mlp.forward from one caller line: Mix's `wide` is let go
+    when Mix returns, not held through Mlp's peak as if both were one call of `forward`."""
+    result, measured = predict_and_measure(RESIDUAL_WRAPPED, batch=2, seq=64, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]

@@ -187,3 +187,41 @@ def test_a_tuple_target_holds_the_local_the_callee_returns_at_its_position(tmp_p
     holds = local_holds(ops)
     assert holds[51] == 4                         # h: held until model returns
     assert holds[50] == 1                         # the first e: let go when embed rebinds e
+
+
+TWO_FORWARDS_SOURCE = textwrap.dedent('''\
+    class Mix:
+        def forward(self, x):
+            qkv = self.qkv(x)
+            return self.proj(qkv)
+
+
+    class Mlp:
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(h)
+
+
+    def residual(x):
+        return x + module(x)
+''')
+
+
+def test_two_functions_with_one_name_in_one_file_are_two_invocations(tmp_path):
+    """Module after module under one caller line (`x + self.module(x)`, each block's wrapper on one line):
+    Mix.forward's lines (3-4) then Mlp.forward's (9-10) never go back, yet Mix's call has returned."""
+    path = tmp_path / "blocks.py"
+    path.write_text(TWO_FORWARDS_SOURCE)
+    f = str(path)
+    outer = (f, 14, "residual")
+    ops = [
+        (0, (outer, (f, 3, "forward")), (60,), (1,)),     # qkv = self.qkv(x)
+        (1, (outer, (f, 4, "forward")), (61,), (60,)),    # return self.proj(qkv)
+        (2, (outer,), (62,), (1, 61)),
+        (3, (outer, (f, 9, "forward")), (63,), (62,)),    # h = self.up(x)
+        (4, (outer, (f, 10, "forward")), (64,), (63,)),
+        (5, (outer,), (65,), (62, 64)),
+    ]
+    holds = local_holds(ops)
+    assert holds[60] == 1                         # qkv: let go when Mix.forward returns, not at Mlp's end
+    assert holds[63] == 4

@@ -147,7 +147,8 @@ def _invocations(forward_ops) -> list[_Invocation]:
         outer_ids: tuple[int, ...] = ()
         for depth, (file, line, func) in enumerate(frames):
             line = _statement_line(file, line)
-            key = (outer_ids, frames[:depth], file, func)
+            # two functions of one file with one name (the `forward`s of two modules) are two functions
+            key = (outer_ids, frames[:depth], file, func, _function_line(file, line))
             inv_id, last_line = current.get(key, (None, -1))
             if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
                 inv_id = len(invocations)
@@ -247,6 +248,12 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
     if tree is not None:
         visit(tree, None)
     return best
+
+
+def _function_line(file: str, line: int) -> int | None:
+    """The first line of the function (or lambda) whose body holds `line`."""
+    _, function = _statement_at(file, line)
+    return None if function is None else function.lineno
 
 
 def _statement_line(file: str, line: int) -> int:
