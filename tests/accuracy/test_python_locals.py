@@ -47,3 +47,15 @@ def test_two_modules_forward_in_one_file_under_one_caller_line_are_two_calls():
     result, measured = predict_and_measure(RESIDUAL_WRAPPED, batch=2, seq=64, optimizer="none")
     assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
     assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+
+
+LAYER_LOOP = os.path.join(os.path.dirname(__file__), "..", "fixtures", "layer_loop_locals.py")
+
+
+def test_a_one_statement_layer_loop_rebinds_its_local_at_each_call():
+    """`for layer in self.layers: h = layer(h)`: the ops of all iterations run on one statement line, one
+    after the other; each new call of the layer's forward ends the previous iteration, so the stem's output
+    is let go when the first layer returns."""
+    result, measured = predict_and_measure(LAYER_LOOP, batch=2, seq=64, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]

@@ -225,3 +225,33 @@ def test_two_functions_with_one_name_in_one_file_are_two_invocations(tmp_path):
     holds = local_holds(ops)
     assert holds[60] == 1                         # qkv: let go when Mix.forward returns, not at Mlp's end
     assert holds[63] == 4
+
+
+LAYER_LOOP_SOURCE = textwrap.dedent('''\
+    def model(x):
+        h = stem(x)
+        for layer in layers:
+            h = layer(h)
+        return h
+
+
+    def layer(x):
+        y = up(x)
+        return down(y)
+''')
+
+
+def test_a_new_call_from_a_one_statement_loop_body_is_the_next_iteration(tmp_path):
+    """All iterations of `h = layer(h)` run on line 4 with no other statement between: each new call of
+    `layer` starts the next execution of the statement, which rebinds h."""
+    path = tmp_path / "loop.py"
+    path.write_text(LAYER_LOOP_SOURCE)
+    f = str(path)
+    ops = [(0, ((f, 2, "model"),), (70,), (1,))]                     # h = stem(x)
+    for k in range(3):                                                # layer k: ops 1+2k, 2+2k
+        ops += [(1 + 2 * k, ((f, 4, "model"), (f, 9, "layer")), (71 + 2 * k,), (70 + 2 * k,)),
+                (2 + 2 * k, ((f, 4, "model"), (f, 10, "layer")), (72 + 2 * k,), (71 + 2 * k,))]
+    holds = local_holds(ops)
+    assert holds[70] == 2                         # the stem's h: until the first layer's call returns
+    assert holds[72] == 4                         # layer 0's output: until layer 1's returns
+    assert holds[76] == 6                         # the last: until model returns

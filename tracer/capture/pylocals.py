@@ -41,8 +41,10 @@ Frame = tuple[str, int, str]          # (file, line, function)
 class _Invocation:
     file: str
     depth: int                        # its frame's position in the ops' user stacks (0: outermost)
+    function: tuple                   # (file, function name, first line): which function it is a call of
     runs: list[list]                  # [statement line, last op index, op indices] in execution order
     end: int = -1                     # last op index of the invocation
+    callee: int | None = None         # the invocation the last run's latest op ran in, one frame deeper
 
 
 def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
@@ -145,24 +147,40 @@ def _invocations(forward_ops) -> list[_Invocation]:
     invocations: list[_Invocation] = []
     for index, frames, *_ in forward_ops:
         outer_ids: tuple[int, ...] = ()
+        chain: list[tuple[int, int]] = []                # (invocation id, statement line) per depth
         for depth, (file, line, func) in enumerate(frames):
             line = _statement_line(file, line)
             # two functions of one file with one name (the `forward`s of two modules) are two functions
-            key = (outer_ids, frames[:depth], file, func, _function_line(file, line))
+            function = (file, func, _function_line(file, line))
+            key = (outer_ids, frames[:depth], function)
             inv_id, last_line = current.get(key, (None, -1))
             if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
                 inv_id = len(invocations)
-                invocations.append(_Invocation(file=file, depth=depth, runs=[]))
+                invocations.append(_Invocation(file=file, depth=depth, function=function, runs=[]))
             current[key] = (inv_id, line)
+            chain.append((inv_id, line))
+            outer_ids += (inv_id,)
+        for depth, (inv_id, line) in enumerate(chain):
             inv = invocations[inv_id]
-            if inv.runs and inv.runs[-1][0] == line:
+            callee = chain[depth + 1][0] if depth + 1 < len(chain) else None
+            if inv.runs and inv.runs[-1][0] == line and not _calls_again(inv, line, callee, invocations):
                 inv.runs[-1][1] = index
                 inv.runs[-1][2].append(index)
             else:
                 inv.runs.append([line, index, [index]])
+            inv.callee = callee if callee is not None else inv.callee
             inv.end = index
-            outer_ids += (inv_id,)
     return invocations
+
+
+def _calls_again(inv: _Invocation, line: int, callee: int | None, invocations: list[_Invocation]) -> bool:
+    """Does this op start the next execution of the statement at `line` that `inv`'s last run is running?
+    A statement in a loop whose body runs no other op (`for layer in self.layers: h = layer(h)`) gives one
+    run of consecutive ops; a new call of the function it called before ends the previous iteration."""
+    if callee is None or inv.callee is None or callee == inv.callee:
+        return False
+    return (invocations[callee].function == invocations[inv.callee].function
+            and _innermost_loop(inv.file, line, line) is not None)
 
 
 def _callees_return_it(frames: Sequence[Frame]) -> bool:
