@@ -59,3 +59,14 @@ def test_a_one_statement_layer_loop_rebinds_its_local_at_each_call():
     result, measured = predict_and_measure(LAYER_LOOP, batch=2, seq=64, optimizer="none")
     assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
     assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+
+
+RETURNED_TUPLE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "returned_tuple_locals.py")
+
+
+def test_a_local_bound_to_a_call_holds_the_tuple_the_callee_built_without_ops():
+    """`layer_output = stage(x)` with `outputs = (normed,)` ... `return outputs, height, width`: the local holds
+    the stage's normed output (not the last op's) until the next iteration's call returns."""
+    result, measured = predict_and_measure(RETURNED_TUPLE, batch=2, seq=32, optimizer="none")
+    assert_step_matches(result, measured, peak_phase=measured.peak_phase, phases=("forward", "backward"))
+    assert result.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
