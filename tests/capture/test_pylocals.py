@@ -255,3 +255,47 @@ def test_a_new_call_from_a_one_statement_loop_body_is_the_next_iteration(tmp_pat
     assert holds[70] == 2                         # the stem's h: until the first layer's call returns
     assert holds[72] == 4                         # layer 0's output: until layer 1's returns
     assert holds[76] == 6                         # the last: until model returns
+
+
+RETURNED_SOURCE = textwrap.dedent('''\
+    def encoder(x):
+        out = stage(x)
+        y = out[0].contiguous()
+        z = g(y)
+        return z
+
+
+    def stage(x):
+        h = patch(x)
+        if interpolate:
+            h = h + interp(h)
+        else:
+            h = h + pos
+        normed = norm(h)
+        before = normed
+        outputs = (normed, before)
+        if output_attentions:
+            outputs += (attn,)
+        return outputs
+''')
+
+
+def test_a_local_bound_to_a_call_holds_what_the_call_returned_through_statements_without_ops(tmp_path):
+    """`outputs = (normed, before)` and `before = normed` run no op; `h = h + pos` ran in the else branch,
+    and `outputs += (attn,)` under an `if` ran nothing, so it is not taken to have run."""
+    path = tmp_path / "returned.py"
+    path.write_text(RETURNED_SOURCE)
+    f = str(path)
+    outer = (f, 2, "encoder")
+    ops = [
+        (0, (outer, (f, 9, "stage")), (80,), (1,)),       # h = patch(x)
+        (1, (outer, (f, 13, "stage")), (81,), (80,)),     # h = h + pos (else branch)
+        (2, (outer, (f, 14, "stage")), (82,), (81,)),     # normed = norm(h): what stage returns
+        (3, ((f, 3, "encoder"),), (83,), (82,)),          # y = out[0].contiguous(): last read of normed
+        (4, ((f, 4, "encoder"),), (84,), (83,)),
+        (5, ((f, 4, "encoder"),), (85,), (84,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[82] == 5                         # held by `out` until encoder returns, past its last read
+    assert holds[81] == 2                         # h: until stage returns; not returned
+    assert holds[80] == 1

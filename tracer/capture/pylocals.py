@@ -72,7 +72,9 @@ def local_holds(forward_ops: Sequence[tuple]) -> dict[int, int]:
         inv = invocations[n]
         for k, (line, last, run_ops) in enumerate(inv.runs):
             callee = invocation_at.get((inv.depth + 1, last))
-            called = callee is not None and invocations[callee].end == last    # the statement's value: a call's
+            # the statement's value is a call's (a comprehension or lambda is a part of its statement)
+            called = (callee is not None and invocations[callee].end == last
+                      and not invocations[callee].function[1].startswith("<"))
             name = _holding_name(inv.file, line)
             if called and _tuple_target_names(inv.file, line):
                 # `a, b = f(x)`: by f's `return h, None` (the values f's ops leave unread are not its result)
@@ -127,7 +129,7 @@ def _value_of(file: str, function: ast.AST, name: str, before: int, bound_at: di
     """The storages `name` holds at line `before`, from the last statement above it that assigns it: its
     binding when that statement ran ops, else the names its value is made of (no op: aliases, tuples,
     subscripts of locals)."""
-    stmt = _last_assignment(function, name, before)
+    stmt = _last_assignment(function, name, before, run_lines)
     if stmt is None or depth > 16:
         return ()
     if (stmt.lineno, name) in bound_at:
@@ -159,14 +161,14 @@ def _under_an_if(function: ast.AST) -> frozenset[int]:
                      for stmt in branch.body + branch.orelse for node in ast.walk(stmt))
 
 
-def _last_assignment(function: ast.AST, name: str, before: int) -> ast.stmt | None:
-    """The last statement above `before` that assigns `name`, leaving out those under an `if` (which may not
-    have run: `if output_attentions: outputs += (attn,)`)."""
+def _last_assignment(function: ast.AST, name: str, before: int, run_lines: frozenset) -> ast.stmt | None:
+    """The last statement above `before` that assigns `name`, leaving out those under an `if` that ran no op
+    (they may not have run: `if output_attentions: outputs += (attn,)`)."""
     conditional = _under_an_if(function)
     found = None
     for node in ast.walk(function):
         if (isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.lineno < before
-                and id(node) not in conditional and name in _assigned_names(node)
+                and (id(node) not in conditional or node.lineno in run_lines) and name in _assigned_names(node)
                 and (found is None or node.lineno > found.lineno)):
             found = node
     return found
