@@ -156,3 +156,146 @@ def test_a_tuple_target_binds_the_statements_final_values_in_order(tmp_path):
     ]
     holds = local_holds(ops)
     assert holds[40] == 5 and holds[41] == 5      # a and b: held until the function returns
+
+
+RETURNED_TUPLE_SOURCE = textwrap.dedent('''\
+    def model(x):
+        h, mask, ids = embed(x)
+        y = block(h)
+        return y
+
+
+    def embed(x):
+        e = patch(x)
+        e = e + pos
+        return e, None, None
+''')
+
+
+def test_a_tuple_target_holds_the_local_the_callee_returns_at_its_position(tmp_path):
+    path = tmp_path / "returned.py"
+    path.write_text(RETURNED_TUPLE_SOURCE)
+    f = str(path)
+    outer = (f, 2, "model")
+    ops = [
+        (0, (outer, (f, 8, "embed")), (50,), (1,)),     # e = patch(x)
+        (1, (outer, (f, 9, "embed")), (51,), (50, 2)),  # e = e + pos: the value `h` receives
+        (2, ((f, 3, "model"),), (52,), (51,)),          # y = block(h): last use of h
+        (3, ((f, 3, "model"),), (53,), (52,)),
+        (4, ((f, 4, "model"),), (54,), (53,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[51] == 4                         # h: held until model returns
+    assert holds[50] == 1                         # the first e: let go when embed rebinds e
+
+
+TWO_FORWARDS_SOURCE = textwrap.dedent('''\
+    class Mix:
+        def forward(self, x):
+            qkv = self.qkv(x)
+            return self.proj(qkv)
+
+
+    class Mlp:
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(h)
+
+
+    def residual(x):
+        return x + module(x)
+''')
+
+
+def test_two_functions_with_one_name_in_one_file_are_two_invocations(tmp_path):
+    """Module after module under one caller line (`x + self.module(x)`, each block's wrapper on one line):
+    Mix.forward's lines (3-4) then Mlp.forward's (9-10) never go back, yet Mix's call has returned."""
+    path = tmp_path / "blocks.py"
+    path.write_text(TWO_FORWARDS_SOURCE)
+    f = str(path)
+    outer = (f, 14, "residual")
+    ops = [
+        (0, (outer, (f, 3, "forward")), (60,), (1,)),     # qkv = self.qkv(x)
+        (1, (outer, (f, 4, "forward")), (61,), (60,)),    # return self.proj(qkv)
+        (2, (outer,), (62,), (1, 61)),
+        (3, (outer, (f, 9, "forward")), (63,), (62,)),    # h = self.up(x)
+        (4, (outer, (f, 10, "forward")), (64,), (63,)),
+        (5, (outer,), (65,), (62, 64)),
+    ]
+    holds = local_holds(ops)
+    assert holds[60] == 1                         # qkv: let go when Mix.forward returns, not at Mlp's end
+    assert holds[63] == 4
+
+
+LAYER_LOOP_SOURCE = textwrap.dedent('''\
+    def model(x):
+        h = stem(x)
+        for layer in layers:
+            h = layer(h)
+        return h
+
+
+    def layer(x):
+        y = up(x)
+        return down(y)
+''')
+
+
+def test_a_new_call_from_a_one_statement_loop_body_is_the_next_iteration(tmp_path):
+    """All iterations of `h = layer(h)` run on line 4 with no other statement between: each new call of
+    `layer` starts the next execution of the statement, which rebinds h."""
+    path = tmp_path / "loop.py"
+    path.write_text(LAYER_LOOP_SOURCE)
+    f = str(path)
+    ops = [(0, ((f, 2, "model"),), (70,), (1,))]                     # h = stem(x)
+    for k in range(3):                                                # layer k: ops 1+2k, 2+2k
+        ops += [(1 + 2 * k, ((f, 4, "model"), (f, 9, "layer")), (71 + 2 * k,), (70 + 2 * k,)),
+                (2 + 2 * k, ((f, 4, "model"), (f, 10, "layer")), (72 + 2 * k,), (71 + 2 * k,))]
+    holds = local_holds(ops)
+    assert holds[70] == 2                         # the stem's h: until the first layer's call returns
+    assert holds[72] == 4                         # layer 0's output: until layer 1's returns
+    assert holds[76] == 6                         # the last: until model returns
+
+
+RETURNED_SOURCE = textwrap.dedent('''\
+    def encoder(x):
+        out = stage(x)
+        y = out[0].contiguous()
+        z = g(y)
+        return z
+
+
+    def stage(x):
+        h = patch(x)
+        if interpolate:
+            h = h + interp(h)
+        else:
+            h = h + pos
+        normed = norm(h)
+        before = normed
+        outputs = (normed, before)
+        if output_attentions:
+            outputs += (attn,)
+        return outputs
+''')
+
+
+def test_a_local_bound_to_a_call_holds_what_the_call_returned_through_statements_without_ops(tmp_path):
+    """`outputs = (normed, before)` and `before = normed` run no op; `h = h + pos` ran in the else branch,
+    and `outputs += (attn,)` under an `if` ran nothing, so it is not taken to have run."""
+    path = tmp_path / "returned.py"
+    path.write_text(RETURNED_SOURCE)
+    f = str(path)
+    outer = (f, 2, "encoder")
+    ops = [
+        (0, (outer, (f, 9, "stage")), (80,), (1,)),       # h = patch(x)
+        (1, (outer, (f, 13, "stage")), (81,), (80,)),     # h = h + pos (else branch)
+        (2, (outer, (f, 14, "stage")), (82,), (81,)),     # normed = norm(h): what stage returns
+        (3, ((f, 3, "encoder"),), (83,), (82,)),          # y = out[0].contiguous(): last read of normed
+        (4, ((f, 4, "encoder"),), (84,), (83,)),
+        (5, ((f, 4, "encoder"),), (85,), (84,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[82] == 5                         # held by `out` until encoder returns, past its last read
+    assert holds[81] == 2                         # h: until stage returns; not returned
+    assert holds[80] == 1

@@ -171,6 +171,14 @@ def test_a_vision_sub_config_gives_the_image_size_and_the_model_is_built_without
     assert resnet.config._attn_implementation == "eager"      # ResNet has no sdpa path; sdpa is not refused
 
 
+def test_a_composite_models_nested_language_model_keeps_no_kv_cache():
+    """GOT-OCR2's text_config has use_cache=True by default: its language model would build a DynamicCache in
+    the training step, holding every layer's keys and values until forward returns."""
+    from tracer.models.hf import _make_config
+    config = _make_config(hf_spec("got_ocr2"))
+    assert config.text_config.use_cache is False
+
+
 @pytest.mark.slow
 def test_a_multimodal_causal_lm_draws_its_token_ids_from_the_text_sub_config():
     spec = hf_spec("gemma3", overrides=parse_overrides(CONFIGS["gemma3"]))

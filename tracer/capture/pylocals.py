@@ -2,23 +2,31 @@
 function returns, even after its last use by an op. The joint graph alone frees it at last use.
 
 From each forward op's user stack (outer -> inner frames, kept whole by the capture) this finds:
-  * frame invocations: per depth and per invocation of every outer frame, a run of ops with the same
-    outer call chain and the same function, whose line numbers never go back except inside one loop of
+  * frame invocations: per depth and per invocation and statement execution of every outer frame, a run
+    of ops with the same outer call chain and the same function (two functions of one name in one file,
+    the `forward`s of two modules, are two), whose line numbers never go back except inside one loop of
     that function's source (a smaller line outside a loop starts a new call, e.g. the next block of a
     loop in the caller);
   * statement runs: consecutive ops of one invocation on one source statement, in execution order (a
-    statement in a loop runs once per iteration); the value a run binds is the output of its last op;
+    statement in a loop runs once per iteration; when the loop's body runs no other op, as in
+    `for layer in self.layers: h = layer(h)`, a new call of the function it called starts the next
+    execution); the value a run binds is the output of its last op;
   * for a statement `name = <expr>` (one plain name; read from the file's AST), the op after which the
     name lets go: the end of the next statement run that assigns or deletes `name` (the same statement
     again in the next loop iteration included), else the last op of the invocation;
+  * for `name = f(x)` whose value is f's call: what f returned, followed through f's statements that run
+    no op (`outputs = (h,)`, `before = h`, `h = layer_outputs[0]`, `return outputs, height, width`) to the
+    values its op-running statements bound, or passed on from the function f's `return` calls; statements
+    under an `if` and slices of tuples (`outputs[1:]`) are not followed (they may not run or be empty);
   * for a statement `name.append(<expr>)` (also extend, insert: a local list collecting tensors, e.g.
     one output per step of a recurrent scan), the value is held until `name` lets go the same way;
-  * for a statement `a, b, c = <expr>` (plain names), the run's final values (storages no later op of the
-    run reads, in the order they were made) are bound to the names in order when there are as many of
-    them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); every name holds the one storage when
-    the last op gives views of it (`a, b = x.split(...)`); when the statement calls a function that ends
-    in `return x, y` (as many plain names), each name holds what the function's name held at its end
-    (`key_states, value_states = self.expand_kv(...)`); otherwise none is held.
+  * for a statement `a, b, c = <expr>` (plain names) computed in its own function, the run's final values
+    (storages no later op of the run reads, in the order they were made) are bound to the names in order
+    when there are as many of them as names (`q, k, v = [t.reshape(...) for t in (q, k, v)]`); every name
+    holds the one storage when the last op gives views of it (`a, b = x.split(...)`);
+  * for `a, b, c = f(x)`: where every tuple `return` of f with that many elements (either side of an
+    `x if c else y` included) returns one local at a position (`return h, None, ids`), the name there
+    holds what that local held when the call returned (`h = h + pos` inside f); other positions hold none;
   * a statement whose ops run in called functions binds their last op's output only when each call returns
     what its statement made (a `return`, or an assignment to a name it returns): a call that ends with a
     check (`if (m == 0).all(): return None`) binds nothing.
@@ -29,7 +37,9 @@ a scaling the config turns off) lets nothing go.
 Limits: attributes, starred targets and other containers are not followed (their values are not held longer);
 a branch that runs in some calls of a function and not in others counts as passed in all of them (a
 rebinding there that runs no op releases the name early in the calls that skip it); a function called
-again from a caller's loop whose first and last ops lie in one of its own loops is taken for one call.
+again from a caller's loop whose first and last ops lie in one of its own loops is taken for one call;
+what a call returns is followed by source lines, not by the branches taken (an unconditional no-op
+statement above the `return` is taken to have run).
 """
 from __future__ import annotations
 
@@ -47,6 +57,7 @@ Frame = tuple[str, int, str]          # (file, line, function)
 class _Invocation:
     file: str
     depth: int                        # its frame's position in the ops' user stacks (0: outermost)
+    function: tuple                   # (file, function name, first line): which function it is a call of
     runs: list[list]                  # [statement line, last op index, op indices] in execution order
     end: int = -1                     # last op index of the invocation
 
@@ -102,59 +113,117 @@ def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = N
     outputs = {op[0]: op[2] for op in forward_ops}
     inputs = {op[0]: op[3] if len(op) > 3 else () for op in forward_ops}
     frames_of = {op[0]: op[1] for op in forward_ops}
-    holds: dict[int, int] = {}
     invocations = _invocations(forward_ops)
-    names_at_end = [_names_at_end(inv, outputs, inputs, frames_of) for inv in invocations]
-    invocation_of = {(inv.depth, i): k for k, inv in enumerate(invocations) for run in inv.runs for i in run[2]}
-    for inv in invocations:
+    invocation_at = {(inv.depth, index): n for n, inv in enumerate(invocations)
+                     for run in inv.runs for index in run[2]}
+    bound: list[dict[str, tuple[int, ...]]] = [{} for _ in invocations]    # name -> storages its last binding holds
+    bound_at: list[dict[tuple[int, str], tuple[int, ...]]] = [{} for _ in invocations]   # (line, name) -> storages
+    returned: list[tuple[int, ...]] = [() for _ in invocations]          # what each call returned, where known
+    holds: dict[int, int] = {}
+    for n in sorted(range(len(invocations)), key=lambda n: -invocations[n].depth):     # callees first
+        inv = invocations[n]
         for k, (line, last, run_ops) in enumerate(inv.runs):
-            bindings = _returned_tuple(inv, line, last, invocations, names_at_end, invocation_of)
-            if bindings is None and not _callees_return_it(frames_of[last][inv.depth + 1:]):
-                continue                   # the call returned something its last op did not make (None, a bool)
-            if bindings is None:
+            callee = invocation_at.get((inv.depth + 1, last))
+            # the statement's value is a call's (a comprehension or lambda is a part of its statement)
+            called = (callee is not None and invocations[callee].end == last
+                      and not invocations[callee].function[1].startswith("<"))
+            name = _holding_name(inv.file, line)
+            if called and _tuple_target_names(inv.file, line):
+                # `a, b = f(x)`: by f's `return h, None` (the values f's ops leave unread are not its result)
+                bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][inv.depth + 1], bound[callee])
+            elif name is not None and called and returned[callee]:
+                bindings = [(name, returned[callee])]      # `out = f(x)`: all f returned (`return h, before, dims`)
+            else:
                 bindings = _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs))
+                if bindings and not _callees_return_it(frames_of[last][inv.depth + 1:]):
+                    continue               # the call returned something its last op did not make (None, a bool)
+                if not bindings and callee is not None:   # `a, b, c = f(x)`: f's `return h, None, ids`
+                    bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][inv.depth + 1], bound[callee])
             for name, sids in bindings:
+                bound[n][name] = bound_at[n][(line, name)] = sids
                 release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end, executed)
                 for sid in sids:
                     holds[sid] = max(holds.get(sid, -1), release)
+        last = inv.runs[-1][1]
+        callee = invocation_at.get((inv.depth + 1, last))
+        passed_on = returned[callee] if callee is not None and invocations[callee].end == last else ()
+        returned[n] = _returned_values(inv, bound_at[n], outputs[last], passed_on)
     return holds
 
 
-def _names_at_end(inv: _Invocation, outputs: dict, inputs: dict, frames_of: dict) -> dict[str, tuple[int, ...]]:
-    """name -> the storages its last binding in the invocation holds (the names a `return a, b` hands back)."""
-    bound: dict[str, tuple[int, ...]] = {}
-    for line, last, run_ops in inv.runs:
-        if _callees_return_it(frames_of[last][inv.depth + 1:]):
-            for name, sids in _bindings(inv.file, line, outputs[last], _final_values(run_ops, outputs, inputs)):
-                bound[name] = tuple(sids)
-    return bound
+def _returned_values(inv: _Invocation, bound_at: dict, last_outputs: tuple[int, ...],
+                     passed_on: tuple[int, ...]) -> tuple[int, ...]:
+    """The storages the call returns, followed through statements that run no op (`outputs = (h,)`,
+    `before = h`, `h = layer_outputs[0]`, `return outputs, height, width`) to the bindings of statements
+    that ran ops; when its `return` statement ran the last op, that op's outputs, or all that the function
+    it called returned (`passed_on`: `return super().__call__(*args)`). Every `return` after the call's last
+    statement counts (an unread early `return tuple(...)` adds nothing new). Empty when unknown."""
+    last_line = inv.runs[-1][0]
+    _, function = _statement_at(inv.file, last_line)
+    if function is None or isinstance(function, ast.Lambda):
+        return ()
+    run_lines = frozenset(run[0] for run in inv.runs)
+    out: dict[int, None] = {}
+    for ret in ast.walk(function):
+        if not isinstance(ret, ast.Return) or ret.value is None or ret.lineno < last_line:
+            continue
+        if ret.lineno == last_line:
+            out.update(dict.fromkeys(passed_on if isinstance(ret.value, ast.Call) and passed_on else last_outputs))
+            continue
+        for node in ast.walk(ret.value):
+            if isinstance(node, ast.Name):
+                out.update(dict.fromkeys(_value_of(inv.file, function, node.id, ret.lineno, bound_at, run_lines)))
+    return tuple(out)
 
 
-def _returned_tuple(inv: _Invocation, line: int, last: int, invocations, names_at_end, invocation_of):
-    """For `a, b = f(...)` where the called function (its last op's invocation one frame deeper) ends with
-    `return x, y` (plain names, as many as the targets): (target name, storages x / y hold), else None."""
-    names = _tuple_target_names(inv.file, line)
-    callee_id = invocation_of.get((inv.depth + 1, last))
-    if not names or callee_id is None:
-        return None
-    callee = invocations[callee_id]
-    returned = _returned_tuple_names(callee.file, callee.runs[-1][0], len(names))
-    if returned is None or not all(r in names_at_end[callee_id] for r in returned):
-        return None
-    return [(name, names_at_end[callee_id][r]) for name, r in zip(names, returned)]
+def _value_of(file: str, function: ast.AST, name: str, before: int, bound_at: dict, run_lines: frozenset,
+              depth: int = 0) -> tuple[int, ...]:
+    """The storages `name` holds at line `before`, from the last statement above it that assigns it: its
+    binding when that statement ran ops, else the names its value is made of (no op: aliases, tuples,
+    subscripts of locals)."""
+    stmt = _last_assignment(function, name, before, run_lines)
+    if stmt is None or depth > 16:
+        return ()
+    if (stmt.lineno, name) in bound_at:
+        return bound_at[(stmt.lineno, name)]
+    if stmt.lineno in run_lines or stmt.value is None:
+        return ()                          # it ran ops but bound nothing known
+    names = _names_in(stmt.value)
+    if isinstance(stmt, ast.AugAssign):   # `outputs += (attn,)`
+        names.add(name)
+    out: dict[int, None] = {}
+    for other in sorted(names):
+        out.update(dict.fromkeys(_value_of(file, function, other, stmt.lineno, bound_at, run_lines, depth + 1)))
+    return tuple(out)
 
 
-@functools.lru_cache(maxsize=1024)
-def _returned_tuple_names(file: str, line: int, count: int) -> tuple[str, ...] | None:
-    """The names of the function around `line` that its one `return a, b, ...` (of `count` plain names) gives."""
-    _, function = _statement_at(file, line)
-    if function is None:
-        return None
-    returns = [r.value for r in ast.walk(function) if isinstance(r, ast.Return) and r.value is not None]
-    if len(returns) != 1 or not isinstance(returns[0], ast.Tuple) or len(returns[0].elts) != count \
-            or not all(isinstance(e, ast.Name) for e in returns[0].elts):
-        return None
-    return tuple(e.id for e in returns[0].elts)
+def _names_in(expr: ast.AST) -> set[str]:
+    """The locals an expression's value may hold; a slice of a tuple (`outputs[1:]`, often empty) holds
+    none that is known."""
+    if isinstance(expr, ast.Subscript) and isinstance(expr.slice, ast.Slice):
+        return set()
+    if isinstance(expr, ast.Name):
+        return {expr.id}
+    return set().union(*(_names_in(child) for child in ast.iter_child_nodes(expr)))
+
+
+@functools.lru_cache(maxsize=256)
+def _under_an_if(function: ast.AST) -> frozenset[int]:
+    return frozenset(id(node) for branch in ast.walk(function) if isinstance(branch, ast.If)
+                     for stmt in branch.body + branch.orelse for node in ast.walk(stmt))
+
+
+def _last_assignment(function: ast.AST, name: str, before: int, run_lines: frozenset) -> ast.stmt | None:
+    """The last statement above `before` that assigns `name`, leaving out those under an `if` that ran no op
+    (they may not have run: `if output_attentions: outputs += (attn,)`)."""
+    conditional = _under_an_if(function)
+    found = None
+    for node in ast.walk(function):
+        if (isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.lineno < before
+                and (id(node) not in conditional or node.lineno in run_lines) and name in _assigned_names(node)
+                and (found is None or node.lineno > found.lineno)):
+            found = node
+    return found
 
 
 def _below_the_common_frames(forward_ops: Sequence[tuple]) -> list[tuple]:
@@ -185,6 +254,35 @@ def _bindings(file: str, line: int, last_outputs: tuple[int, ...], finals: list[
     return []
 
 
+def _returned_tuple_bindings(file: str, line: int, callee_frame: Frame, callee_bound: dict) -> list:
+    """`a, b, c = f(x)` where every `return` of f with as many elements returns the same local at a position
+    (`return embeddings, mask, ids`): the target name there holds what that local held when f returned (its
+    last binding in that call). Positions returning anything else (None, an expression) bind nothing."""
+    names = _tuple_target_names(file, line)
+    if not names:
+        return []
+    returned = _returned_tuple_names(callee_frame[0], callee_frame[1], len(names))
+    return [(name, callee_bound[local]) for name, local in zip(names, returned)
+            if local is not None and local in callee_bound]
+
+
+@functools.lru_cache(maxsize=4096)
+def _returned_tuple_names(file: str, line: int, arity: int) -> tuple[str | None, ...]:
+    """Per position, the local every `arity`-element tuple `return` of the function around `line` returns
+    there (None where they differ or return no plain name)."""
+    _, function = _statement_at(file, line)
+    if function is None:
+        return (None,) * arity
+    values = [r.value for r in ast.walk(function) if isinstance(r, ast.Return)]
+    values += [branch for v in values if isinstance(v, ast.IfExp) for branch in (v.body, v.orelse)]
+    tuples = [v.elts for v in values if isinstance(v, ast.Tuple) and len(v.elts) == arity]
+    out = []
+    for position in range(arity):
+        ids = {e[position].id if isinstance(e[position], ast.Name) else None for e in tuples}
+        out.append(ids.pop() if len(ids) == 1 else None)
+    return tuple(out)
+
+
 def _final_values(run_ops: list[int], outputs: dict, inputs: dict) -> list[int]:
     """Storages the run's ops make that no later op of the run reads (a view continues its base), in order."""
     pending: dict[int, None] = {}
@@ -201,24 +299,52 @@ def _invocations(forward_ops) -> list[_Invocation]:
     current: dict[tuple, tuple[int, int]] = {}          # frame key -> (invocation id, last line)
     invocations: list[_Invocation] = []
     for index, frames, *_ in forward_ops:
-        outer_ids: tuple[int, ...] = ()
+        # an invocation's key: its function, its callers' frames and, per caller, the invocation and the
+        # statement execution (run) it is in: a call made by another execution is another call
+        outer_ids: tuple[tuple[int, int], ...] = ()
         for depth, (file, line, func) in enumerate(frames):
             line = _statement_line(file, line)
-            key = (outer_ids, frames[:depth], file, func)
+            key = _frame_key(outer_ids, frames, depth, line)
             inv_id, last_line = current.get(key, (None, -1))
-            if inv_id is None or (line < last_line and not _in_one_loop(file, last_line, line)):
+            if inv_id is None or _restarts(file, line, last_line):
                 inv_id = len(invocations)
-                invocations.append(_Invocation(file=file, depth=depth, runs=[]))
+                invocations.append(_Invocation(file=file, depth=depth, function=key[-1], runs=[]))
             current[key] = (inv_id, line)
             inv = invocations[inv_id]
-            if inv.runs and inv.runs[-1][0] == line:
+            if inv.runs and inv.runs[-1][0] == line and not _calls_again(inv_id, inv, line, frames, depth, outer_ids, current):
                 inv.runs[-1][1] = index
                 inv.runs[-1][2].append(index)
             else:
                 inv.runs.append([line, index, [index]])
             inv.end = index
-            outer_ids += (inv_id,)
+            outer_ids += ((inv_id, len(inv.runs) - 1),)
     return invocations
+
+
+def _frame_key(outer_ids: tuple, frames, depth: int, line: int) -> tuple:
+    file, _, func = frames[depth]
+    # two functions of one file with one name (the `forward`s of two modules) are two functions
+    return outer_ids, frames[:depth], (file, func, _function_line(file, line))
+
+
+def _restarts(file: str, line: int, last_line: int) -> bool:
+    """Does a function whose last statement ran at `last_line` start a new call at `line`? A smaller line
+    outside a loop of the function."""
+    return line < last_line and not _in_one_loop(file, last_line, line)
+
+
+def _calls_again(inv_id: int, inv: _Invocation, line: int, frames, depth: int, outer_ids: tuple,
+                 current: dict) -> bool:
+    """Does this op start the next execution of the statement at `line` that `inv`'s last run is running?
+    A statement in a loop whose body runs no other op (`for layer in self.layers: h = layer(h)`) gives one
+    run of consecutive ops; a new call of the function it called before ends the previous iteration."""
+    if depth + 1 >= len(frames) or _innermost_loop(inv.file, line, line) is None:
+        return False
+    callee_file, callee_line, _ = frames[depth + 1]
+    callee_line = _statement_line(callee_file, callee_line)
+    this_run = outer_ids + ((inv_id, len(inv.runs) - 1),)
+    _, last_line = current.get(_frame_key(this_run, frames, depth + 1, callee_line), (None, -1))
+    return _restarts(callee_file, callee_line, last_line)
 
 
 def _callees_return_it(frames: Sequence[Frame]) -> bool:
@@ -305,6 +431,12 @@ def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None
     if tree is not None:
         visit(tree, None)
     return best
+
+
+def _function_line(file: str, line: int) -> int | None:
+    """The first line of the function (or lambda) whose body holds `line`."""
+    _, function = _statement_at(file, line)
+    return None if function is None else function.lineno
 
 
 def _statement_line(file: str, line: int) -> int:

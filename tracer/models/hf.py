@@ -17,8 +17,8 @@ The loss comes from the model's own `labels` path; the example batch is what a t
 (`hf_example_batch`): token ids and labels of the same shape (a separate tensor, as a data collator's copy),
 per-sequence class labels, pixel values at the config's image size (`--seq` unused), or Whisper-style
 log-mel features (num_mel_bins x 2*max_source_positions frames). A training step also needs settings some
-default configs lack (`_training_settings`: no KV cache, a decoder start and pad token); nothing else of the
-config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
+default configs lack (`_training_settings`: no KV cache, also in nested configs; a decoder start and pad
+token); nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
@@ -218,7 +218,20 @@ def _make_config(spec: HFSpec):
                               hint="check --hf-config / --config-json") from exc
     for key, value in _training_settings(spec, config).items():
         setattr(config, key, value)
+    for sub in _sub_configs(config):           # a composite model's language model reads its own use_cache
+        if getattr(sub, "use_cache", False):
+            sub.use_cache = False
     return config
+
+
+def _sub_configs(config) -> list:
+    """The configs nested in a composite config (`text_config`, `vision_config`, ...), at any depth."""
+    out = []
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out += [sub] + _sub_configs(sub)
+    return out
 
 
 def _training_settings(spec: HFSpec, config) -> dict:
