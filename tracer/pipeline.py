@@ -58,6 +58,7 @@ class AnalysisOptions:
     lora_targets: tuple[str, ...] = ()     # modules to adapt; (): capture/lora.py's default targets
     tp: int = 1                            # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = False                       # with tp: Megatron sequence parallelism
+    full_capture: bool = False             # capture every block, not a few blocks and a synthesized depth
 
     def __post_init__(self):
         self.validate()
@@ -225,16 +226,21 @@ def load_source(model, options: AnalysisOptions):
 
 
 def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None) -> dict:
-    """One StepGraph per policy spec of `options`, from one capture (`capture_steps`)."""
+    """One StepGraph per policy spec of `options`, from one capture (`capture_steps`); a deep model's
+    synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`."""
     from tracer.capture import capture_steps
-    from tracer.capture.model_input import running_user_code
 
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
-    say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
-    with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
-        return capture_steps(source, options.capture_options(), specs,
-                             on_policy=lambda label: say(f"simulating {label} ..."))
+    labels: list[str] = []
+
+    def capture(src) -> tuple:
+        graphs = capture_steps(src, options.capture_options(), specs, on_policy=lambda label: say(f"simulating {label} ..."))
+        labels[:] = list(graphs)
+        return tuple(graphs.values())
+
+    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say)
+    return dict(zip(labels, graphs))
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -242,14 +248,38 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
     """The StepGraph of each variant's first policy, from one joint capture: the variants may differ only in
     their policies and in how the step around forward and backward runs (capture.STEP_FIELDS)."""
     from tracer.capture import capture_step_requests
-    from tracer.capture.model_input import running_user_code
 
     requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
                      for v in variants)
     say = on_progress or (lambda message: None)
-    say(f"capturing {source.name} (batch {variants[0].batch}, seq {variants[0].seq}) under fake tensors ...")
-    with running_user_code(source.name):
-        return capture_step_requests(source, requests, on_policy=lambda label: say(f"simulating {label} ..."))
+    return _capture_by_depth(source, variants, lambda src: capture_step_requests(
+        src, requests, on_policy=lambda label: say(f"simulating {label} ...")), say)
+
+
+def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say) -> tuple:
+    """`capture(source)`'s graphs (one per entry of `options`, analysed with it), at the model's depth:
+    synthesized from the model cut to a few blocks when that is checked exact (tracer/depth_capture.py),
+    else captured in full, with a note when the synthesis was tried and refused."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, capture_deep, with_note
+
+    def analyze(i: int, graph):
+        return analyze_captured({"policy": graph}, options[i]).policies["policy"]
+
+    def captured(src):
+        with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
+            return capture(src)
+
+    first = options[0]
+    if not first.full_capture:
+        say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} blocks (batch {first.batch}, seq "
+            f"{first.seq}) under fake tensors ...")
+        with running_user_code(source.name):
+            deep = capture_deep(source, captured, analyze, precision=first.precision, seq=first.seq)
+        if deep.graphs is not None:
+            return deep.graphs
+    say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
+    return tuple(with_note(graph, None if first.full_capture else deep.note) for graph in captured(source))
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,

@@ -115,7 +115,7 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
     samples = {}
     for k in sorted(sample_depths):
         try:
-            samples[k] = _analyze_source(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
+            samples[k] = _analyze_source(cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
                                          **options)
         except DepthError:
             raise
@@ -248,7 +248,7 @@ def _sample_sizes(dimension: str, seq: int, multiple: int) -> list[int]:
     return sizes
 
 
-def _cut_source(source, depth: int, seen: dict):
+def cut_source(source, depth: int, seen: dict):
     """`source` whose build_model() keeps the first `depth` blocks of the repeated block list; records the
     list's path and full length in `seen`."""
     def build_model():
