@@ -82,6 +82,19 @@ class _Tags:
                 if not seen[value.storage_id]:
                     seen[value.storage_id] = True
                     self.storage[value.storage_id] = tag if tag is not None else position_tags.get(value.storage_id)
+        self.pools = self._pools(graph)
+        for sid in self.pools:
+            self.storage[sid] = None
+
+    def _pools(self, graph: StepGraph) -> frozenset[int]:
+        """Storages that blocks two or more apart touch: a buffer compiled code reuses in every block (or
+        one storage every block updates in place). Shared, like a storage outside the blocks."""
+        touched: dict[int, set[int]] = {}
+        for op, tag in zip(graph.ops, self.op):
+            if tag is not None:
+                for value in op.outputs + op.input_values():
+                    touched.setdefault(value.storage_id, set()).add(tag)
+        return frozenset(sid for sid, blocks in touched.items() if max(blocks) - min(blocks) > 1)
 
     def _op_tag(self, op: OpNode, index_of: dict, previous) -> int | None:
         if op.phase is Phase.OPTIMIZER:
@@ -187,7 +200,9 @@ class _Alignment:
     def _pair_storage(self, x: int, y: int, op: OpNode) -> None:
         tag_x, tag_y = self.tags.storage[x], self.tags.storage[y]
         shared = tag_x is None or tag_x not in (_BASE - 1, _BASE, _NEXT)
-        if (shared and x != y) or (not shared and tag_y != tag_x + 1) or self.storage.setdefault(x, y) != y:
+        pooled = x in self.tags.pools and y in self.tags.pools     # which pool buffer a block takes is immaterial
+        if (shared and x != y and not pooled) or (not shared and tag_y != tag_x + 1) or \
+                self.storage.setdefault(x, y) != y:
             raise DepthError(f"op {op.index} ({op.target} in {op.module or '(root)'}): storage {x} (block {tag_x}) "
                              f"and storage {y} (block {tag_y}) are at the same place in blocks {_BASE} and {_NEXT}")
         sx, sy = self.graph.storages[x], self.graph.storages[y]
@@ -226,6 +241,7 @@ class _Builder:
     def __init__(self, graph: StepGraph, blocks: list[str], tags: _Tags, align: _Alignment, copies: int):
         self.graph, self.blocks, self.tags, self.align, self.copies = graph, blocks, tags, align, copies
         self.prefix = blocks[0].rsplit(".", 1)[0]
+        self.refs: dict[tuple, int] = {}
 
     def build(self) -> StepGraph:
         op_order = _stretch(list(range(len(self.graph.ops))), self.tags.op, self.align.op, self.copies)
@@ -248,8 +264,11 @@ class _Builder:
 
     def _storage_ref(self, copy: int, tag: int | None, sid: int) -> int:
         """The new id of storage `sid` as referred to by copy `copy` of an element of block `tag`."""
-        return self.storage_id[self._ref(copy, tag, self.tags.storage[sid], sid, self.align.storage,
-                                         self.align.storage_inverse, "storage")]
+        key = (copy, tag, sid)
+        if key not in self.refs:
+            self.refs[key] = self.storage_id[self._ref(copy, tag, self.tags.storage[sid], sid, self.align.storage,
+                                                       self.align.storage_inverse, "storage")]
+        return self.refs[key]
 
     def _ref(self, copy: int, tag: int | None, target_tag: int | None, target: int, forward: dict, inverse: dict,
              what: str) -> tuple[int, int]:
@@ -308,9 +327,9 @@ class _Builder:
 
     def _block_arg(self, copy: int, tag: int, obj):
         if isinstance(obj, TensorValue):
-            return dataclasses.replace(obj, storage_id=self._storage_ref(copy, tag, obj.storage_id))
+            return TensorValue(self._storage_ref(copy, tag, obj.storage_id), obj.shape, obj.dtype)
         if isinstance(obj, tuple):
-            return tuple(self._block_arg(copy, tag, item) for item in obj)
+            return tuple([self._block_arg(copy, tag, item) for item in obj])
         return obj
 
     def _global_arg(self, obj, op: OpNode):
@@ -365,8 +384,11 @@ class _Builder:
                 for copy in range(1, self.copies + 1) for i, node in enumerate(own)}
 
     def _block_parameters(self) -> tuple[int, int]:
+        """(parameters, of which frozen) of block 1: one parameter storage per parameter name (--offload
+        adds copies named "<parameter> (host copy)", "<parameter> (device copy for forward)" ...)."""
         params = [s for s, tag in zip(self.graph.storages, self.tags.storage)
                   if tag == _BASE and s.role is StorageRole.PARAMETER]
+        params = list({s.name.split(" (", 1)[0]: s for s in reversed(params)}.values())   # one per parameter
         return (sum(math.prod(s.shape) for s in params), sum(math.prod(s.shape) for s in params if s.frozen))
 
 
