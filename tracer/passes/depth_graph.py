@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from tracer.passes.blocks import block_of, repeated_blocks
 from tracer.passes.depth import DepthError
@@ -39,6 +40,7 @@ from tracer.stepgraph import OpNode, Phase, Storage, StepGraph, StorageRole, Ten
 
 _BASE = 1                      # the copied block
 _NEXT = 2                      # the block the copies go before
+_NUMBER = re.compile(r"(\d+)")
 
 
 def synthesize_depth(graph: StepGraph, depth: int) -> StepGraph:
@@ -242,6 +244,7 @@ class _Builder:
         self.graph, self.blocks, self.tags, self.align, self.copies = graph, blocks, tags, align, copies
         self.prefix = blocks[0].rsplit(".", 1)[0]
         self.refs: dict[tuple, int] = {}
+        self.counters = self._name_counters()
 
     def build(self) -> StepGraph:
         op_order = _stretch(list(range(len(self.graph.ops))), self.tags.op, self.align.op, self.copies)
@@ -356,7 +359,7 @@ class _Builder:
         s = self.graph.storages[sid]
         tag = self.tags.storage[sid]
         return dataclasses.replace(
-            s, storage_id=new_id, name=self._rename(s.name, copy, tag) if tag is not None else s.name,
+            s, storage_id=new_id, name=self._rename_storage(s.name, copy, tag) if tag is not None else s.name,
             released_after_op=self._op_ref(copy, s, "released_after_op"),
             held_until_op=self._op_ref(copy, s, "held_until_op"))
 
@@ -371,6 +374,32 @@ class _Builder:
         j = int(index)
         new = j + copy if copy else (j + self.copies if j >= _NEXT else j)
         return f"{self.prefix}.{new}{dot}{tail}"
+
+    def _rename_storage(self, name: str, copy: int, tag: int) -> str:
+        """A name with a number that counts blocks ("checkpoint RNG state, region 2"), the number found
+        from the names of block 1's storages and their block-2 twins; else as `_rename`."""
+        position = self.counters.get(_NUMBER.sub("#", name))
+        if position is None:
+            return self._rename(name, copy, tag)
+        parts = _NUMBER.split(name)
+        number = int(parts[2 * position + 1])
+        parts[2 * position + 1] = str(number + copy if copy else number + self.copies if tag >= _NEXT else number)
+        return "".join(parts)
+
+    def _name_counters(self) -> dict[str, int]:
+        """Name template (digits as #) -> which of its numbers counts blocks: the one that is 1 more in
+        the block-2 twin of a block-1 storage."""
+        out: dict[str, int] = {}
+        for x, y in self.align.storage.items():
+            if self.tags.storage[x] != _BASE:
+                continue
+            a, b = _NUMBER.split(self.graph.storages[x].name), _NUMBER.split(self.graph.storages[y].name)
+            if len(a) != len(b) or a[0::2] != b[0::2]:
+                continue
+            steps = [i for i in range(len(a) // 2) if int(b[2 * i + 1]) - int(a[2 * i + 1]) == 1]
+            if len(steps) == 1 and all(a[2 * i + 1] == b[2 * i + 1] for i in range(len(a) // 2) if i != steps[0]):
+                out[_NUMBER.sub("#", self.graph.storages[x].name)] = steps[0]
+        return out
 
     def _node_ids(self) -> dict[tuple[int, int], int]:
         """Fresh autograd node ids for the copies of nodes that only block 1 runs."""
