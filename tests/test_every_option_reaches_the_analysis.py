@@ -95,7 +95,7 @@ def test_the_levers_reach_the_capture_and_the_analysis(monkeypatch):
 
     def capture(source, options, specs, on_policy=None):
         seen["capture"] = options
-        return {}
+        return {spec.label: None for spec in specs}
 
     def analyze(graphs, device=None, **kwargs):
         seen["analysis"] = kwargs

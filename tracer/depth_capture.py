@@ -28,45 +28,49 @@ CHECK_DEPTH = 6                # captured and compared with its synthesis: two c
 
 @dataclasses.dataclass(frozen=True)
 class DeepCapture:
-    graphs: tuple[StepGraph, ...] | None      # at the full depth (None: capture in full)
-    note: str | None                         # why it fell back (None: silently, or synthesized)
+    graphs: tuple[StepGraph | None, ...]     # at the full depth, per captured graph (None: capture it in full)
+    note: str | None                         # why those are captured in full (None: silently)
 
 
 def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
-                 analyze: Callable[[int, StepGraph], object], *, precision: str, seq: int) -> DeepCapture:
-    """`capture(source)`: the step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of the i-th
-    graph with the caller's options."""
+                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int) -> DeepCapture:
+    """`capture(source)`: the `count` step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of
+    the i-th graph with the caller's options. A graph whose check fails is left to the full capture."""
     from tracer.capture.build import probe_build
     from tracer.passes.depth import DepthError
     from tracer.passes.depth_graph import synthesize_depth
     from tracer.planning import cut_source
 
+    nothing = DeepCapture((None,) * count, None)
     seen: dict = {}
     try:
         probe_build(cut_source(source, BASE_DEPTH, seen), precision, seq)
     except (TracerError, DepthError):
-        return DeepCapture(None, None)              # no block list: the full capture says what is wrong
+        return nothing                              # no block list: the full capture says what is wrong
     depth, path = seen.get("depth", 0), seen.get("path", "")
     if depth <= CHECK_DEPTH:
-        return DeepCapture(None, None)
+        return nothing
     fallback = f"depth: captured all {depth} blocks of {path}"
     try:
         base = capture(cut_source(source, BASE_DEPTH, {}))
         check = capture(cut_source(source, CHECK_DEPTH, {}))
     except TracerError as exc:
-        return DeepCapture(None, f"{fallback}: the model cut to a few blocks cannot be captured "
-                                 f"({str(exc).splitlines()[0]})")
+        return DeepCapture((None,) * count, f"{fallback}: the model cut to a few blocks cannot be captured "
+                                            f"({str(exc).splitlines()[0]})")
+    differences = {}
     for i, (graph, captured) in enumerate(zip(base, check)):
         try:
             difference = first_difference(analyze(i, synthesize_depth(graph, CHECK_DEPTH)), analyze(i, captured))
         except DepthError as exc:
             difference = str(exc).splitlines()[0]
         if difference:
-            return DeepCapture(None, f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} "
-                                     f"blocks differs from its capture ({graph.config.policy}: {difference})")
+            differences[i] = f"{graph.config.policy}: {difference}"
     note = (f"depth: captured {BASE_DEPTH} and {CHECK_DEPTH} of {depth} blocks of {path}; the {CHECK_DEPTH}-block "
             f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
-    return DeepCapture(tuple(_with_note(synthesize_depth(g, depth), note) for g in base), None)
+    graphs = tuple(None if i in differences else _with_note(synthesize_depth(g, depth), note) for i, g in enumerate(base))
+    return DeepCapture(graphs, None if not differences else
+                       f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
+                       f"capture ({'; '.join(differences.values())})")
 
 
 def with_note(graph: StepGraph, note: str | None) -> StepGraph:

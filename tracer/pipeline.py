@@ -232,15 +232,14 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
 
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
-    labels: list[str] = []
 
-    def capture(src) -> tuple:
-        graphs = capture_steps(src, options.capture_options(), specs, on_policy=lambda label: say(f"simulating {label} ..."))
-        labels[:] = list(graphs)
-        return tuple(graphs.values())
+    def capture(src, indices) -> tuple:
+        graphs = capture_steps(src, options.capture_options(), tuple(specs[i] for i in indices),
+                               on_policy=lambda label: say(f"simulating {label} ..."))
+        return tuple(graphs[specs[i].label] for i in indices)
 
     graphs = _capture_by_depth(source, (options,) * len(specs), capture, say)
-    return dict(zip(labels, graphs))
+    return {spec.label: graph for spec, graph in zip(specs, graphs)}
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -252,34 +251,38 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
     requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
                      for v in variants)
     say = on_progress or (lambda message: None)
-    return _capture_by_depth(source, variants, lambda src: capture_step_requests(
-        src, requests, on_policy=lambda label: say(f"simulating {label} ...")), say)
+    return _capture_by_depth(source, variants, lambda src, indices: capture_step_requests(
+        src, tuple(requests[i] for i in indices), on_policy=lambda label: say(f"simulating {label} ...")), say)
 
 
 def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say) -> tuple:
-    """`capture(source)`'s graphs (one per entry of `options`, analysed with it), at the model's depth:
-    synthesized from the model cut to a few blocks when that is checked exact (tracer/depth_capture.py),
-    else captured in full, with a note when the synthesis was tried and refused."""
+    """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
+    depth: synthesized from the model cut to a few blocks where that is checked exact
+    (tracer/depth_capture.py), the others captured in full, with a note when the synthesis was refused."""
     from tracer.capture.model_input import running_user_code
-    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, capture_deep, with_note
+    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, DeepCapture, capture_deep, with_note
 
     def analyze(i: int, graph):
         return analyze_captured({"policy": graph}, options[i]).policies["policy"]
 
-    def captured(src):
+    def captured(src, indices):
         with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
-            return capture(src)
+            return capture(src, indices)
 
-    first = options[0]
+    first, everything = options[0], tuple(range(len(options)))
+    deep = DeepCapture((None,) * len(options), None)
     if not first.full_capture:
         say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} blocks (batch {first.batch}, seq "
             f"{first.seq}) under fake tensors ...")
         with running_user_code(source.name):
-            deep = capture_deep(source, captured, analyze, precision=first.precision, seq=first.seq)
-        if deep.graphs is not None:
-            return deep.graphs
+            deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
+                                precision=first.precision, seq=first.seq)
+    missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
+    if not missing:
+        return deep.graphs
     say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
-    return tuple(with_note(graph, None if first.full_capture else deep.note) for graph in captured(source))
+    full = dict(zip(missing, captured(source, missing)))
+    return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,

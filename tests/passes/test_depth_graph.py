@@ -19,7 +19,7 @@ LLAMA6 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "llama6_debug
 
 def _captured(depths, **keywords):
     """{depth: {policy label: StepGraph}} of the 6-block fixture cut to each depth, and the options."""
-    options = options_from_keywords(batch=2, seq=16, **keywords)
+    options = options_from_keywords(**{"batch": 2, "seq": 16, **keywords})
     source = load_source(LLAMA6, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
     return {k: capture_steps(cut_source(source, k, {}), options.capture_options(), specs) for k in depths}, options

@@ -89,13 +89,18 @@ class _Tags:
             self.storage[sid] = None
 
     def _pools(self, graph: StepGraph) -> frozenset[int]:
-        """Storages that blocks two or more apart touch: a buffer compiled code reuses in every block (or
-        one storage every block updates in place). Shared, like a storage outside the blocks."""
+        """Storages that blocks two or more apart touch or free: a buffer compiled code reuses in every block
+        or frees blocks later, one storage every block updates in place. Shared, like a storage outside the
+        blocks."""
         touched: dict[int, set[int]] = {}
         for op, tag in zip(graph.ops, self.op):
             if tag is not None:
                 for value in op.outputs + op.input_values():
                     touched.setdefault(value.storage_id, set()).add(tag)
+        for s in graph.storages:                       # freed blocks away from its uses (compiled code's del)
+            for op in (s.released_after_op, s.held_until_op):
+                if op is not None and s.storage_id in touched and self.op[op] is not None:
+                    touched[s.storage_id].add(self.op[op])
         return frozenset(sid for sid, blocks in touched.items() if max(blocks) - min(blocks) > 1)
 
     def _op_tag(self, op: OpNode, index_of: dict, previous) -> int | None:
