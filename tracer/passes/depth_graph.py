@@ -308,7 +308,12 @@ class _Builder:
         op = getattr(storage, attribute)
         if op is None:
             return None
-        tag, target_tag = self.tags.storage[storage.storage_id], self.tags.op[op]
+        sid = storage.storage_id
+        tag, target_tag = self.tags.storage[sid], self.tags.op[op]
+        twin = self.align.storage.get(sid) if tag == _BASE else self.align.storage_inverse.get(sid) \
+            if tag == _NEXT else None
+        if twin is not None and getattr(self.graph.storages[twin], attribute) == op:
+            return self.op_index[(0, op)]     # blocks 1 and 2 both freed at one op: so is every copy
         if copy and target_tag == _BASE - 1:
             twin = getattr(self.graph.storages[self.align.storage[storage.storage_id]], attribute)
             if twin is None or self.tags.op[twin] != _BASE:
