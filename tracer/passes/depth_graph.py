@@ -17,6 +17,9 @@ Nothing about the model is assumed; everything is read from the graph:
 * Blocks 1 and 2 are aligned op by op (same targets, module paths relative to the block, phases); the
   alignment maps every storage block 1 touches to the one block 2 touches in the same place (its own,
   the previous block's output, the next block's incoming gradient, or a shared storage: itself).
+* A storage that blocks two or more apart touch or free (a buffer compiled code reuses in every block or
+  frees blocks later) is shared like one outside the blocks; a storage that blocks 1 and 2 both free at
+  one op is freed there by every copy.
 * Copy c of a block-1 element refers to copy c of its block's storages and ops, to copy c-1's (block 1's
   for c = 1) where block 1 refers to block 0, and to copy c+1's (block 2's for the last copy) where block
   1 refers to block 2. Block 2 then refers to the last copy, block 1 to the first. Storage ids and op
