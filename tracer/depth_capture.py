@@ -33,7 +33,8 @@ class DeepCapture:
 
 
 def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
-                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int) -> DeepCapture:
+                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int,
+                 say: Callable[[str], None] = lambda message: None) -> DeepCapture:
     """`capture(source)`: the `count` step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of
     the i-th graph with the caller's options. A graph whose check fails is left to the full capture."""
     from tracer.capture.build import probe_build
@@ -51,6 +52,7 @@ def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
     if depth <= CHECK_DEPTH:
         return nothing
     fallback = f"depth: captured all {depth} blocks of {path}"
+    say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {depth} blocks under fake tensors ...")
     try:
         base = capture(cut_source(source, BASE_DEPTH, {}))
         check = capture(cut_source(source, CHECK_DEPTH, {}))

@@ -4,7 +4,9 @@
 captures the step once for every policy spec, runs the passes and, for a CUDA target, the device view
 of every policy (the caching-allocator model with the cuBLAS workspaces and the GPU's memory).
 `tracer.analyze`, the CLI, `tracer check`, the pytest marker, `--fit` and `--by-depth` all call it, so
-an option added to `AnalysisOptions` reaches every one of them.
+an option added to `AnalysisOptions` reaches every one of them. A model with more than a few identical
+blocks is captured cut to a few of them and its step synthesized at full depth where that is checked
+exact (tracer/depth_capture.py), unless `full_capture`.
 
 The default target is CUDA on `DEFAULT_GPU` (tracer/capture/target.py): people plan GPU training with
 this tool. `target="cpu"` predicts a CPU step (and is what the exactness tests against real CPU steps use).
@@ -260,7 +262,7 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     depth: synthesized from the model cut to a few blocks where that is checked exact
     (tracer/depth_capture.py), the others captured in full, with a note when the synthesis was refused."""
     from tracer.capture.model_input import running_user_code
-    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, DeepCapture, capture_deep, with_note
+    from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
     def analyze(i: int, graph):
         return analyze_captured({"policy": graph}, options[i]).policies["policy"]
@@ -272,11 +274,9 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     first, everything = options[0], tuple(range(len(options)))
     deep = DeepCapture((None,) * len(options), None)
     if not first.full_capture:
-        say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} blocks (batch {first.batch}, seq "
-            f"{first.seq}) under fake tensors ...")
         with running_user_code(source.name):
             deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
-                                precision=first.precision, seq=first.seq)
+                                precision=first.precision, seq=first.seq, say=say)
     missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
     if not missing:
         return deep.graphs
