@@ -107,7 +107,7 @@ def test_the_levers_reach_the_capture_and_the_analysis(monkeypatch):
 
     def capture(source, options, specs, **progress):
         seen["capture"] = options
-        return {}
+        return {spec.label: None for spec in specs}
 
     def analyze(graphs, device=None, **kwargs):
         seen["analysis"] = kwargs
@@ -131,3 +131,36 @@ def test_the_levers_reach_the_capture_and_the_analysis(monkeypatch):
 def test_lever_settings_are_checked_before_any_capture(keywords, match):
     with pytest.raises(UsageError, match=match):
         tracer.analyze("llama-debug", **keywords)
+
+
+def test_full_capture_reaches_tracer_check_the_api_and_the_marker(reached, tmp_path):
+    from tracer.checks.plugin import check_budget_marker
+
+    main(["check", "llama-debug", "--baseline", str(tmp_path / "a.json"), "--update-baseline", "--full-capture"])
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", full_capture=True)
+    check_budget_marker((), dict(model="llama-debug", peak="1GiB", full_capture=True), test_dir=".")
+    assert [options.full_capture for options in reached] == [True, True, True]
+
+
+def test_the_main_command_passes_full_capture(reached):
+    main(["llama-debug", "--full-capture", "--quiet"])
+    assert reached[0].full_capture is True
+
+
+@pytest.mark.parametrize("full_capture", [False, True])
+def test_full_capture_skips_the_depth_synthesis(monkeypatch, full_capture):
+    import tracer.depth_capture
+    import tracer.passes.analysis
+    tried = []
+
+    def record(*args, **kwargs):
+        tried.append(args[0])
+        raise _Reached("recorded")
+
+    monkeypatch.setattr(tracer.depth_capture, "capture_deep", record)
+    monkeypatch.setattr(tracer.passes.analysis, "analyze_graphs", record)
+    with pytest.raises(_Reached):
+        tracer.analyze("llama-debug", seq=8, full_capture=full_capture, target="cpu")
+    synthesis_tried = not isinstance(tried[0], dict)          # analyze_graphs gets the captured graphs
+    assert synthesis_tried is not full_capture

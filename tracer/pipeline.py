@@ -4,7 +4,9 @@
 captures the step once for every policy spec, runs the passes and, for a CUDA target, the device view
 of every policy (the caching-allocator model with the cuBLAS workspaces and the GPU's memory).
 `tracer.analyze`, the CLI, `tracer check`, the pytest marker, `--fit` and `--by-depth` all call it, so
-an option added to `AnalysisOptions` reaches every one of them.
+an option added to `AnalysisOptions` reaches every one of them. A model with more than a few identical
+blocks is captured cut to a few of them and its step synthesized at full depth where that is checked
+exact (tracer/depth_capture.py), unless `full_capture`.
 
 The default target is CUDA on `DEFAULT_GPU` (tracer/capture/target.py): people plan GPU training with
 this tool. `target="cpu"` predicts a CPU step (and is what the exactness tests against real CPU steps use).
@@ -58,6 +60,7 @@ class AnalysisOptions:
     lora_targets: tuple[str, ...] = ()     # modules to adapt; (): capture/lora.py's default targets
     tp: int = 1                            # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = False                       # with tp: Megatron sequence parallelism
+    full_capture: bool = False             # capture every block, not a few blocks and a synthesized depth
 
     def __post_init__(self):
         self.validate()
@@ -225,16 +228,20 @@ def load_source(model, options: AnalysisOptions):
 
 
 def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None) -> dict:
-    """One StepGraph per policy spec of `options`, from one capture (`capture_steps`)."""
+    """One StepGraph per policy spec of `options`, from one capture (`capture_steps`); a deep model's
+    synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`."""
     from tracer.capture import capture_steps
-    from tracer.capture.model_input import running_user_code
 
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
-    say(f"capturing {source.name} (batch {options.batch}, seq {options.seq}) under fake tensors ...")
-    with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
-        return capture_steps(source, options.capture_options(), specs,
-                             on_policy=lambda label: say(f"simulating {label} ..."), on_stage=say)
+
+    def capture(src, indices) -> tuple:
+        graphs = capture_steps(src, options.capture_options(), tuple(specs[i] for i in indices),
+                               on_policy=lambda label: say(f"simulating {label} ..."), on_stage=say)
+        return tuple(graphs[specs[i].label] for i in indices)
+
+    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say)
+    return {spec.label: graph for spec, graph in zip(specs, graphs)}
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -242,15 +249,41 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
     """The StepGraph of each variant's first policy, from one joint capture: the variants may differ only in
     their policies and in how the step around forward and backward runs (capture.STEP_FIELDS)."""
     from tracer.capture import capture_step_requests
-    from tracer.capture.model_input import running_user_code
 
     requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
                      for v in variants)
     say = on_progress or (lambda message: None)
-    say(f"capturing {source.name} (batch {variants[0].batch}, seq {variants[0].seq}) under fake tensors ...")
-    with running_user_code(source.name):
-        return capture_step_requests(source, requests, on_policy=lambda label: say(f"simulating {label} ..."),
-                                     on_stage=say)
+    return _capture_by_depth(source, variants, lambda src, indices: capture_step_requests(
+        src, tuple(requests[i] for i in indices), on_policy=lambda label: say(f"simulating {label} ..."),
+        on_stage=say), say)
+
+
+def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say) -> tuple:
+    """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
+    depth: synthesized from the model cut to a few blocks where that is checked exact
+    (tracer/depth_capture.py), the others captured in full, with a note when the synthesis was refused."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import DeepCapture, capture_deep, with_note
+
+    def analyze(i: int, graph):
+        return analyze_captured({"policy": graph}, options[i]).policies["policy"]
+
+    def captured(src, indices):
+        with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
+            return capture(src, indices)
+
+    first, everything = options[0], tuple(range(len(options)))
+    deep = DeepCapture((None,) * len(options), None)
+    if not first.full_capture:
+        with running_user_code(source.name):
+            deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
+                                precision=first.precision, seq=first.seq, say=say)
+    missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
+    if not missing:
+        return deep.graphs
+    say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
+    full = dict(zip(missing, captured(source, missing)))
+    return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,

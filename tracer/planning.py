@@ -116,7 +116,7 @@ def analyze_by_depth(model: str, *, batch: int, seq: int, policies: tuple[str, .
         if on_progress is not None:
             on_progress(f"by depth: the model cut to {k} blocks ...")
         try:
-            samples[k] = analyze_model(_cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
+            samples[k] = analyze_model(cut_source(source, k, seen), batch=batch, seq=seq, policies=policies,
                                        on_progress=on_progress, **options)
         except DepthError:
             raise
@@ -250,7 +250,7 @@ def _sample_sizes(dimension: str, seq: int, multiple: int) -> list[int]:
     return sizes
 
 
-def _cut_source(source, depth: int, seen: dict):
+def cut_source(source, depth: int, seen: dict):
     """`source` whose build_model() keeps the first `depth` blocks of the repeated block list; records the
     list's path and full length in `seen`."""
     def build_model():

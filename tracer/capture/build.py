@@ -371,3 +371,10 @@ def step_module(build: FakeBuild, source: ModelSource, precision: str | None = N
                             hint="return a tuple (inputs..., target) to use loss_fn, or compute the loss in forward")
     return StepModule(build.model, batch_keys=build.batch_keys, loss_fn=source.loss_fn,
                       loss_index=source.loss_index, precision=precision)
+
+
+def probe_build(source: ModelSource, precision: str, seq: int) -> None:
+    """Build the model and a batch of one under fake tensors and drop them: what building records (the
+    depth a cut source sees, tracer/depth_capture.py) without a capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    build_fake(source, 1, seq, precision, FakeTensorMode())

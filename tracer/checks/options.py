@@ -1,5 +1,5 @@
 """The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad, target, gpu,
-capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp), defined once.
+capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp, full_capture), defined once.
 
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
@@ -86,6 +86,10 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("sp", False, None,
                 "--tp: Megatron sequence parallelism: the activations outside the tensor-parallel regions "
                 "(layer norms, dropouts, residuals) are split along the sequence too (default off)"),
+    ModelOption("full_capture", False, None,
+                "capture every block of a deep model; by default a model with more than 6 identical blocks is "
+                "captured cut to 4 and 6 blocks and the full depth is synthesized from 4, after checking that "
+                "the 6 synthesized equal the 6 captured op for op (else captured in full, with a note)"),
 )
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
 

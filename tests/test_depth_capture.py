@@ -1,0 +1,118 @@
+"""The default capture of a deep model (tracer/depth_capture.py): cut to 4 and 6 blocks, the full depth
+synthesized and checked, and every report equal to the full capture's (`full_capture=True`)."""
+import dataclasses
+import os
+
+import pytest
+
+import tracer
+from tracer.depth_capture import first_difference
+from tracer.reports.json_report import report_json
+from tracer.reports.text import render_text
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+LLAMA8 = os.path.join(FIXTURES, "llama8_debug.py")
+LLAMA6 = os.path.join(FIXTURES, "llama6_debug.py")
+NOTE = ("depth: captured 4 and 6 of 8 blocks of blocks; the 6-block step synthesized from 4 equals its capture op "
+        "for op, the 8-block step is synthesized")
+HF_TINY = ("num_hidden_layers=8", "hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "vocab_size=128")
+
+
+def _both(model, **keywords):
+    return tracer.analyze(model, **keywords), tracer.analyze(model, full_capture=True, **keywords)
+
+
+def _assert_same_reports(synthesized, captured):
+    """Every number of every policy, the JSON report (but the depth note and the names of synthesized
+    nodes) and the text report (but the note)."""
+    assert synthesized.policies.keys() == captured.policies.keys()
+    for label in captured.policies:
+        assert first_difference(synthesized.policies[label], captured.policies[label]) is None, label
+    a, b = report_json(synthesized), report_json(captured)
+    notes = a.pop("capture_notes")
+    depth = [n for n in notes if n.startswith("depth: captured 4 and 6")]
+    assert len(depth) == 1 and notes == b.pop("capture_notes") + depth
+    for report in (a, b):
+        for policy in report["policies"].values():
+            policy["peak_op"].pop("name")
+    assert a == b
+    text = lambda analysis: [line for line in render_text(analysis).splitlines() if "depth:" not in line]  # noqa: E731
+    assert text(synthesized) == text(captured)
+
+
+@pytest.mark.slow
+def test_a_deep_model_is_synthesized_and_reports_as_its_full_capture():
+    synthesized, captured = _both(LLAMA8, batch=2, seq=16, policies=("eager", "selective", "full"), target="cuda")
+    for result in synthesized.policies.values():
+        assert result.graph.config.notes.count(NOTE) == 1
+        assert sum(1 for op in result.graph.ops if op.module.startswith("blocks.7.")) > 0
+    assert not any("depth:" in note for note in captured.graph.config.notes)
+    _assert_same_reports(synthesized, captured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keywords", [dict(accumulate=2, target="cpu"),
+                                      dict(shard="fsdp", world_size=4, target="cuda")], ids=["accumulate", "fsdp"])
+def test_micro_batches_and_sharding_report_as_the_full_capture(keywords):
+    synthesized, captured = _both(LLAMA8, batch=2, seq=16, **keywords)
+    assert NOTE in synthesized.graph.config.notes
+    _assert_same_reports(synthesized, captured)
+
+
+@pytest.mark.slow
+def test_blocks_that_differ_are_captured_in_full_with_the_reason():
+    """Every second block checkpointed: blocks 1 and 2 differ, so the step is captured in full."""
+    analysis = tracer.analyze(LLAMA8, batch=1, seq=16, policies=("full",), target="cpu", checkpoint_every=2)
+    (note,) = [n for n in analysis.graph.config.notes if n.startswith("depth:")]
+    assert note.startswith("depth: captured all 8 blocks of blocks: the 6-block step synthesized from 4 blocks "
+                           "differs from its capture (full: ") and "not identical" in note
+    assert sum(1 for op in analysis.graph.ops if op.module.startswith("blocks.7.")) > 0
+
+
+@pytest.mark.slow
+def test_the_check_decides(monkeypatch):
+    """A synthesis that is off by 512 bytes at one op is refused, and the op named."""
+    import tracer.passes.depth_graph as depth_graph
+    honest = depth_graph.synthesize_depth
+
+    def off_by_one_block(graph, depth):
+        out = honest(graph, depth)
+        storages = list(out.storages)
+        op = next(op for op in out.ops if op.module == "blocks.3.mlp.w1" and op.target == "aten.mm.default")
+        sid = op.outputs[0].storage_id
+        storages[sid] = dataclasses.replace(storages[sid], nbytes=storages[sid].nbytes + 512)
+        return dataclasses.replace(out, storages=tuple(storages))
+
+    monkeypatch.setattr(depth_graph, "synthesize_depth", off_by_one_block)
+    analysis = tracer.analyze(LLAMA8, batch=1, seq=16, target="cpu")
+    (note,) = [n for n in analysis.graph.config.notes if n.startswith("depth:")]
+    assert "differs from its capture (eager: live bytes during op" in note and "blocks.3.mlp.w1" in note
+
+
+def test_shallow_models_and_full_capture_are_captured_in_full_without_a_note():
+    shallow = tracer.analyze(LLAMA6, batch=1, seq=8, target="cpu")
+    assert not any("depth:" in note for note in shallow.graph.config.notes)
+    assert any(op.module.startswith("blocks.5.") for op in shallow.graph.ops)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,policies,target", [("hf:llama", ("eager", "selective", "full"), "cuda"),
+                                                   ("hf:bert", ("eager", "full"), "cpu")])
+def test_transformers_models_report_as_their_full_capture(model, policies, target):
+    synthesized, captured = _both(model, hf_config=HF_TINY, batch=1, seq=16, policies=policies, target=target)
+    (note,) = [n for n in synthesized.graph.config.notes if n.startswith("depth:")]
+    assert note.startswith("depth: captured 4 and 6 of 8 blocks of model.")
+    _assert_same_reports(synthesized, captured)
+
+
+@pytest.mark.slow
+def test_levers_are_synthesized_too():
+    from tracer.levers import LEVERS, run_levers
+    from tracer.pipeline import AnalysisOptions
+
+    levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing", "8-bit AdamW"))
+    base = AnalysisOptions(batch=2, seq=16, target="cuda")
+    synthesized = run_levers(LLAMA8, base, levers=levers)
+    captured = run_levers(LLAMA8, dataclasses.replace(base, full_capture=True), levers=levers)
+    assert [dataclasses.replace(r, options=None) for r in synthesized.rows] == \
+        [dataclasses.replace(r, options=None) for r in captured.rows]

@@ -1,0 +1,145 @@
+"""The default capture of a deep model: a few blocks captured, the full depth synthesized, the synthesis
+checked against a capture.
+
+`capture_deep(source, capture, check, options)`: when the model's repeated block list (planning.py's
+`cut_source`) has more than `CHECK_DEPTH` blocks, the step is captured with the list cut to `BASE_DEPTH`
+and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
+(tracer/passes/depth_graph.py: two copies of a middle block, so a copy next to a copy is exercised) and
+analysed with the caller's options (liveness, saved tensors, attribution, the device view, sharding); only
+if that analysis equals the captured one op for op (`first_difference`) is the full-depth step
+synthesized the same way, and every pass and report runs on it as on a captured step.
+
+Otherwise the caller captures in full, with the returned note saying why (which op or number broke the
+synthesis). Models with at most `CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are
+captured in full without a note. Not covered by the check: a difference that only appears beyond
+`CHECK_DEPTH` blocks (the blocks are identical modules, so the step of each is the same program).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from tracer.errors import TracerError
+from tracer.stepgraph import StepGraph
+
+BASE_DEPTH = 4                 # captured and synthesized from: two middle blocks to align
+CHECK_DEPTH = 6                # captured and compared with its synthesis: two copies
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepCapture:
+    graphs: tuple[StepGraph | None, ...]     # at the full depth, per captured graph (None: capture it in full)
+    note: str | None                         # why those are captured in full (None: silently)
+
+
+def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
+                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int,
+                 say: Callable[[str], None] = lambda message: None) -> DeepCapture:
+    """`capture(source)`: the `count` step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of
+    the i-th graph with the caller's options. A graph whose check fails is left to the full capture."""
+    from tracer.capture.build import probe_build
+    from tracer.passes.depth import DepthError
+    from tracer.passes.depth_graph import synthesize_depth
+    from tracer.planning import cut_source
+
+    nothing = DeepCapture((None,) * count, None)
+    seen: dict = {}
+    try:
+        probe_build(cut_source(source, BASE_DEPTH, seen), precision, seq)
+    except (TracerError, DepthError):
+        return nothing                              # no block list: the full capture says what is wrong
+    depth, path = seen.get("depth", 0), seen.get("path", "")
+    if depth <= CHECK_DEPTH:
+        return nothing
+    fallback = f"depth: captured all {depth} blocks of {path}"
+    say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {depth} blocks under fake tensors ...")
+    try:
+        base = capture(cut_source(source, BASE_DEPTH, {}))
+        check = capture(cut_source(source, CHECK_DEPTH, {}))
+    except TracerError as exc:
+        return DeepCapture((None,) * count, f"{fallback}: the model cut to a few blocks cannot be captured "
+                                            f"({str(exc).splitlines()[0]})")
+    differences = {}
+    for i, (graph, captured) in enumerate(zip(base, check)):
+        try:
+            difference = first_difference(analyze(i, synthesize_depth(graph, CHECK_DEPTH)), analyze(i, captured))
+        except DepthError as exc:
+            difference = str(exc).splitlines()[0]
+        if difference:
+            differences[i] = f"{graph.config.policy}: {difference}"
+    note = (f"depth: captured {BASE_DEPTH} and {CHECK_DEPTH} of {depth} blocks of {path}; the {CHECK_DEPTH}-block "
+            f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
+    graphs = tuple(None if i in differences else _with_note(synthesize_depth(g, depth), note) for i, g in enumerate(base))
+    return DeepCapture(graphs, None if not differences else
+                       f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
+                       f"capture ({'; '.join(differences.values())})")
+
+
+def with_note(graph: StepGraph, note: str | None) -> StepGraph:
+    """`graph` with `note` among its capture notes (the reports print them)."""
+    return graph if note is None else _with_note(graph, note)
+
+
+def _with_note(graph: StepGraph, note: str) -> StepGraph:
+    return dataclasses.replace(graph, config=dataclasses.replace(graph.config, notes=graph.config.notes + (note,)))
+
+
+def first_difference(synthesized, captured) -> str | None:
+    """The first number on which two PolicyAnalysis differ, named, or None when every one is equal: live
+    bytes at every op, phase peaks, saved bytes, the bill and lines at the peak, FLOPs, and the device,
+    per-rank and host views when present."""
+    a_ops, b_ops = synthesized.graph.ops, captured.graph.ops
+    if len(a_ops) != len(b_ops):
+        return f"{len(a_ops)} ops synthesized, {len(b_ops)} captured"
+    for name, (a, b) in (("live bytes during", (synthesized.liveness.live_during, captured.liveness.live_during)),
+                         ("live bytes after", (synthesized.liveness.live_after, captured.liveness.live_after))):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                op = b_ops[i]
+                return f"{name} op {i} ({op.target} in {op.module or '(root)'}): {x:,} B synthesized, {y:,} captured"
+    for name, x, y in _numbers(synthesized, captured):
+        if x != y:
+            return f"{name}: {x!r} synthesized, {y!r} captured"
+    return None
+
+
+def _numbers(a, b):
+    yield "peak", (a.peak_bytes, a.peak_op.index), (b.peak_bytes, b.peak_op.index)
+    yield "phases", _phases(a), _phases(b)
+    yield "start and end bytes", (a.start_bytes, a.end_bytes), (b.start_bytes, b.end_bytes)
+    yield "saved bytes", (a.saved.total_bytes, a.saved.activation_bytes), (b.saved.total_bytes, b.saved.activation_bytes)
+    yield "parameters", _parameters(a.graph), _parameters(b.graph)
+    yield "FLOPs", (a.step_flops, a.recompute_flops), (b.step_flops, b.recompute_flops)
+    yield "bill at the peak", a.at_peak.by_category, b.at_peak.by_category
+    yield "lines at the peak", _rows(a.at_peak.lines), _rows(b.at_peak.lines)
+    yield "layers at the peak", _rows(a.at_peak.layers), _rows(b.at_peak.layers)
+    for view in ("device", "rank_device"):
+        yield f"{view} view", _device(getattr(a, view)), _device(getattr(b, view))
+    yield "per-rank memory", _sharded(a.sharded), _sharded(b.sharded)
+    yield "host memory", a.host, b.host
+
+
+def _phases(result) -> dict:
+    return {name: (p.peak_bytes, p.op_index) for name, p in result.phases.items()}
+
+
+def _parameters(graph: StepGraph) -> tuple[int, int]:
+    return graph.parameter_count, graph.frozen_parameter_count
+
+
+def _rows(rows) -> list:
+    return [dataclasses.astuple(row) for row in rows]
+
+
+def _device(view):
+    if view is None:
+        return None
+    return (view.peak_bytes, view.peak_op_index, view.phases, view.before_bytes, view.allocated_peak_bytes,
+            view.reserved_peak_bytes, view.segment_count, view.oom is None)
+
+
+def _sharded(view):
+    if view is None:
+        return None
+    return (view.peak_bytes, view.peak_op_index, view.phases, view.live_during, view.by_category_at_peak,
+            view.model_state_bytes, view.start_bytes)
