@@ -416,21 +416,29 @@ def _parse(file: str) -> ast.Module | None:
 @functools.lru_cache(maxsize=4096)
 def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None]:
     """The innermost simple statement covering `line`, and its enclosing function."""
+    return _statements_by_line(file).get(line, (None, None))
+
+
+@functools.lru_cache(maxsize=64)
+def _statements_by_line(file: str) -> dict[int, tuple[ast.stmt, ast.AST | None]]:
+    """line -> (the innermost statement covering it, its enclosing function), from one walk of the file:
+    of the statements covering a line, the one that starts last (the last visited, among equals) wins."""
     tree = _parse(file)
-    best: tuple[ast.stmt | None, ast.AST | None] = (None, None)
+    by_line: dict[int, tuple[ast.stmt, ast.AST | None]] = {}
 
     def visit(node: ast.AST, func: ast.AST | None) -> None:
-        nonlocal best
         for child in ast.iter_child_nodes(node):
             inner = child if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) else func
-            if isinstance(child, ast.stmt) and child.lineno <= line <= (child.end_lineno or child.lineno):
-                if best[0] is None or child.lineno >= best[0].lineno:
-                    best = (child, inner)
+            if isinstance(child, ast.stmt):
+                for line in range(child.lineno, (child.end_lineno or child.lineno) + 1):
+                    best = by_line.get(line)
+                    if best is None or child.lineno >= best[0].lineno:
+                        by_line[line] = (child, inner)
             visit(child, inner)
 
     if tree is not None:
         visit(tree, None)
-    return best
+    return by_line
 
 
 def _function_line(file: str, line: int) -> int | None:
