@@ -322,6 +322,8 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
         ops[at].kwargs = tuple(ops[at].kwargs) + (("inductor_allocates", TensorValue(sids[i], (storage.nbytes,), "uint8")),)
         if storage.release_step is not None:
             table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))
+    for node, sizes in plan.scratch.items():
+        _add_kernel_scratch(ops[node_pos[node]], node_pos[node], sizes, table)
     for placeholder, step in plan.input_release_step.items():
         value = values.get(placeholder)
         if isinstance(value, TensorValue):
@@ -330,6 +332,15 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
                     and (releasable is None or value.storage_id in releasable):
                 table.update(value.storage_id, released_after_op=_op_at_or_before(last_op, step, 0))
     return sids
+
+
+def _add_kernel_scratch(op, index: int, sizes: tuple[int, ...], table) -> None:
+    """Scratch a kernel allocates and frees inside its call (`GraphPlan.scratch`): storages of the op (a
+    `kernel_scratch` keyword, which the formulas ignore), released right after it."""
+    for nbytes in sizes:
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=nbytes, dtype="uint8", shape=(nbytes,),
+                        name=f"kernel scratch of {op.target}", released_after_op=index)
+        op.kwargs = tuple(op.kwargs) + (("kernel_scratch", TensorValue(sid, (nbytes,), "uint8")),)
 
 
 def _bind_items(node: fx.Node, values, node_pos) -> None:

@@ -15,8 +15,9 @@ order and buffer planning, run on the captured joint under fake tensors, without
 The scheduler is Inductor's CPU (C++) backend for every target: a CUDA run fuses with Triton's rules, keeps
 no kernel-local buffers of the C++ backend's outer-loop fusion, and may pick Triton templates under
 max-autotune; those differences are not modelled (the report says so for a CUDA target).
-Not modelled either: kernel-internal scratch of extern kernels (SDPA, oneDNN), outputs of a multi-output
-fallback kernel that the wrapper never names (freed with the tuple right after the call), CUDA graphs, and
+Kernel-internal scratch of the CPU flash-attention kernels is sized by tracer.capture.kernel_scratch
+(`GraphPlan.scratch`); that of other extern kernels (oneDNN, CUDA attention) is not modelled, nor are
+outputs of a multi-output fallback kernel that the wrapper never names (freed with the tuple right after the call), CUDA graphs, and
 `config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py): every phase peak
 equals a real compiled CPU step on five models except gpt2-debug's forward, 8 B low.
 """
@@ -52,6 +53,7 @@ class GraphPlan:
     storage_of: dict                                   # fx node -> per tensor output: storage index, placeholder, None
     input_release_step: dict                           # placeholder node -> step after which the graph frees it
     steps: int
+    scratch: dict = dataclasses.field(default_factory=dict)   # fx node -> bytes of each kernel-internal scratch
 
 
 def inductor_partition(joint: fx.GraphModule, fake_mode, *, num_fwd_outputs: int, static_inputs: list[int]):
@@ -141,7 +143,17 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
                 _real_rng_state_allowed(fake_mode):
             graph.run(*inputs)
             graph.codegen()
-            return _read_plan(gm, graph)
+            plan = _read_plan(gm, graph)
+    return dataclasses.replace(plan, scratch=_kernel_scratch(plan.order))
+
+
+def _kernel_scratch(order) -> dict:
+    """fx node -> the scratch its extern kernel allocates while it runs (tracer.capture.kernel_scratch), on
+    this process's intra-op thread count."""
+    from tracer.capture.kernel_scratch import scratch_allocations
+    threads = torch.get_num_threads()
+    scratch = {node: scratch_allocations(node, threads) for node in order}
+    return {node: sizes for node, sizes in scratch.items() if sizes}
 
 
 @contextlib.contextmanager
@@ -286,13 +298,21 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
 
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
     """fx node -> the first scheduler node (kernel step) whose IR comes from it, never before the steps of
-    its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of its latest
-    input."""
+    its inputs; a node lowered to an extern kernel (a fallback such as attention's, an extern matmul) runs
+    at that kernel's step, not at the earlier kernels that copy its inputs into the layout it needs (they
+    name it among their origins too, and the wrapper frees their sources before the extern call); a node
+    no kernel names (a view, a node Inductor folded away) runs at the step of its latest input."""
+    from torch._inductor import ir
     first: dict = {}
+    first_extern: dict = {}
     for i, snode in enumerate(scheduler.nodes):
         for sub in snode.get_nodes():
+            kernel_op = getattr(sub.node, "op_overload", None) if isinstance(sub.node, ir.ExternKernel) else None
             for origin in getattr(sub.node, "origins", ()) or ():
                 first.setdefault(origin, i)
+                if kernel_op is not None and origin.target is kernel_op:
+                    first_extern.setdefault(origin, i)
+    first.update(first_extern)
     step_of: dict = {}
 
     def step_of_input(node):
