@@ -317,8 +317,8 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
         last_op[step] = len(ops) - 1
     for i, storage in enumerate(plan.storages):
         at = _op_at_or_after(first_op, storage.alloc_step)
-        if at is None:
-            raise CaptureError(f"Inductor allocates {storage.name} in a kernel after the graph's last op")
+        if at is None:      # the last kernels only finish values of earlier ops (the loss's final reduction)
+            at = max(last_op.values())
         ops[at].kwargs = tuple(ops[at].kwargs) + (("inductor_allocates", TensorValue(sids[i], (storage.nbytes,), "uint8")),)
         if storage.release_step is not None:
             table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))

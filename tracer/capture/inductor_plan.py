@@ -297,11 +297,12 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
 
 
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
-    """fx node -> the first scheduler node (kernel step) whose IR comes from it, never before the steps of
-    its inputs; a node lowered to an extern kernel (a fallback such as attention's, an extern matmul) runs
-    at that kernel's step, not at the earlier kernels that copy its inputs into the layout it needs (they
-    name it among their origins too, and the wrapper frees their sources before the extern call); a node
-    no kernel names (a view, a node Inductor folded away) runs at the step of its latest input."""
+    """fx node -> its kernel step: the first scheduler node whose IR comes from it (a node lowered to an
+    extern kernel, such as attention's fallback or an extern matmul: that kernel's step, not the earlier
+    kernels that copy its inputs into the layout it needs, which name it among their origins too), pulled
+    back to the step of its earliest user (a node Inductor inlines into a kernel is computed there, even
+    when the first kernel that names it comes later: an `iota` of positions also read by the loss); a node
+    no kernel names and no user bounds (a view of an output) runs at the step of its latest input."""
     from torch._inductor import ir
     first: dict = {}
     first_extern: dict = {}
@@ -313,20 +314,36 @@ def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
                 if kernel_op is not None and origin.target is kernel_op:
                     first_extern.setdefault(origin, i)
     first.update(first_extern)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    bound: dict = {}
+    for node in reversed(nodes):
+        steps = [bound[u] for u in _users_through_getitems(node) if bound.get(u) is not None]
+        if node in first:
+            steps.append(first[node])
+        bound[node] = min(steps, default=None)
     step_of: dict = {}
-
-    def step_of_input(node):
-        while node.target is operator.getitem:
-            node = node.args[0]
-        return step_of.get(node, 0)
-
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is operator.getitem:
-            continue
-        latest_input = max((step_of_input(a) for a in node.all_input_nodes), default=0)
-        # a kernel that prepares an op's inputs may name the op among its origins: never before its inputs
-        step_of[node] = max(first.get(node, 0), latest_input)
+    for node in nodes:
+        if bound[node] is None:
+            bound[node] = max((step_of[a] for a in _producers(node) if a in step_of), default=0)
+        step_of[node] = bound[node]
     return step_of
+
+
+def _users_through_getitems(node: fx.Node) -> list:
+    users = []
+    for user in node.users:
+        users += _users_through_getitems(user) if user.target is operator.getitem else [user]
+    return users
+
+
+def _producers(node: fx.Node) -> list:
+    """The call_function nodes whose outputs `node` reads (through getitems)."""
+    out = []
+    for arg in node.all_input_nodes:
+        while arg.target is operator.getitem:
+            arg = arg.args[0]
+        out.append(arg)
+    return out
 
 
 def _output_storages(node: fx.Node, graph, names: _Names) -> tuple:
