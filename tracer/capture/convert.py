@@ -302,14 +302,19 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
     sids = [table.add(None, StorageRole.INTERMEDIATE, nbytes=s.nbytes, dtype=shapes.get(i, ("uint8",))[0],
                       shape=shapes.get(i, (None, (s.nbytes,)))[1], name=f"inductor {s.name}")
             for i, s in enumerate(plan.storages)]
-    first_op, last_op = {}, {}
+    first_op, last_op, stored_later = {}, {}, {}
     for node in plan.order:
         step = plan.step_of[node]
         if phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
             ops.append(_tangent_op(tangent, table, values))
         recomputed = phase is Phase.BACKWARD and node.meta.get("partitioner_tag") != "is_backward"
-        outputs = [sids[e] if isinstance(e, int) else (values[e].storage_id if isinstance(e, fx.Node) else None)
-                   for e in plan.storage_of[node]]
+        # a value inlined into this step's kernels that a later kernel stores (positions saved for backward)
+        later = [isinstance(e, int) and plan.storages[e].alloc_step > step for e in plan.storage_of[node]]
+        if any(later):
+            stored_later[node] = plan.storage_of[node]
+        outputs = [None if late else sids[e] if isinstance(e, int) else
+                   (values[e].storage_id if isinstance(e, fx.Node) else None)
+                   for e, late in zip(plan.storage_of[node], later)]
         ops.append(_convert_node(node, phase, recomputed, table, values, output_sids=outputs))
         node_pos[node] = len(ops) - 1
         _bind_items(node, values, node_pos)
@@ -324,6 +329,12 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
             table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))
     for node, sizes in plan.scratch.items():
         _add_kernel_scratch(ops[node_pos[node]], node_pos[node], sizes, table)
+    for node, entries in stored_later.items():      # what reads it later (the backward) reads the stored copy
+        flat = list(_iter_tensor_values(values[node]))
+        stored = {id(t): TensorValue(sids[e], v.shape, v.dtype) if isinstance(e, int) else v
+                  for t, v, e in zip(_tensors(node.meta.get("val")), flat, entries)}
+        values[node] = _structure(node.meta.get("val"), stored)
+        _bind_items(node, values, node_pos)
     for placeholder, step in plan.input_release_step.items():
         value = values.get(placeholder)
         if isinstance(value, TensorValue):

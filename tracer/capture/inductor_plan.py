@@ -17,7 +17,7 @@ no kernel-local buffers of the C++ backend's outer-loop fusion, and may pick Tri
 max-autotune; those differences are not modelled (the report says so for a CUDA target).
 Kernel-internal scratch of the CPU flash-attention kernels is sized by tracer.capture.kernel_scratch
 (`GraphPlan.scratch`); that of other extern kernels (oneDNN, CUDA attention) is not modelled, nor are
-outputs of a multi-output fallback kernel that the wrapper never names (freed with the tuple right after the call), CUDA graphs, and
+CUDA graphs, and
 `config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py): every phase peak
 equals a real compiled CPU step on five models except gpt2-debug's forward, 8 B low.
 """
@@ -244,6 +244,8 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
     names = _Names(placeholder_names)
     input_release: dict = {}
     pending_tuples: dict[str, int] = {}                # multi-output extern call -> its step
+    tuple_kernels: dict = {}                           # multi-output extern call -> its IR node
+    claimed: dict[str, set] = {}                       # multi-output extern call -> index paths the wrapper names
     step = 0
     for line in graph.wrapper_code.lines:
         for candidate in (getattr(line, "scheduler_node_index", None), graph.line_steps.get(id(line))):
@@ -271,11 +273,17 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
                 names.storages[released]["release_step"] = step
             elif released is not None:
                 input_release[released] = step
+            if name in pending_tuples:
+                for nbytes in _unnamed_outputs(tuple_kernels[name], claimed.get(name, set())):
+                    names.allocate(f"{name} output", nbytes, pending_tuples[name])
+                    names.storages[-1]["release_step"] = step
+                    names.bound.pop(f"{name} output")
             pending_tuples.pop(name, None)
         elif isinstance(line, w.ExternKernelAllocLine):
             node = line.node
             if isinstance(node.layout, ir.MultiOutputLayout):
                 pending_tuples[node.get_name()] = step
+                tuple_kernels[node.get_name()] = node
             elif node.get_inputs_that_alias_output():
                 base = names.bound.get(node.inputs[0].get_name()) if node.inputs else None
                 if base is not None:
@@ -283,6 +291,7 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
             else:
                 names.allocate(node.get_name(), _nbytes(graph, node), step)
         elif isinstance(line, w.MultiOutputLine):
+            claimed.setdefault(line.arg_name, set()).add(tuple(index for _, index in line.indices))
             if line.arg_name in pending_tuples and line.result_name not in names.bound:
                 buffer = scheduler.name_to_buf[line.result_name].node
                 names.allocate(line.result_name, _nbytes(graph, buffer), pending_tuples[line.arg_name])
@@ -296,13 +305,36 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
                      input_release_step=input_release, steps=steps)
 
 
+def _unnamed_outputs(kernel, claimed: set) -> list[int]:
+    """Bytes of each tensor output of a multi-output extern kernel that the wrapper never names (attention's
+    logsumexp when the backward recomputes it): it lives in the call's result tuple until the wrapper
+    deletes the tuple. The outputs are the fake value of the fx node the kernel runs."""
+    node = next((o for o in getattr(kernel, "origins", ()) or () if o.target is getattr(kernel, "op_overload", None)),
+                None)
+    if node is None:
+        return []
+    out = []
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            if path not in claimed:
+                out.append(value.untyped_storage().nbytes())
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, path + (i,))
+
+    walk(node.meta.get("val"), ())
+    return out
+
+
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
     """fx node -> its kernel step: the first scheduler node whose IR comes from it (a node lowered to an
     extern kernel, such as attention's fallback or an extern matmul: that kernel's step, not the earlier
-    kernels that copy its inputs into the layout it needs, which name it among their origins too), pulled
-    back to the step of its earliest user (a node Inductor inlines into a kernel is computed there, even
-    when the first kernel that names it comes later: an `iota` of positions also read by the loss); a node
-    no kernel names and no user bounds (a view of an output) runs at the step of its latest input."""
+    kernels that copy its inputs into the layout it needs, which name it among their origins too), or the
+    first step of a user when that is earlier (a node Inductor inlines into its users' kernels and stores
+    only later: gpt2's position `iota`, saved for backward by the forward's last kernel), never before the
+    steps of its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of
+    its latest input."""
     from torch._inductor import ir
     first: dict = {}
     first_extern: dict = {}
@@ -314,18 +346,15 @@ def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
                 if kernel_op is not None and origin.target is kernel_op:
                     first_extern.setdefault(origin, i)
     first.update(first_extern)
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
-    bound: dict = {}
-    for node in reversed(nodes):
-        steps = [bound[u] for u in _users_through_getitems(node) if bound.get(u) is not None]
-        if node in first:
-            steps.append(first[node])
-        bound[node] = min(steps, default=None)
     step_of: dict = {}
-    for node in nodes:
-        if bound[node] is None:
-            bound[node] = max((step_of[a] for a in _producers(node) if a in step_of), default=0)
-        step_of[node] = bound[node]
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        named = [first[u] for u in _users_through_getitems(node) if u in first]
+        if node in first:
+            named.append(first[node])
+        latest_input = max((step_of.get(a, 0) for a in _producers(node)), default=0)
+        step_of[node] = max(min(named, default=0), latest_input)
     return step_of
 
 
