@@ -19,8 +19,8 @@ Kernel-internal scratch of the CPU flash-attention kernels is sized by tracer.ca
 (`GraphPlan.scratch`); that of other extern kernels (oneDNN, CUDA attention) is not modelled, nor are CUDA
 graphs and `config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py, batch
 2, seq 256): every phase peak equals a real compiled CPU step on five models, with and without checkpointed
-blocks, except a backward whose peak is an attention backward: 256 B over (the row sums it allocates on
-the second thread, which the profiler does not record).
+blocks, except gpt2-debug's forward (8 B low) and a backward whose peak is an attention backward (256 B
+over: the row sums it allocates on the second thread, which the profiler does not record).
 """
 from __future__ import annotations
 
