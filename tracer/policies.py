@@ -43,7 +43,8 @@ class Policy:
 
 _KERNEL_SCRATCH = "kernel scratch"
 _EAGER_CHECKPOINT = "checkpointing is simulated as eager non-reentrant torch.utils.checkpoint"
-_INDUCTOR = ("kernel scratch of extern kernels (SDPA, oneDNN); Inductor's plan is its CPU backend's (on a CUDA "
+_INDUCTOR = ("kernel scratch of extern kernels other than CPU fp32 flash attention (oneDNN, CUDA or bf16 "
+             "attention); Inductor's plan is its CPU backend's (on a CUDA "
              "target Triton's fusion differs); CUDA graphs")
 
 POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (

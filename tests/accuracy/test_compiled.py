@@ -43,12 +43,19 @@ def _real_compiled_saved_bytes(model, batch, monkeypatch) -> int:
 
 
 @pytest.mark.slow
-def test_compiled_saved_bytes_equal_what_inductor_saves(monkeypatch, no_compile_caches):
+@pytest.mark.parametrize("policy", ["compiled", "compiled+full", "compiled+selective"])
+def test_compiled_saved_bytes_equal_what_inductor_saves(policy, monkeypatch, compiled_vs_profiler,
+                                                        no_compile_caches):
+    """With checkpointed blocks (compiled+full / compiled+selective: the blocks in torch.utils.checkpoint,
+    as the benchmark wraps them) too: the partition of the tagged joint saves what torch.compile's does."""
     source = load_model_source("llama-debug")
     torch.manual_seed(0)
-    measured = _real_compiled_saved_bytes(source.build_model(), source.example_batch(2, 64), monkeypatch)
-    graphs = capture_steps(source, CaptureOptions(batch=2, seq=64, target="cpu"), (PolicySpec(name="compiled"),))
-    predicted = analyze_graphs(graphs).policies["compiled"]
+    model = source.build_model()
+    if policy != "compiled":
+        assert compiled_vs_profiler.checkpoint_blocks(model, policy.removeprefix("compiled+"))
+    measured = _real_compiled_saved_bytes(model, source.example_batch(2, 64), monkeypatch)
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=64, target="cpu"), (PolicySpec(name=policy),))
+    predicted = analyze_graphs(graphs).policies[policy]
     assert measured > 0
     assert predicted.saved.activation_bytes == measured
 
@@ -83,14 +90,19 @@ def test_compiled_gradient_accumulation_shows_the_second_backward_holding_every_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("style, backward_tolerance", [("whole+selective", 0.0), ("whole+full", 0.02)])
-def test_checkpointed_blocks_inside_torch_compile(style, backward_tolerance, compiled_vs_profiler,
-                                                  no_compile_caches):
+@pytest.mark.parametrize("model", ["llama-debug", "gpt2-debug"])
+@pytest.mark.parametrize("style", ["whole+selective", "whole+full"])
+def test_checkpointed_blocks_inside_torch_compile(model, style, compiled_vs_profiler, no_compile_caches):
     """`compiled+selective` / `compiled+full` against torch.compile of a model whose blocks run in
-    torch.utils.checkpoint (selective: tracer's default save policy as torch's policy_fn). The forward is
-    exact; the backward of full checkpointing is 1.7% under the real step (not yet explained, README)."""
-    predicted = compiled_vs_profiler.predicted_compiled_peaks("llama-debug", 2, 128, style)
-    measured = compiled_vs_profiler.measured_compiled_peaks("llama-debug", 2, 128, style)
-    assert predicted["forward"] == measured["forward"]
-    assert abs(predicted["backward"] - measured["backward"]) <= backward_tolerance * measured["backward"]
+    torch.utils.checkpoint (selective: tracer's default save policy as torch's policy_fn). Their peaks sit
+    at a CPU flash-attention kernel (full checkpointing's backward, gpt2's forward), so its scratch counts.
+    Forward exact (gpt2-debug's selective forward, which peaks at the loss: 8 B low, an 8-byte tensor the
+    plan does not have, as under the plain compiled policy); backward exact up to the row sums the
+    attention backward allocates on each worker thread of the intra-op pool, which the profiler does not
+    record (32 fp32 values each at seq 128)."""
+    predicted = compiled_vs_profiler.predicted_compiled_peaks(model, 2, 128, style)
+    measured = compiled_vs_profiler.measured_compiled_peaks(model, 2, 128, style)
+    worker_row_sums_bytes = (torch.get_num_threads() - 1) * 32 * 4
+    assert 0 <= measured["forward"] - predicted["forward"] <= 8
+    assert 0 <= predicted["backward"] - measured["backward"] <= worker_row_sums_bytes
     assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64

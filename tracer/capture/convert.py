@@ -303,14 +303,19 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
     sids = [table.add(None, StorageRole.INTERMEDIATE, nbytes=s.nbytes, dtype=shapes.get(i, ("uint8",))[0],
                       shape=shapes.get(i, (None, (s.nbytes,)))[1], name=f"inductor {s.name}")
             for i, s in enumerate(plan.storages)]
-    first_op, last_op = {}, {}
+    first_op, last_op, stored_later = {}, {}, {}
     for node in plan.order:
         step = plan.step_of[node]
         if phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
             ops.append(_tangent_op(tangent, table, values))
         recomputed = phase is Phase.BACKWARD and node.meta.get("partitioner_tag") != "is_backward"
-        outputs = [sids[e] if isinstance(e, int) else (values[e].storage_id if isinstance(e, fx.Node) else None)
-                   for e in plan.storage_of[node]]
+        # a value inlined into this step's kernels that a later kernel stores (positions saved for backward)
+        later = [isinstance(e, int) and plan.storages[e].alloc_step > step for e in plan.storage_of[node]]
+        if any(later):
+            stored_later[node] = plan.storage_of[node]
+        outputs = [None if late else sids[e] if isinstance(e, int) else
+                   (values[e].storage_id if isinstance(e, fx.Node) else None)
+                   for e, late in zip(plan.storage_of[node], later)]
         ops.append(_convert_node(node, phase, recomputed, table, values, output_sids=outputs))
         node_pos[node] = len(ops) - 1
         _bind_items(node, values, node_pos)
@@ -318,11 +323,19 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
         last_op[step] = len(ops) - 1
     for i, storage in enumerate(plan.storages):
         at = _op_at_or_after(first_op, storage.alloc_step)
-        if at is None:
-            raise CaptureError(f"Inductor allocates {storage.name} in a kernel after the graph's last op")
+        if at is None:      # the last kernels only finish values of earlier ops (the loss's final reduction)
+            at = max(last_op.values())
         ops[at].kwargs = tuple(ops[at].kwargs) + (("inductor_allocates", TensorValue(sids[i], (storage.nbytes,), "uint8")),)
         if storage.release_step is not None:
             table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))
+    for node, sizes in plan.scratch.items():
+        _add_kernel_scratch(ops[node_pos[node]], node_pos[node], sizes, table)
+    for node, entries in stored_later.items():      # what reads it later (the backward) reads the stored copy
+        flat = list(_iter_tensor_values(values[node]))
+        stored = {id(t): TensorValue(sids[e], v.shape, v.dtype) if isinstance(e, int) else v
+                  for t, v, e in zip(_tensors(node.meta.get("val")), flat, entries)}
+        values[node] = _structure(node.meta.get("val"), stored)
+        _bind_items(node, values, node_pos)
     for placeholder, step in plan.input_release_step.items():
         value = values.get(placeholder)
         if isinstance(value, TensorValue):
@@ -331,6 +344,15 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
                     and (releasable is None or value.storage_id in releasable):
                 table.update(value.storage_id, released_after_op=_op_at_or_before(last_op, step, 0))
     return sids
+
+
+def _add_kernel_scratch(op, index: int, sizes: tuple[int, ...], table) -> None:
+    """Scratch a kernel allocates and frees inside its call (`GraphPlan.scratch`): storages of the op (a
+    `kernel_scratch` keyword, which the formulas ignore), released right after it."""
+    for nbytes in sizes:
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=nbytes, dtype="uint8", shape=(nbytes,),
+                        name=f"kernel scratch of {op.target}", released_after_op=index)
+        op.kwargs = tuple(op.kwargs) + (("kernel_scratch", TensorValue(sid, (nbytes,), "uint8")),)
 
 
 def _bind_items(node: fx.Node, values, node_pos) -> None:

@@ -15,10 +15,12 @@ order and buffer planning, run on the captured joint under fake tensors, without
 The scheduler is Inductor's CPU (C++) backend for every target: a CUDA run fuses with Triton's rules, keeps
 no kernel-local buffers of the C++ backend's outer-loop fusion, and may pick Triton templates under
 max-autotune; those differences are not modelled (the report says so for a CUDA target).
-Not modelled either: kernel-internal scratch of extern kernels (SDPA, oneDNN), outputs of a multi-output
-fallback kernel that the wrapper never names (freed with the tuple right after the call), CUDA graphs, and
-`config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py): every phase peak
-equals a real compiled CPU step on five models except gpt2-debug's forward, 8 B low.
+Kernel-internal scratch of the CPU flash-attention kernels is sized by tracer.capture.kernel_scratch
+(`GraphPlan.scratch`); that of other extern kernels (oneDNN, CUDA attention) is not modelled, nor are CUDA
+graphs and `config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py, batch
+2, seq 256): every phase peak equals a real compiled CPU step on five models, with and without checkpointed
+blocks, except gpt2-debug's forward (8 B low) and a backward whose peak is an attention backward (256 B
+over: the row sums it allocates on the second thread, which the profiler does not record).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class GraphPlan:
     storage_of: dict                                   # fx node -> per tensor output: storage index, placeholder, None
     input_release_step: dict                           # placeholder node -> step after which the graph frees it
     steps: int
+    scratch: dict = dataclasses.field(default_factory=dict)   # fx node -> bytes of each kernel-internal scratch
 
 
 def inductor_partition(joint: fx.GraphModule, fake_mode, *, num_fwd_outputs: int, static_inputs: list[int]):
@@ -141,7 +144,17 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
                 _real_rng_state_allowed(fake_mode):
             graph.run(*inputs)
             graph.codegen()
-            return _read_plan(gm, graph)
+            plan = _read_plan(gm, graph)
+    return dataclasses.replace(plan, scratch=_kernel_scratch(plan.order))
+
+
+def _kernel_scratch(order) -> dict:
+    """fx node -> the scratch its extern kernel allocates while it runs (tracer.capture.kernel_scratch), on
+    this process's intra-op thread count."""
+    from tracer.capture.kernel_scratch import scratch_allocations
+    threads = torch.get_num_threads()
+    scratch = {node: scratch_allocations(node, threads) for node in order}
+    return {node: sizes for node, sizes in scratch.items() if sizes}
 
 
 @contextlib.contextmanager
@@ -232,6 +245,8 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
     names = _Names(placeholder_names)
     input_release: dict = {}
     pending_tuples: dict[str, int] = {}                # multi-output extern call -> its step
+    tuple_kernels: dict = {}                           # multi-output extern call -> its IR node
+    claimed: dict[str, set] = {}                       # multi-output extern call -> index paths the wrapper names
     step = 0
     for line in graph.wrapper_code.lines:
         for candidate in (getattr(line, "scheduler_node_index", None), graph.line_steps.get(id(line))):
@@ -259,11 +274,17 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
                 names.storages[released]["release_step"] = step
             elif released is not None:
                 input_release[released] = step
+            if name in pending_tuples:
+                for nbytes in _unnamed_outputs(tuple_kernels[name], claimed.get(name, set())):
+                    names.allocate(f"{name} output", nbytes, pending_tuples[name])
+                    names.storages[-1]["release_step"] = step
+                    names.bound.pop(f"{name} output")
             pending_tuples.pop(name, None)
         elif isinstance(line, w.ExternKernelAllocLine):
             node = line.node
             if isinstance(node.layout, ir.MultiOutputLayout):
                 pending_tuples[node.get_name()] = step
+                tuple_kernels[node.get_name()] = node
             elif node.get_inputs_that_alias_output():
                 base = names.bound.get(node.inputs[0].get_name()) if node.inputs else None
                 if base is not None:
@@ -271,6 +292,7 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
             else:
                 names.allocate(node.get_name(), _nbytes(graph, node), step)
         elif isinstance(line, w.MultiOutputLine):
+            claimed.setdefault(line.arg_name, set()).add(tuple(index for _, index in line.indices))
             if line.arg_name in pending_tuples and line.result_name not in names.bound:
                 buffer = scheduler.name_to_buf[line.result_name].node
                 names.allocate(line.result_name, _nbytes(graph, buffer), pending_tuples[line.arg_name])
@@ -284,29 +306,74 @@ def _read_plan(gm: fx.GraphModule, graph) -> GraphPlan:
                      input_release_step=input_release, steps=steps)
 
 
+def _unnamed_outputs(kernel, claimed: set) -> list[int]:
+    """Bytes of each tensor output of a multi-output extern kernel that the wrapper never names (attention's
+    logsumexp when the backward recomputes it): it lives in the call's result tuple until the wrapper
+    deletes the tuple. The outputs are the fake value of the fx node the kernel runs."""
+    node = next((o for o in getattr(kernel, "origins", ()) or () if o.target is getattr(kernel, "op_overload", None)),
+                None)
+    if node is None:
+        return []
+    out = []
+
+    def walk(value, path):
+        if isinstance(value, torch.Tensor):
+            if path not in claimed:
+                out.append(value.untyped_storage().nbytes())
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, path + (i,))
+
+    walk(node.meta.get("val"), ())
+    return out
+
+
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
-    """fx node -> the first scheduler node (kernel step) whose IR comes from it, never before the steps of
-    its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of its latest
-    input."""
+    """fx node -> its kernel step: the first scheduler node whose IR comes from it (a node lowered to an
+    extern kernel, such as attention's fallback or an extern matmul: that kernel's step, not the earlier
+    kernels that copy its inputs into the layout it needs, which name it among their origins too), or the
+    first step of a user when that is earlier (a node Inductor inlines into its users' kernels and stores
+    only later: gpt2's position `iota`, saved for backward by the forward's last kernel), never before the
+    steps of its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of
+    its latest input."""
+    from torch._inductor import ir
     first: dict = {}
+    first_extern: dict = {}
     for i, snode in enumerate(scheduler.nodes):
         for sub in snode.get_nodes():
+            kernel_op = getattr(sub.node, "op_overload", None) if isinstance(sub.node, ir.ExternKernel) else None
             for origin in getattr(sub.node, "origins", ()) or ():
                 first.setdefault(origin, i)
+                if kernel_op is not None and origin.target is kernel_op:
+                    first_extern.setdefault(origin, i)
+    first.update(first_extern)
     step_of: dict = {}
-
-    def step_of_input(node):
-        while node.target is operator.getitem:
-            node = node.args[0]
-        return step_of.get(node, 0)
-
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        latest_input = max((step_of_input(a) for a in node.all_input_nodes), default=0)
-        # a kernel that prepares an op's inputs may name the op among its origins: never before its inputs
-        step_of[node] = max(first.get(node, 0), latest_input)
+        named = [first[u] for u in _users_through_getitems(node) if u in first]
+        if node in first:
+            named.append(first[node])
+        latest_input = max((step_of.get(a, 0) for a in _producers(node)), default=0)
+        step_of[node] = max(min(named, default=0), latest_input)
     return step_of
+
+
+def _users_through_getitems(node: fx.Node) -> list:
+    users = []
+    for user in node.users:
+        users += _users_through_getitems(user) if user.target is operator.getitem else [user]
+    return users
+
+
+def _producers(node: fx.Node) -> list:
+    """The call_function nodes whose outputs `node` reads (through getitems)."""
+    out = []
+    for arg in node.all_input_nodes:
+        while arg.target is operator.getitem:
+            arg = arg.args[0]
+        out.append(arg)
+    return out
 
 
 def _output_storages(node: fx.Node, graph, names: _Names) -> tuple:

@@ -133,6 +133,9 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
     donated = donated_inputs(forward, backward, num_fwd)
     forward_plan = plan_graph(forward, cap.fake_mode, is_backward=False)
     backward_plan = plan_graph(backward, cap.fake_mode, is_backward=True, donated=donated)
+    if forward_plan.scratch or backward_plan.scratch:
+        notes += (f"CPU flash-attention scratch sized for this process's {torch.get_num_threads()} intra-op "
+                  "threads (torch.get_num_threads(); it grows with the training run's thread count)",)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
                     compiled=True, notes=notes, forward_plan=forward_plan, backward_plan=backward_plan)
 

@@ -1,0 +1,100 @@
+"""Kernel scratch of the CPU flash-attention kernels (tracer.capture.kernel_scratch) against the allocations
+the real kernels make, seen by the profiler's allocator events: every allocation of one call minus its
+outputs is scratch."""
+import pytest
+import torch
+import torch.fx as fx
+
+from tracer.capture.kernel_scratch import scratch_allocations
+
+FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _allocations(call) -> tuple[list[int], object]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = call()
+    return [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0], result
+
+
+def _node(target, *values) -> fx.Node:
+    """A one-op fx graph whose tensor arguments carry the given values as `meta["val"]`."""
+    graph = fx.Graph()
+    args = []
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            placeholder = graph.placeholder(f"arg{i}")
+            placeholder.meta["val"] = value
+            args.append(placeholder)
+        else:
+            args.append(value)
+    return graph.call_function(target, tuple(args))
+
+
+def _nbytes(*tensors) -> list[int]:
+    return [t.untyped_storage().nbytes() for t in tensors]
+
+
+@pytest.fixture
+def threads():
+    """The intra-op thread count of the case, restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# (batch, heads, kv heads, seq, head dim, causal, gradient laid out (batch, seq, heads, dim)); seq 128, 256
+# and 800 take the three query block sizes (32, 64, 256), 800 also cuts the keys into blocks of 512
+CASES = [(2, 4, 2, 256, 16, True, True), (2, 4, 4, 128, 16, True, False), (1, 2, 2, 800, 32, False, True),
+         (2, 4, 4, 300, 24, False, False)]
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, seq, head_dim, causal, transposed_grad", CASES)
+def test_one_thread_scratch_equals_what_the_kernels_allocate(batch, heads, kv_heads, seq, head_dim, causal,
+                                                              transposed_grad, threads):
+    threads(1)
+    q = torch.randn(batch, heads, seq, head_dim)
+    k, v = torch.randn(2, batch, kv_heads, seq, head_dim)
+    allocated, (out, lse) = _allocations(lambda: FORWARD(q, k, v, 0.0, causal))
+    assert allocated == _nbytes(out, lse) + list(scratch_allocations(_node(FORWARD, q, k, v, 0.0, causal), 1))
+
+    grad = torch.randn(batch, seq, heads, head_dim).transpose(1, 2) if transposed_grad else torch.randn_like(out)
+    allocated, grads = _allocations(lambda: BACKWARD(grad, q, k, v, out, lse, 0.0, causal))
+    node = _node(BACKWARD, grad, q, k, v, out, lse, 0.0, causal)
+    assert allocated == _nbytes(*grads) + list(scratch_allocations(node, 1))
+
+
+def test_scratch_grows_with_threads_and_the_profiler_misses_the_worker_threads_row_sums(threads):
+    """Two threads: twice the block buffers, all seen; each thread's row sums, only the calling thread's seen."""
+    threads(2)
+    q, k, v = torch.randn(3, 2, 4, 256, 16)
+    allocated, (out, lse) = _allocations(lambda: FORWARD(q, k, v, 0.0, True))
+    forward = scratch_allocations(_node(FORWARD, q, k, v, 0.0, True), 2)
+    assert allocated == _nbytes(out, lse) + list(forward)
+    assert forward == (2 * 4 * (64 * 256 + 2 * 64 + 64 * 16),)
+
+    grad = torch.randn(2, 256, 4, 16).transpose(1, 2)
+    allocated, grads = _allocations(lambda: BACKWARD(grad, q, k, v, out, lse, 0.0, True))
+    backward = scratch_allocations(_node(BACKWARD, grad, q, k, v, out, lse, 0.0, True), 2)
+    assert backward == (2 * 2 * 64 * 256 * 4, 64 * 4, 64 * 4)
+    assert allocated == _nbytes(*grads) + list(backward[:-1])
+
+
+def test_checkpointing_rng_wrappers_are_the_kernel_they_wrap():
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    q, k, v = torch.randn(3, 1, 2, 64, 8)
+    plain = scratch_allocations(_node(FORWARD, q, k, v, 0.0, True), 2)
+    graph = fx.Graph()
+    inputs = []
+    for name, value in zip("qkv", (q, k, v)):
+        inputs.append(graph.placeholder(name))
+        inputs[-1].meta["val"] = value
+    saving = graph.call_function(run_and_save_rng_state, (FORWARD, *inputs, 0.0, True))
+    replaying = graph.call_function(run_with_rng_state, (graph.placeholder("rng"), FORWARD, *inputs, 0.0, True))
+    assert plain and scratch_allocations(saving, 2) == scratch_allocations(replaying, 2) == plain
+
+
+def test_reduced_precision_and_other_ops_have_no_modelled_scratch():
+    q, k, v = torch.randn(3, 1, 2, 64, 8, dtype=torch.bfloat16)
+    assert scratch_allocations(_node(FORWARD, q, k, v, 0.0, True), 2) == ()
+    assert scratch_allocations(_node(torch.ops.aten.mm.default, q[0, 0], k[0, 0].T), 2) == ()

@@ -1,0 +1,85 @@
+"""Kernel-internal scratch of extern CPU kernels that compiled code calls: bytes a kernel allocates through
+the allocator and frees before it returns, invisible to the dispatcher (so to every graph) but live while
+the kernel runs, and at a compiled step's backward peak when that peak is an attention backward.
+
+`scratch_allocations(node, threads)` -> the sizes in bytes of the scratch tensors one call of the fx node's
+kernel allocates (a wrapper of checkpointing's RNG replay, `run_and_save_rng_state` /
+`run_with_rng_state`, is the kernel it wraps), () for kernels with no known scratch. Registered: ATen's
+CPU flash attention (FlashAttentionKernel.cpp), which splits queries into blocks of 32, 64 or 256 rows
+(query length < 192, < 768, longer) and keys into blocks of at most 512, and allocates per thread of the
+intra-op pool (`threads`, torch.get_num_threads() of the run):
+  * forward: one fp32 buffer of threads x (q_block x kv_block + 2 x q_block + q_block x head_dim);
+  * backward: one fp32 buffer of threads x 2 x q_block x kv_block, a contiguous copy of the output's
+    gradient when its (batch, seq, heads, dim) view is not contiguous, and a fp32 row sum of q_block
+    values in each thread (the profiler records only the calling thread's: its events of a
+    2-thread run are one row sum short of this).
+Measured on real CPU kernels (tests/capture/test_kernel_scratch.py). fp32 and fp64 only: bf16/fp16 runs
+add reduced-precision copies and per-block temporaries (and fp16 oneDNN packing on AMX CPUs) that are not
+modelled (no scratch is returned for them), nor is the scratch of other extern kernels (oneDNN matmul,
+CUDA attention).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+_FLASH_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+_FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+_KV_BLOCK_ROWS = 512
+_MODELLED_DTYPES = (torch.float32, torch.float64)
+
+
+def scratch_allocations(node: fx.Node, threads: int) -> tuple[int, ...]:
+    target, args = _kernel_call(node)
+    values = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in args]
+    if target == _FLASH_FORWARD:
+        return _flash_forward_scratch(values[0], values[1], threads)
+    if target == _FLASH_BACKWARD:
+        return _flash_backward_scratch(values[0], values[1], values[2], threads)
+    return ()
+
+
+def _kernel_call(node: fx.Node) -> tuple[str, tuple]:
+    """(aten overload name, its arguments) of the kernel the node runs, through checkpointing's RNG wrappers."""
+    name = getattr(node.target, "__name__", "")
+    if name == "run_and_save_rng_state":
+        return str(node.args[0]), node.args[1:]
+    if name == "run_with_rng_state":
+        return str(node.args[1]), node.args[2:]
+    return str(node.target), node.args
+
+
+def _query_block_rows(query_len: int) -> int:
+    block = 256 if query_len >= 768 else 64 if query_len >= 192 else 32
+    return min(block, query_len)
+
+
+def _blocks(query, key) -> tuple[int, int, int] | None:
+    """(query rows per block, key rows per block, fp32 accumulator bytes); None where not modelled.
+    Shapes are (batch, heads, seq, head_dim)."""
+    if not all(isinstance(t, torch.Tensor) for t in (query, key)) or query.dtype not in _MODELLED_DTYPES:
+        return None
+    accumulator_bytes = query.element_size()           # the accumulator of fp32 and fp64 is their own dtype
+    return _query_block_rows(query.shape[2]), min(_KV_BLOCK_ROWS, key.shape[2]), accumulator_bytes
+
+
+def _flash_forward_scratch(query, key, threads: int) -> tuple[int, ...]:
+    blocks = _blocks(query, key)
+    if blocks is None:
+        return ()
+    q_rows, kv_rows, accumulator_bytes = blocks
+    head_dim = query.shape[3]
+    per_thread = q_rows * kv_rows + 2 * q_rows + q_rows * head_dim     # scores, row max, row sum, output block
+    return (threads * per_thread * accumulator_bytes,)
+
+
+def _flash_backward_scratch(grad_out, query, key, threads: int) -> tuple[int, ...]:
+    blocks = _blocks(query, key)
+    if blocks is None or not isinstance(grad_out, torch.Tensor):
+        return ()
+    q_rows, kv_rows, accumulator_bytes = blocks
+    scratch = [threads * 2 * q_rows * kv_rows * accumulator_bytes]     # attention and its gradient, per block
+    if not grad_out.transpose(1, 2).is_contiguous():
+        scratch.insert(0, grad_out.numel() * grad_out.element_size())    # the kernel's grad_out.contiguous()
+    scratch += [q_rows * accumulator_bytes] * threads                    # each thread's row sums
+    return tuple(scratch)
