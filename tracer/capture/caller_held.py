@@ -140,7 +140,7 @@ def find_kept_storages(ops, table, kept: tuple[KeptOutput, ...]) -> tuple[dict[i
 def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resident_bytes: int,
                         retain_graph: bool) -> list[str]:
     """Mark what the loop holds on the step's storages (before they are frozen); returns the notes."""
-    from tracer.capture import _input_values
+    from tracer.capture.convert import input_values
     from tracer.stepgraph import StorageRole
 
     last = len(ops) - 1
@@ -161,7 +161,7 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
     if retain_graph:
         made_in_forward = {v.storage_id for d in ops if d.phase is Phase.FORWARD for v in d.outputs}
         saved = {v.storage_id for d in ops if d.phase is Phase.BACKWARD
-                 for v in _input_values(d) if v.storage_id in made_in_forward}
+                 for v in input_values(d) if v.storage_id in made_in_forward}
         for sid in saved:
             if table.get(sid).role is StorageRole.INTERMEDIATE:
                 table.update(sid, held_until_op=max(last, table.get(sid).held_until_op or -1))

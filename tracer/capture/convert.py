@@ -625,3 +625,9 @@ def target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
     return getattr(target, "__name__", str(target))
+
+
+def input_values(d: OpDraft) -> tuple:
+    """The tensor values an op reads (its args and keyword values)."""
+    from tracer.stepgraph import _iter_values
+    return tuple(_iter_values((d.args, tuple(v for _, v in d.kwargs))))

@@ -1,0 +1,195 @@
+"""Eager torch.utils.checkpoint's lifetimes on a converted (non-compiled) step, per checkpointed region.
+
+`eager_checkpoint_semantics(ops, table)` applies, in place, what eager checkpointing keeps beyond what the
+partition needs: the CPU RNG state saved at the region's entry and the one fork_rng stashes while it
+recomputes; MUST_SAVE outputs of a selective region, cached until the recompute pops them (or until the
+region's backward ends when the recompute stops before them); reentrant regions' saved inputs and rerun
+outputs until the region's backward ends; and a recomputed value freed when the backward node that unpacked
+it returns (before the engine's `sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values
+as the forward's Python locals held their twins. The recompute's place (at the region's first unpacking
+backward node) is set when the backward graph is made (tracer/capture/policies.py).
+Not modelled: tensors a checkpointed callable receives but never reads; under use_reentrant=True, tensors a
+functools.partial holds until the graph dies.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from tracer.capture.convert import OpDraft, input_values
+from tracer.capture.storages import StorageTable
+from tracer.stepgraph import Phase, StorageRole, TensorValue
+
+
+def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
+    """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
+    the CPU RNG state it saves at entry (preserve_rng_state=True) when the partition saved none, held
+    until the region's recompute ends; the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
+    cached from forward until the region's recompute has run."""
+    first_forward: dict[int, int] = {}
+    recompute_start: dict[int, int] = {}
+    recompute_end: dict[int, int] = {}
+    first_backward = next((i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD), len(ops) - 1)
+    has_rng_state = set()
+    for i, d in enumerate(ops):
+        region = d.checkpoint_region
+        if region is None:
+            continue
+        if d.phase is Phase.FORWARD:
+            first_forward.setdefault(region, i)
+            if d.name.startswith("run_and_save_rng_state"):
+                has_rng_state.add(region)
+        elif d.recomputed:
+            recompute_start.setdefault(region, i)
+            recompute_end[region] = i
+    # the checkpoint frame (and the RNG state in it) lives while any backward node of the region still holds
+    # a saved tensor: until the region's last backward op (a forward op's backward shares its seq_nr)
+    region_of_seq = {d.seq_nr: d.checkpoint_region for d in ops
+                     if d.phase is Phase.FORWARD and d.checkpoint_region is not None and d.seq_nr is not None}
+    backward_end: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.phase is Phase.BACKWARD and region_of_seq.get(d.seq_nr) is not None:
+            backward_end[region_of_seq[d.seq_nr]] = i
+    last_rerun_seq = _last_rerun_seq(ops)
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.must_save and not d.is_view:
+            region = d.checkpoint_region
+            reached = d.seq_nr is not None and d.seq_nr <= last_rerun_seq.get(region, -1)
+            # the recompute pops the cached output when it reaches the op; one it stops before stays cached
+            # in the checkpoint frame until the frame dies
+            end = recompute_end.get(region, first_backward) if reached else \
+                max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
+            for value in d.outputs:
+                held = table.get(value.storage_id).held_until_op
+                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
+    _hold_reentrant_values(ops, table, backward_end)
+    _release_unpacked_recomputes(ops, table)
+    reentrant = {d.checkpoint_region for d in ops if d.rerun}
+    rng_bytes = torch.get_rng_state().numel()
+    for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
+                        name=f"RNG state stashed during recompute, region {region}")
+        ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
+        table.update(sid, held_until_op=recompute_end[region])
+    for region, start in first_forward.items():
+        if region in has_rng_state:
+            continue
+        sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
+                        name=f"checkpoint RNG state, region {region}")
+        state = TensorValue(sid, (rng_bytes,), "uint8")
+        ops[start].outputs = ops[start].outputs + (state,)
+        if region in recompute_start:        # the recompute restores it: saved for backward
+            rerun = ops[recompute_start[region]]
+            rerun.kwargs = tuple(rerun.kwargs) + (("checkpoint_rng_state", state),)
+        table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
+        if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
+            table.update(sid, persistent=True)
+
+
+def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[int, int]) -> None:
+    """A checkpointed region's recompute reruns the region's Python code, so a local that held a forward
+    value inside the region holds its recomputed twin too: until the twin of the op where the forward let
+    it go, or until the recompute stops (the early stop unwinds the frames). Holds that outlast the region
+    belong to the caller's frames, which are not rerun."""
+    last_forward: dict[int, int] = {}
+    twins: dict[tuple, int] = {}
+    seen: collections.Counter = collections.Counter()
+    recompute_end: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.recomputed and not d.rerun and d.checkpoint_region is not None and d.seq_nr is not None:
+            key = (d.seq_nr, d.target)
+            twins[key + (seen[key],)] = i
+            seen[key] += 1
+            recompute_end[d.checkpoint_region] = i
+    seen.clear()
+    forward_twin: dict[int, int] = {}        # forward op index -> its recomputed twin's index
+    for i, d in enumerate(ops):
+        if d.phase is Phase.FORWARD and d.seq_nr is not None:
+            key = (d.seq_nr, d.target)
+            if key + (seen[key],) in twins:
+                forward_twin[i] = twins[key + (seen[key],)]
+            seen[key] += 1
+            if d.checkpoint_region is not None:
+                last_forward[d.checkpoint_region] = i
+    for f, r in forward_twin.items():
+        region = ops[r].checkpoint_region
+        for value, twin_value in zip(ops[f].outputs, ops[r].outputs):
+            held = holds.get(value.storage_id)
+            if held is None or held <= f or held > last_forward.get(region, -1) or ops[r].is_view:
+                continue
+            until = next((forward_twin[j] for j in range(held, last_forward[region] + 1) if j in forward_twin),
+                         recompute_end[region])
+            until = min(until, recompute_end[region])
+            previous = table.get(twin_value.storage_id).held_until_op
+            table.update(twin_value.storage_id, held_until_op=max(until, previous if previous is not None else -1))
+
+
+def _release_unpacked_recomputes(ops: list[OpDraft], table: StorageTable) -> None:
+    """A value a non-reentrant region recomputes is held by the checkpoint frame only until a backward node
+    unpacks it; from then on only that node's local holds it, which dies when the node's formula returns,
+    before the engine reduces the node's gradients to their inputs' shapes (`sum_to`: a keepdim `sum` and
+    its `view` at the node's end in the graph, such as a bias gradient's). So it is freed after the last
+    formula op of the last node that reads it, not after that node's reductions."""
+    last_use: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        for value in d.outputs + tuple(input_values(d)):
+            last_use[value.storage_id] = i
+    formula_end: dict[int, int] = {}        # seq_nr -> its node's last op before the engine's reductions
+    for i, d in enumerate(ops):
+        if d.phase is Phase.BACKWARD and not d.recomputed and d.seq_nr is not None and not _engine_reduction(d):
+            formula_end[d.seq_nr] = i
+    for d in ops:
+        if not d.recomputed or d.rerun or d.is_view:
+            continue
+        for value in d.outputs:
+            entry = table.get(value.storage_id)
+            if entry.role is not StorageRole.INTERMEDIATE or entry.released_after_op is not None:
+                continue
+            last = last_use[value.storage_id]
+            if ops[last].recomputed:
+                continue       # used up inside the recompute: never unpacked by a backward node
+            held = entry.held_until_op if entry.held_until_op is not None else -1
+            table.update(value.storage_id,
+                         released_after_op=max(last, held, formula_end.get(ops[last].seq_nr, last)))
+
+
+def _engine_reduction(d: OpDraft) -> bool:
+    """An op of the autograd engine's `sum_to` after a node's formula: a keepdim sum, or a view of one."""
+    if d.target == "aten.sum.dim_IntList":
+        return dict(d.kwargs).get("keepdim", len(d.args) > 2 and d.args[2] is True) is True
+    return d.is_view
+
+
+def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
+    """Per checkpointed region, the forward sequence number where eager's recompute stops: the last op
+    whose output the region's backward reads, recomputed or (a MUST_SAVE op, popped from the cache) kept."""
+    read_by_backward = {v.storage_id for d in ops if d.phase is Phase.BACKWARD and not d.recomputed
+                        for v in input_values(d)}
+    last: dict[int, int] = {}
+    for d in ops:
+        if d.checkpoint_region is None or d.seq_nr is None:
+            continue
+        if d.recomputed or (d.phase is Phase.FORWARD and d.must_save
+                            and any(v.storage_id in read_by_backward for v in d.outputs)):
+            last[d.checkpoint_region] = max(last.get(d.checkpoint_region, -1), d.seq_nr)
+    return last
+
+
+def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
+    """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
+    `outputs` local of CheckpointFunction.backward) until the region's backward has run."""
+    produced_in: dict[int, int | None] = {}
+    for d in ops:
+        for value in d.outputs:
+            produced_in.setdefault(value.storage_id, d.checkpoint_region if d.rerun else None)
+    for d in ops:
+        end = backward_end.get(d.checkpoint_region)
+        if not d.rerun or end is None:
+            continue
+        held = list(d.outputs) if d.held_to_region_end else []
+        held += [v for v in input_values(d) if produced_in.get(v.storage_id) != d.checkpoint_region]
+        for value in held:
+            storage = table.get(value.storage_id)
+            if storage.role is StorageRole.INTERMEDIATE:
+                table.update(value.storage_id, held_until_op=max(end, storage.held_until_op or -1))
