@@ -26,7 +26,6 @@ import collections
 import copy
 import fnmatch
 import operator
-import re
 
 import torch
 
@@ -34,14 +33,14 @@ from tracer.capture.convert import HELD_KEY, fill_rng_wrapper_values, REGION_KEY
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
+from tracer.passes.blocks import BLOCK_RE
 from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
 BACKWARD_REGION_KEY = "tracer_backward_of_region"   # a backward node of a checkpointed region's forward op
-_BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 def block_of(module_path: str) -> str | None:
-    match = _BLOCK_RE.match(module_path)
+    match = BLOCK_RE.match(module_path)
     return match.group(1) if match else None
 
 
