@@ -12,6 +12,8 @@ before the first import of the model to the answer:
   tracer eager  tracer.analyze(policies=("eager",))
   tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full"))
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
+  tracer levers tracer.levers.run_levers: the what-if table (`--levers --world-size 8`), whose goal
+                (issue 18) is about the time of `tracer all`
 With `--repeat N` each row is the run with the median wall time of N. The ratios are against
 `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
 be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
@@ -43,6 +45,12 @@ elif mode == "depth-all":
     from tracer.planning import analyze_by_depth
     report = analyze_by_depth(model, batch=batch, seq=seq, policies=POLICIES)
     extra["peak_bytes"] = report.policies["eager"].peak_bytes
+elif mode == "tracer-levers":
+    from tracer.levers import run_levers
+    from tracer.pipeline import AnalysisOptions
+    table = run_levers(model, AnalysisOptions(batch=batch, seq=seq), world_size=8)
+    extra["peak_bytes"] = table.baseline.peak_bytes
+    extra["captures"] = table.captures
 elif mode == "export":
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tracer.capture.model_input import load_model_source
@@ -79,7 +87,7 @@ rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 """
 
-MODES = ("export", "memtracker", "tracer-eager", "tracer-all", "depth-all")
+MODES = ("export", "memtracker", "tracer-eager", "tracer-all", "depth-all", "tracer-levers")
 
 
 def run_median(mode: str, model: str, batch: int, seq: int, repeat: int) -> dict:

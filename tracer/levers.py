@@ -111,21 +111,27 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
     planned = [(lever, *lever_options(lever, base, world_size)) for lever in levers]
     groups: dict = {}
     for _, options, _ in planned:
-        if options is not None:
-            groups.setdefault(joint_key(options.capture_options()), []).append(options)
+        if options is not None:      # levers differing only in passes over the step (sharding) share its graph
+            groups.setdefault(joint_key(options.capture_options()), {}).setdefault(_step_key(options), options)
     graph_of: dict = {}
     for members in groups.values():
-        for options, graph in zip(members, capture_variants(source, tuple(members), on_progress=on_progress)):
-            graph_of[id(options)] = graph
+        variants = tuple(members.values())
+        for key, graph in zip(members, capture_variants(source, variants, on_progress=on_progress)):
+            graph_of[key] = graph
     rows = tuple(_row(lever.name, options, reason, graph_of) for lever, options, reason in planned)
     return LeverTable(baseline=rows[0], rows=rows, captures=len(groups))
+
+
+def _step_key(options: AnalysisOptions) -> tuple:
+    """What decides a lever's captured step graph: its capture options and its policy."""
+    return options.capture_options(), options.policy_specs()[0]
 
 
 def _row(name: str, options: AnalysisOptions | None, reason: str, graph_of: dict) -> LeverRow:
     if options is None:
         return LeverRow(lever=name, options=None, reason=reason)
     label = options.policy_specs()[0].label
-    result = analyze_captured({label: graph_of[id(options)]}, options).policies[label]
+    result = analyze_captured({label: graph_of[_step_key(options)]}, options).policies[label]
     sharded = result.sharded
     categories = sharded.by_category_at_peak if sharded is not None else result.at_peak.by_category
     device = result.rank_device or result.device

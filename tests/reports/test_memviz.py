@@ -25,17 +25,37 @@ def test_reader_reads_back_the_predicted_numbers(analysis, tmp_path):
     path = tmp_path / "predicted.pickle"
     write_memviz_snapshot(analysis, path)
     reading = read_snapshot(path)                                  # restricted unpickler: plain data only
-    assert reading.peak_bytes == result.peak_bytes
+    extra = result.device.extra_bytes if result.device is not None else 0   # a CUDA target's cuBLAS workspaces
+    assert reading.peak_bytes == result.peak_bytes + extra
     assert reading.peak_phase == result.peak_phase
-    assert reading.before_bytes == result.start_bytes
-    assert reading.end_bytes == result.end_bytes == reading.end_bytes_from_segments
+    assert reading.before_bytes == result.start_bytes + extra
+    assert reading.end_bytes == result.end_bytes + extra == reading.end_bytes_from_segments
     assert reading.reserved_start_bytes <= reading.reserved_peak_bytes == reading.reserved_end_bytes
     alloc_phases = {op.phase.value for op in analysis.graph.ops
                     if any(iv.alloc_op == op.index and iv.nbytes for iv in result.liveness.intervals)}
     for phase in alloc_phases:                                     # per-phase peaks, from the frames alone
-        assert reading.phases[phase] == result.phases[phase].peak_bytes
+        assert reading.phases[phase] == result.phases[phase].peak_bytes + extra
     # the timeline after each op's last alloc is live_during of that op
-    assert max(reading.timeline) == max(result.liveness.live_during)
+    assert max(reading.timeline) == max(result.liveness.live_during) + extra
+
+
+def test_the_device_view_settings_and_workspaces_reach_the_snapshot(llama_debug):
+    """A CUDA target's snapshot replays the device view's stream: the cuBLAS workspaces are blocks before the
+    step, and --alloc-conf's settings place the blocks (expandable segments) and are recorded."""
+    import tracer
+
+    default = predicted_snapshot(llama_debug)
+    workspaces = [b for seg in default["segments"] for b in seg["blocks"]
+                  if any("workspace" in f["name"].lower() for f in b["frames"])]
+    device = llama_debug.policies["eager"].device
+    assert len(workspaces) == len(device.extra) == 2 and {b["requested_size"] for b in workspaces} == {32 * 2**20}
+    assert default["allocator_settings"]["expandable_segments"] is False
+    expandable = tracer.analyze("llama-debug", batch=2, seq=32, alloc_conf="expandable_segments:True")
+    data = predicted_snapshot(expandable)
+    assert data["allocator_settings"] == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "max_split_size": -1,
+                                          "garbage_collection_threshold": 0.0, "expandable_segments": True}
+    assert all(seg["is_expandable"] for seg in data["segments"])
+    assert len(data["segments"]) < len(default["segments"])      # one growing segment per pool
 
 
 def test_memory_viz_functions_accept_it(analysis):
@@ -89,7 +109,7 @@ def test_trace_is_a_valid_allocator_stream(analysis):
         starts = [b["address"] for b in seg["blocks"]]
         assert starts[0] == seg["address"] and starts == sorted(starts)
     active = sum(b["requested_size"] for s in data["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
-    assert active == result.end_bytes
+    assert active == result.end_bytes + (result.device.extra_bytes if result.device is not None else 0)
 
 
 def test_round_trip_through_pickle_keeps_the_dict(synthetic, tmp_path):

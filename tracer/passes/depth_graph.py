@@ -59,7 +59,7 @@ def synthesize_depth(graph: StepGraph, depth: int) -> StepGraph:
     if copies == 0:
         return graph
     tags = _Tags(graph, blocks)
-    align = _Alignment(graph, tags)
+    align = _Alignment(graph, tags, blocks)
     return _Builder(graph, blocks, tags, align, copies).build()
 
 
@@ -162,7 +162,7 @@ def _runs(tags: list, wanted: int) -> list[list[int]]:
 class _Alignment:
     """Block 1's elements -> block 2's: `op[i]`, and `storage[s]` for every storage block 1 touches."""
 
-    def __init__(self, graph: StepGraph, tags: _Tags):
+    def __init__(self, graph: StepGraph, tags: _Tags, blocks: list[str]):
         self.graph, self.tags = graph, tags
         base_runs, next_runs = _runs(tags.op, _BASE), _runs(tags.op, _NEXT)
         if [len(r) for r in base_runs] != [len(r) for r in next_runs]:
@@ -178,12 +178,27 @@ class _Alignment:
             if tag is None:
                 for items in _lists(op):
                     self._pair_entries(items, op)
+        self._pair_untouched_by_name(blocks)
         for s in graph.storages:
             if tags.storage[s.storage_id] == _BASE and s.storage_id not in self.storage:
                 raise DepthError(f"storage {s.storage_id} ({s.name or s.role.value}) of block {_BASE} has no "
                                  f"counterpart in block {_NEXT}")
         self.storage_inverse = {b: a for a, b in self.storage.items()}
         self.op_inverse = {b: a for a, b in self.op.items()}
+
+    def _pair_untouched_by_name(self, blocks: list[str]) -> None:
+        """Named block-1 storages no op pairs (optimizer state a fused step never reads as a tensor, e.g.
+        the simulated bitsandbytes moments) -> the block-2 storage of the same name relative to the block."""
+        base, other = blocks[_BASE] + ".", blocks[_NEXT] + "."
+        paired = set(self.storage.values())
+        by_name = {s.name: s for s in self.graph.storages
+                   if s.name and self.tags.storage[s.storage_id] == _NEXT and s.storage_id not in paired}
+        for s in self.graph.storages:
+            if self.tags.storage[s.storage_id] != _BASE or s.storage_id in self.storage or not s.name.startswith(base):
+                continue
+            twin = by_name.get(other + s.name[len(base):])
+            if twin is not None and _storage_shape(twin) == _storage_shape(s):
+                self.storage[s.storage_id] = twin.storage_id
 
     def _pair_ops(self, a: OpNode, b: OpNode) -> None:
         if _op_shape(a) != _op_shape(b):
