@@ -21,7 +21,6 @@ run compiles (the measured memory does not depend on them).
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import os
 import time
@@ -72,14 +71,9 @@ def model_source(name: str):
 
 
 def block_paths(model) -> list[str]:
-    """The repeated blocks (`layers.0`, `layers.1`, ...): module paths `prefix.N` under the most frequent prefix."""
-    from tracer.capture.policies import block_of
-    blocks = [name for name, _ in model.named_modules() if name and block_of(name) == name]
-    prefixes = collections.Counter(b.rsplit(".", 1)[0] for b in blocks)
-    if not prefixes or prefixes.most_common(1)[0][1] < 2:
-        return []
-    top = prefixes.most_common(1)[0][0]
-    return [b for b in blocks if b.rsplit(".", 1)[0] == top]
+    """The repeated blocks (`layers.0`, `layers.1`, ...), by tracer's rule (passes.blocks)."""
+    from tracer.passes.blocks import most_frequent_blocks
+    return most_frequent_blocks(name for name, _ in model.named_modules())
 
 
 def phase_names(accumulate: int) -> tuple[str, ...]:

@@ -33,39 +33,26 @@ from tracer.capture.convert import HELD_KEY, fill_rng_wrapper_values, REGION_KEY
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
-from tracer.passes.blocks import BLOCK_RE
+from tracer.passes.blocks import most_frequent_blocks
 from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
 BACKWARD_REGION_KEY = "tracer_backward_of_region"   # a backward node of a checkpointed region's forward op
 
 
-def block_of(module_path: str) -> str | None:
-    match = BLOCK_RE.match(module_path)
-    return match.group(1) if match else None
-
-
 def find_blocks(joint: torch.fx.GraphModule, pattern: str | None) -> list[str]:
-    """Block module paths in forward order."""
-    seen: dict[str, None] = {}
-    for node in joint.graph.nodes:
-        if node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward":
-            path = module_from_stack(node.meta.get("nn_module_stack"))
-            if pattern is not None:
-                parts = path.split(".")
-                for i in range(len(parts), 0, -1):
-                    if fnmatch.fnmatchcase(".".join(parts[:i]), pattern):
-                        seen.setdefault(".".join(parts[:i]))
-                        break
-            elif (block := block_of(path)) is not None:
-                seen.setdefault(block)
-    blocks = list(seen)
+    """Block module paths in forward order: those matching `pattern`, else passes.blocks' rule."""
+    paths = [module_from_stack(node.meta.get("nn_module_stack")) for node in joint.graph.nodes
+             if node.op == "call_function" and node.meta.get("partitioner_tag") != "is_backward"]
     if pattern is None:
-        prefixes = collections.Counter(b.rsplit(".", 1)[0] for b in blocks)
-        if not prefixes or prefixes.most_common(1)[0][1] < 2:
-            return []
-        top = prefixes.most_common(1)[0][0]
-        blocks = [b for b in blocks if b.rsplit(".", 1)[0] == top]
-    return blocks
+        return most_frequent_blocks(paths)
+    seen: dict[str, None] = {}
+    for path in paths:
+        parts = path.split(".")
+        for i in range(len(parts), 0, -1):
+            if fnmatch.fnmatchcase(".".join(parts[:i]), pattern):
+                seen.setdefault(".".join(parts[:i]))
+                break
+    return list(seen)
 
 
 def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:

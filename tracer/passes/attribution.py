@@ -8,8 +8,8 @@ to the module that owns them. Layers are module paths cut after the first numeri
 from __future__ import annotations
 
 import dataclasses
-import re
 
+from tracer.passes.blocks import BLOCK_RE
 from tracer.passes.liveness import BEFORE_STEP, Liveness
 from tracer.passes.saved import SavedTensors
 from tracer.stepgraph import OpNode, Phase, SourceLoc, StepGraph, StorageRole
@@ -73,7 +73,7 @@ def allocating_ops(graph: StepGraph, liveness: Liveness) -> tuple[OpNode | None,
 
 
 def layer_of(module_path: str) -> str:
-    match = re.match(r"^(.*?\.\d+)(\.|$)", module_path)
+    match = BLOCK_RE.match(module_path)
     if match:
         return match.group(1)
     return module_path.split(".", 1)[0] if module_path else ""

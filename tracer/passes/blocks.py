@@ -15,9 +15,15 @@ BLOCK_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
 def repeated_blocks(graph: StepGraph) -> list[str]:
+    return most_frequent_blocks(op.module for op in graph.ops if op.phase is Phase.FORWARD)
+
+
+def most_frequent_blocks(module_paths) -> list[str]:
+    """The block paths (`prefix.N`) the module paths run, in first-run order, of the prefix with the most
+    blocks; [] when no prefix has two. The one rule for "the model's layers" (capture and passes)."""
     seen: dict[str, None] = {}
-    for op in graph.ops:
-        if op.phase is Phase.FORWARD and (match := BLOCK_RE.match(op.module)):
+    for path in module_paths:
+        if match := BLOCK_RE.match(path):
             seen.setdefault(match.group(1))
     prefixes = collections.Counter(b.rsplit(".", 1)[0] for b in seen)
     if not prefixes or prefixes.most_common(1)[0][1] < 2:

@@ -132,7 +132,7 @@ def render_line_table(table: LineTable, *, top: int | None = None) -> str:
         if table.has_recompute_flops:
             text += f" {format_flops(r.recompute_flops or 0):>14}"
         code = f"  {r.source.code}" if r.source and r.source.code else ""
-        lines.append(f"{text}  {r.layers:<{layer_width}}  {_short_label(r.label)}{code}".rstrip())
+        lines.append(f"{text}  {r.layers:<{layer_width}}  {short_label(r.label)}{code}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +161,7 @@ def line_table_html(table: LineTable, *, top: int | None = None, table_id: str =
            "<tbody>"]
     for r in rows:
         code = r.source.code if r.source else ""
-        cells = [f'<td class="loc" title="{html.escape(r.label)}">{html.escape(_short_label(r.label))}</td>',
+        cells = [f'<td class="loc" title="{html.escape(r.label)}">{html.escape(short_label(r.label))}</td>',
                  f"<td><code>{html.escape(code)}</code></td>",
                  f"<td>{html.escape(r.layers)}</td>",
                  _num_cell(r.bytes_at_peak, format_bytes(r.bytes_at_peak)),
@@ -178,7 +178,8 @@ def _num_cell(value: int, text: str) -> str:
     return f'<td class="num" data-sort="{value}">{html.escape(text)}</td>'
 
 
-def _short_label(label: str) -> str:
+def short_label(label: str) -> str:
+    """"path:line" with the path as `short_path` prints it; a "(...)" label as it is."""
     if label.startswith("("):
         return label
     path, _, line = label.rpartition(":")

@@ -1,12 +1,12 @@
 """The terminal report of one analysis: peak, phase, bill, per-phase peaks, top lines, layers."""
 from __future__ import annotations
 
-import os
 import re
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
 from tracer.passes.attribution import CATEGORIES, LayerBytes, frozen_parameter_bytes
 from tracer.policies import policy_named
+from tracer.reports.line_table import short_label
 from tracer.reports.units import format_bytes, format_flops
 
 
@@ -45,7 +45,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
     for row in result.at_peak.lines[:top]:
         code = f"  {row.source.code}" if row.source and row.source.code else ""
-        label = _short(row.label)
+        label = short_label(row.label)
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}{code}")
     lines += ["", "layers at the peak (identical layers grouped):", f"  {'at peak':>12} {'saved':>12}  layer"]
     for label, row in group_layers(result.at_peak.layers):
@@ -168,15 +168,6 @@ def _micro_batches(cfg) -> str:
 
 
 def _where(source) -> str:
-    return f"({_short(f'{source.file}:{source.line}')}: {source.code})" if source else ""
+    return f"({short_label(f'{source.file}:{source.line}')}: {source.code})" if source else ""
 
 
-def _short(label: str) -> str:
-    if label.startswith("("):
-        return label
-    path, _, line = label.rpartition(":")
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        rel = path
-    return f"{rel if not rel.startswith('..') else path}:{line}"
