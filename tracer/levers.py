@@ -20,6 +20,7 @@ import dataclasses
 from typing import Callable
 
 from tracer.errors import UsageError
+from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.pipeline import AnalysisOptions, analyze_captured, capture_variants, load_source
 
 ACCUMULATE_STEPS = 4
@@ -138,7 +139,7 @@ def _row(name: str, options: AnalysisOptions | None, reason: str, graph_of: dict
     return LeverRow(lever=name, options=options,
                     peak_bytes=sharded.peak_bytes if sharded is not None else result.peak_bytes,
                     saved_bytes=result.saved.activation_bytes,
-                    state_bytes=sum(categories.get(c, 0) for c in ("parameter", "gradient", "optimizer_state")),
+                    state_bytes=sum(categories.get(c, 0) for c in MODEL_STATE_CATEGORIES),
                     host_bytes=result.host.peak_bytes if result.host is not None else None,
                     recompute_flops=result.recompute_flops,
                     out_of_memory=device.oom is not None if device is not None else None)

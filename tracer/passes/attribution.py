@@ -15,6 +15,7 @@ from tracer.passes.saved import SavedTensors
 from tracer.stepgraph import OpNode, Phase, SourceLoc, StepGraph, StorageRole
 
 CATEGORIES = ("parameter", "gradient", "optimizer_state", "activation", "temporary", "input", "caller_held")
+MODEL_STATE_CATEGORIES = CATEGORIES[:3]     # what the training state holds, whatever the batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,7 @@ import dataclasses
 import math
 
 from tracer.errors import UsageError
+from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.passes.blocks import block_of, repeated_blocks
 from tracer.passes.liveness import BEFORE_STEP
 from tracer.stepgraph import Phase, StepGraph, StorageRole
@@ -217,7 +218,7 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
     events = _Events()
     grad_unit_end = _gradient_reduce_points(units, graph, rule)
     opt_start = next((op.index for op in graph.ops if op.phase is Phase.OPTIMIZER), len(graph.ops))
-    model_state = dict.fromkeys(("parameter", "gradient", "optimizer_state"), 0)
+    model_state = dict.fromkeys(MODEL_STATE_CATEGORIES, 0)
     shapes = _sharding_shapes(graph)
     for sid, iv in enumerate(liveness.intervals):
         if iv.alloc_op is None:
