@@ -48,6 +48,23 @@ def test_the_levers_change_what_they_should(table):
     assert rows["full + pure bf16"].peak_bytes < rows["full checkpointing"].peak_bytes
 
 
+@pytest.mark.slow
+def test_capture_groups_in_worker_processes_give_the_same_rows(table):
+    parallel = run_levers("llama-debug", BASE, world_size=4, levers=SOME, workers=2)
+    assert parallel == table
+
+
+@pytest.mark.slow
+def test_an_error_in_a_worker_process_keeps_its_type_and_hint(tmp_path):
+    from tracer.errors import ModelRunError
+    model = tmp_path / "broken.py"
+    model.write_text("import torch\n\ndef build_model():\n    raise ValueError('no such layer')\n\n"
+                     "def example_batch(batch, seq):\n    return (torch.zeros(batch, seq),)\n")
+    with pytest.raises(ModelRunError, match="no such layer") as raised:
+        run_levers(str(model), BASE, world_size=4, levers=SOME, workers=2)
+    assert raised.value.exit_code == ModelRunError.exit_code
+
+
 def test_a_lever_that_does_not_apply_says_why():
     zero2 = next(lever for lever in LEVERS if lever.name == "ZeRO-2")
     accumulate = next(lever for lever in LEVERS if lever.name == "accumulate 4")

@@ -28,6 +28,17 @@ class TracerError(Exception):
     def __str__(self) -> str:
         return f"{self.message} ({self.hint})" if self.hint else self.message
 
+    def __reduce__(self):
+        # keyword-only fields survive pickling (an error raised in a worker process, e.g. --levers')
+        return _rebuild_error, (type(self), self.message, dict(self.__dict__))
+
+
+def _rebuild_error(cls, message: str, state: dict) -> TracerError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(state)
+    return error
+
 
 class ModelInputError(TracerError):
     """The model file or zoo name cannot give a model: missing file, no build_model, unknown name."""

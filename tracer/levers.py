@@ -5,7 +5,8 @@ user's own settings (a policy, an optimizer, a precision, accumulation, LoRA, of
 row is a full analysis through the same pipeline as the main command, never a formula on the side.
 Combinations are levers too. `run_levers` captures the joint forward and backward once per distinct
 setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
-sharding and the device view are passes over it) and returns one `LeverRow` per lever;
+sharding and the device view are passes over it; the CLI runs these capture groups in one process per
+CPU core) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -103,24 +104,57 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
 
 
 def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, levers: tuple[Lever, ...] = LEVERS,
-               on_progress: Callable[[str], None] | None = None) -> LeverTable:
+               on_progress: Callable[[str], None] | None = None, workers: int = 1) -> LeverTable:
     """One row per lever. Levers that change only the policy or the step around forward and backward
-    (optimizer, accumulation's steps, offload, sharding) share one joint capture."""
+    (optimizer, accumulation's steps, offload, sharding) share one joint capture. `workers` > 1 (the CLI
+    passes one per CPU core) runs the capture groups of a model named by a string in that many processes."""
     from tracer.capture import joint_key
 
-    source = load_source(model, base)
     planned = [(lever, *lever_options(lever, base, world_size)) for lever in levers]
     groups: dict = {}
-    for _, options, _ in planned:
-        if options is not None:      # levers differing only in passes over the step (sharding) share its graph
-            groups.setdefault(joint_key(options.capture_options()), {}).setdefault(_step_key(options), options)
-    graph_of: dict = {}
-    for members in groups.values():
-        variants = tuple(members.values())
-        for key, graph in zip(members, capture_variants(source, variants, on_progress=on_progress)):
-            graph_of[key] = graph
-    rows = tuple(_row(lever.name, options, reason, graph_of) for lever, options, reason in planned)
-    return LeverTable(baseline=rows[0], rows=rows, captures=len(groups))
+    for i, (_, options, _) in enumerate(planned):
+        if options is not None:
+            groups.setdefault(joint_key(options.capture_options()), []).append(i)
+    jobs = [tuple((i, planned[i][0].name, planned[i][1]) for i in members) for members in groups.values()]
+    rows = {i: LeverRow(lever=lever.name, options=None, reason=reason)
+            for i, (lever, options, reason) in enumerate(planned) if options is None}
+    for group_rows in _run_groups(model, base, jobs, workers, on_progress):
+        rows.update(group_rows)
+    ordered = tuple(rows[i] for i in range(len(planned)))
+    return LeverTable(baseline=ordered[0], rows=ordered, captures=len(groups))
+
+
+def default_workers() -> int:
+    """One lever-group process per CPU core this process may use."""
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
+    """Each job's rows: in this process, or in `workers` spawned processes (each loads the model by its name;
+    a capture group is independent of the others, so the rows are the same either way)."""
+    count = min(len(jobs), workers)
+    if count <= 1 or not isinstance(model, str):
+        source = load_source(model, base)
+        return [_group_rows(source, base, job, on_progress) for job in jobs]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    (on_progress or (lambda message: None))(f"capturing {len(jobs)} groups of levers in {count} processes ...")
+    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_group_rows, model, base, job) for job in jobs]
+        return [future.result() for future in futures]
+
+
+def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None) -> dict[int, LeverRow]:
+    """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
+    together, each row analysed with its own options."""
+    source = load_source(model, base)
+    variants: dict = {}
+    for _, _, options in job:
+        variants.setdefault(_step_key(options), options)
+    graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress)))
+    return {i: _row(name, options, "", graphs) for i, name, options in job}
 
 
 def _step_key(options: AnalysisOptions) -> tuple:

@@ -85,7 +85,7 @@ def _plan(args, options) -> int:
 def _levers(args) -> int:
     """--levers (with --fit: the largest batch per lever). --world-size alone sets the sharding levers' ranks."""
     from tracer.errors import UsageError
-    from tracer.levers import fit_levers, run_levers
+    from tracer.levers import default_workers, fit_levers, run_levers
     from tracer.reports.levers_text import levers_json, render_lever_fits, render_levers
 
     if args.by_depth:
@@ -101,7 +101,7 @@ def _levers(args) -> int:
         sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
         progress.done()
         return int(ExitCode.OK)
-    table = run_levers(args.model, options, world_size=world_size, on_progress=progress)
+    table = run_levers(args.model, options, world_size=world_size, on_progress=progress, workers=default_workers())
     sys.stdout.write(render_levers(table))
     if args.json:
         _write_json(args.json, levers_json(table))
