@@ -2,12 +2,13 @@
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+from tracer.errors import ModelInputError
+from tracer.passes.analysis import analyze_graphs
+from optional import needs
+from truth import measure_step
 
-from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
-from tracer.errors import ModelInputError  # noqa: E402
-from tracer.passes.analysis import analyze_graphs  # noqa: E402
-from truth import measure_step  # noqa: E402
+pytestmark = needs("transformers", reason="the hf extra (pip install -e '.[hf]')")
 
 DECODER = ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
            "num_key_value_heads=2", "vocab_size=512")

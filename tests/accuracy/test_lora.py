@@ -7,14 +7,15 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="peft is not installed")
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+from tracer.capture.lora import apply_lora, default_targets
+from tracer.errors import UsageError
+from tracer.passes.analysis import analyze_graphs
+from tracer.passes.attribution import frozen_parameter_bytes
+from optional import needs
+from truth import assert_step_exact, measure_step
 
-from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
-from tracer.capture.lora import apply_lora, default_targets  # noqa: E402
-from tracer.errors import UsageError  # noqa: E402
-from tracer.passes.analysis import analyze_graphs  # noqa: E402
-from tracer.passes.attribution import frozen_parameter_bytes  # noqa: E402
-from truth import assert_step_exact, measure_step  # noqa: E402
+pytestmark = needs("peft", reason="pip install peft")
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 LLAMA = ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
-pytest.importorskip("einops")
-pytest.importorskip("peft")
+from optional import needs
+
+pytestmark = needs("transformers", "einops", "peft", reason="pip install -e '.[hf,test]'")
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 

@@ -8,8 +8,8 @@ from tracer.stepgraph import Phase, StorageRole
 
 
 @pytest.fixture(scope="module")
-def llama_graph():
-    return capture_step(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=32))
+def llama_graph(llama_debug):
+    return llama_debug.policies["eager"].graph
 
 
 def test_phases_are_in_step_order(llama_graph):
@@ -70,11 +70,11 @@ def test_a_fused_rnn_module_is_flagged_in_the_report():
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])
-def test_no_op_is_attributed_to_tracers_own_code(precision):
+def test_no_op_is_attributed_to_tracers_own_code(analyzed, precision):
     """Lines point at model code (the zoo's files count as model code), never at tracer's pipeline or
     capture wrappers (fp16's loss scaling runs in the capture's step module)."""
     import tracer
     tracer_dir = os.path.dirname(os.path.abspath(tracer.__file__)) + os.sep
-    graph = tracer.analyze("llama-debug", batch=1, seq=8, precision=precision).policies["eager"].graph
+    graph = analyzed("llama-debug", batch=2, seq=32, precision=precision).policies["eager"].graph
     files = {os.path.abspath(op.source.file) for op in graph.ops if op.source is not None}
     assert not [f for f in files if f.startswith(tracer_dir) and not f.startswith(tracer_dir + "models" + os.sep)]

@@ -29,8 +29,8 @@ def test_shard_is_rank_zeros_dim0_chunk():
 
 
 @pytest.fixture(scope="module")
-def debug_step():
-    return tracer.analyze("llama-debug", batch=2, seq=64).policies["eager"]
+def debug_step(llama_debug):
+    return llama_debug.policies["eager"]
 
 
 def test_ddp_and_one_rank_are_the_single_device_step(debug_step):

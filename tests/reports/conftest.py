@@ -1,4 +1,5 @@
-"""Fixtures for renderer tests: the hand-built two-block step, and llama-debug captured once per session.
+"""Fixtures for renderer tests: the hand-built two-block step (llama-debug, captured once per session, is
+tests/conftest.py's `llama_debug`).
 
 Goldens: see golden_files.py (regenerate with TRACER_UPDATE_GOLDEN=1).
 """
@@ -19,9 +20,3 @@ from tracer.passes.analysis import analyze_graph  # noqa: E402
 @pytest.fixture(scope="session")
 def synthetic():
     return analyze_graph(two_block_step())
-
-
-@pytest.fixture(scope="session")
-def llama_debug():
-    import tracer
-    return tracer.analyze("llama-debug", batch=2, seq=32)
