@@ -13,7 +13,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_report_and_json_schema(tmp_path, capsys):
+def test_report_and_json_schema(tmp_path, capsys, shared_analyses):
     out = tmp_path / "out.json"
     assert main(["llama-debug", "--seq", "32", "--json", str(out), "--quiet"]) == ExitCode.OK
     text = capsys.readouterr().out

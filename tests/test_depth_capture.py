@@ -13,6 +13,7 @@ from tracer.reports.text import render_text
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 LLAMA8 = os.path.join(FIXTURES, "llama8_debug.py")
 LLAMA6 = os.path.join(FIXTURES, "llama6_debug.py")
+MLP_LM = os.path.join(FIXTURES, "mlp_lm.py")
 NOTE = ("depth: captured 4 and 6 of 8 blocks of blocks; the 6-block step synthesized from 4 equals its capture op "
         "for op, the 8-block step is synthesized")
 HF_TINY = ("num_hidden_layers=8", "hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "vocab_size=128")
@@ -92,8 +93,22 @@ def test_the_check_decides(monkeypatch):
     assert "differs from its capture (eager: live bytes during op" in note and "blocks.3.mlp.w1" in note
 
 
-def test_shallow_models_and_full_capture_are_captured_in_full_without_a_note():
-    shallow = tracer.analyze(LLAMA6, batch=1, seq=8, target="cpu")
+def _six_block_mlp(directory) -> str:
+    """tests/fixtures/mlp_lm.py with six blocks: as deep as a model captured in full, at a third of the
+    cost of llama6_debug.py."""
+    text = open(MLP_LM).read()
+    old = "VOCAB, DIM, HIDDEN, LAYERS = 256, 32, 64, 2\n"
+    assert text.count(old) == 1, "mlp_lm.py's sizes line changed"
+    path = directory / "mlp6_lm.py"
+    path.write_text(text.replace(old, old.replace(", 2\n", ", 6\n")))
+    return str(path)
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("llama", marks=pytest.mark.slow)])
+def test_shallow_models_and_full_capture_are_captured_in_full_without_a_note(model, tmp_path):
+    """Six blocks (CHECK_DEPTH) are not deep: captured in full, no depth note."""
+    path = _six_block_mlp(tmp_path) if model == "mlp" else LLAMA6
+    shallow = tracer.analyze(path, batch=1, seq=8, target="cpu")
     assert not any("depth:" in note for note in shallow.graph.config.notes)
     assert any(op.module.startswith("blocks.5.") for op in shallow.graph.ops)
 

@@ -150,17 +150,20 @@ def test_the_main_command_passes_full_capture(reached):
 
 @pytest.mark.parametrize("full_capture", [False, True])
 def test_full_capture_skips_the_depth_synthesis(monkeypatch, full_capture):
+    """The first capture stage reached: the depth synthesis, or the full capture (stopped there, so the
+    test captures nothing)."""
+    import tracer.capture
     import tracer.depth_capture
-    import tracer.passes.analysis
     tried = []
 
-    def record(*args, **kwargs):
-        tried.append(args[0])
-        raise _Reached("recorded")
+    def recorder(name):
+        def record(*args, **kwargs):
+            tried.append(name)
+            raise _Reached(name)
+        return record
 
-    monkeypatch.setattr(tracer.depth_capture, "capture_deep", record)
-    monkeypatch.setattr(tracer.passes.analysis, "analyze_graphs", record)
+    monkeypatch.setattr(tracer.depth_capture, "capture_deep", recorder("synthesis"))
+    monkeypatch.setattr(tracer.capture, "capture_steps", recorder("full capture"))
     with pytest.raises(_Reached):
         tracer.analyze("llama-debug", seq=8, full_capture=full_capture, target="cpu")
-    synthesis_tried = not isinstance(tried[0], dict)          # analyze_graphs gets the captured graphs
-    assert synthesis_tried is not full_capture
+    assert tried == ["full capture" if full_capture else "synthesis"]

@@ -22,6 +22,9 @@ ARGV = ["--seq", "64", "--precision", "bf16", "--target", "cpu"]     # the CPU s
 OPTIONS = dict(batch=2, seq=64, precision="bf16", target="cpu")
 B, S, D, H, LAYERS = 2, 64, 64, 256, 2                    # check_base.py sizes at these options
 
+# the command line and the API analyse the same model.py with the same options: one capture (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("shared_analyses")
+
 GELU = "        h = F.gelu(h)                                        # (b, s, hidden)\n"
 EDITS = {
     "attribute_cache": (GELU, GELU + "        self.cache = h\n"),            # kept on the module across the step

@@ -77,11 +77,26 @@ def test_micro_batches_for_loop_optimizers_offload_and_lora_survive(keywords):
     assert first_difference(_analysis(synthesized, options), _analysis(graphs[6]["eager"], options)) is None
 
 
+@pytest.mark.slow
 def test_blocks_that_differ_are_refused():
-    """Every second block checkpointed: blocks 1 and 2 run different ops."""
+    """Every second block checkpointed: blocks 1 and 2 run different ops (the fast tier refuses hand-edited
+    blocks: test_a_block_edited_to_differ_is_refused)."""
     graphs, _ = _captured((4,), policies=("full",), target="cpu", checkpoint_every=2)
     with pytest.raises(DepthError, match="not identical"):
         synthesize_depth(graphs[4]["full"], 8)
+
+
+@pytest.mark.parametrize("edit", ["another op", "one op fewer"])
+def test_a_block_edited_to_differ_is_refused(eager_policies, edit):
+    """Block 2 of the captured 4-block step runs another op at one place, or one op fewer (moved out of
+    the block): the two refusals of the block alignment."""
+    graph = eager_policies[0][4]["eager"]
+    op = next(op for op in graph.ops if op.module == "blocks.2.mlp.w1" and op.target == "aten.mm.default")
+    changed = (dataclasses.replace(op, target="aten.addmm.default") if edit == "another op"
+               else dataclasses.replace(op, module="tail"))
+    edited = dataclasses.replace(graph, ops=graph.ops[:op.index] + (changed,) + graph.ops[op.index + 1:])
+    with pytest.raises(DepthError, match="the blocks are not identical"):
+        synthesize_depth(edited, 8)
 
 
 def test_too_few_blocks_are_refused(eager_policies):
