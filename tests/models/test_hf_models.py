@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers", reason="the hf extra is not installed (pip install -e '.[hf]')")
-pytestmark = pytest.mark.slow       # builds transformers models (importing transformers alone takes seconds)
+from optional import needs
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+from tracer.errors import ExitCode, ModelInputError, ModelRunError
+from tracer.models.hf import build_hf_model, hf_example_batch, hf_spec, parse_overrides
 
-from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
-from tracer.errors import ExitCode, ModelInputError, ModelRunError  # noqa: E402
-from tracer.models.hf import build_hf_model, hf_example_batch, hf_spec, parse_overrides  # noqa: E402
+# builds transformers models (importing transformers alone takes seconds; collecting this module does not)
+pytestmark = [pytest.mark.slow, needs("transformers", reason="the hf extra (pip install -e '.[hf]')")]
 
 TINY = ("num_hidden_layers=1", "hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "vocab_size=128")
 CONFIGS = {
