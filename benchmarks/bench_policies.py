@@ -48,7 +48,8 @@ elif mode == "depth-all":
 elif mode == "tracer-levers":
     from tracer.levers import run_levers
     from tracer.pipeline import AnalysisOptions
-    table = run_levers(model, AnalysisOptions(batch=batch, seq=seq), world_size=8)
+    from tracer.levers import default_workers
+    table = run_levers(model, AnalysisOptions(batch=batch, seq=seq), world_size=8, workers=default_workers())
     extra["peak_bytes"] = table.baseline.peak_bytes
     extra["captures"] = table.captures
 elif mode == "export":
