@@ -25,3 +25,27 @@ def test_traced_layer_norm_grad_input_has_the_eager_layout_and_only_while_tracin
         assert _layer_norm_grad_input_strides() == (192, 16, 1)
     with FakeTensorMode():
         assert _layer_norm_grad_input_strides() == (192, 1, 12)  # torch's decomposition follows grad_out
+
+
+def test_interpolate_traces_as_the_eager_kernel_and_its_backward_exactly():
+    """F.interpolate's Python decomposition saves index tensors eager never makes (an `arange` per axis for
+    nearest); traced as ATen's upsample kernels, the step equals a real CPU step's."""
+    import os
+
+    from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+    from tracer.passes.analysis import analyze_graphs
+    from truth import measure_step
+
+    source = load_model_source(os.path.join(os.path.dirname(__file__), "..", "fixtures", "upsampling.py"))
+    graph = capture_steps(source, CaptureOptions(batch=2, seq=8, target="cpu"), (PolicySpec(name="eager"),))["eager"]
+    targets = [op.target for op in graph.ops]
+    assert {"aten.upsample_nearest2d.default", "aten.upsample_nearest2d_backward.default",
+            "aten.upsample_bilinear2d.default", "aten.upsample_bilinear2d_backward.default"} <= set(targets)
+    assert "aten._unsafe_index.Tensor" not in targets
+    predicted = analyze_graphs({"eager": graph}).policies["eager"]
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step(model, source.example_batch(2, 8), torch.optim.AdamW(model.parameters(), foreach=True))
+    assert {name: p.peak_bytes for name, p in predicted.phases.items()} == measured.phase_peaks
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert torch.ops.aten.upsample_nearest2d.vec.py_kernels        # torch's own kernels are back afterwards

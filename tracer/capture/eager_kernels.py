@@ -18,6 +18,9 @@ kernels make them. Limit: it swaps entries of `torch._decomp.decomposition_table
 entry only when it is torch's own function, so the wrapper carries its name and module); fake tensors
 cache an op's output metadata across modes, so the cache is emptied on the way in and out;
 tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
+
+`upsampling_as_in_eager()`: F.interpolate's ops trace as ATen's fused kernels and their own backward (the
+Python decomposition saves index tensors eager never makes). Limit: it sets aside the ops' `py_kernels`.
 """
 from __future__ import annotations
 
@@ -81,10 +84,44 @@ def layouts_as_in_eager():
         FakeTensorMode.cache_clear()
 
 
+def _upsample_ops() -> list:
+    """aten's upsample / interpolate overloads with Python autograd-level kernels (torch/_decomp)."""
+    from torch._C import DispatchKey
+    out = []
+    for name in dir(torch.ops.aten):
+        if name.startswith(("upsample_", "_upsample_")) and not name.endswith("_backward"):
+            packet = getattr(torch.ops.aten, name)
+            out += [op for op in (getattr(packet, o) for o in packet.overloads())
+                    if DispatchKey.Autograd in op.py_kernels or DispatchKey.CompositeImplicitAutograd in op.py_kernels]
+    return out
+
+
+@contextlib.contextmanager
+def upsampling_as_in_eager():
+    """F.interpolate's ops (upsample_nearest2d, upsample_bilinear2d, ...) run ATen's C++ kernels in eager,
+    whose autograd node saves only sizes and whose backward is one `upsample_*_backward` kernel. Tracing runs
+    torch's Python decomposition instead (index tensors from `arange`, `_unsafe_index`, an `index_put` into
+    zeros in backward), which saves the index tensors. For the duration, the Python kernels are set aside,
+    so the trace records the C++ op and its own backward, as eager runs them."""
+    from torch._C import DispatchKey
+    keys = (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd)
+    saved = {op: {k: op.py_kernels[k] for k in keys if k in op.py_kernels} for op in _upsample_ops()}
+    for op, kernels in saved.items():
+        for key in kernels:
+            del op.py_kernels[key]
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernels in saved.items():
+            op.py_kernels.update(kernels)
+            op._dispatch_cache.clear()
+
+
 @contextlib.contextmanager
 def kernels_as_in_eager():
-    """Both of the above, while a graph is traced."""
-    with dropout_as_in_eager(), layouts_as_in_eager():
+    """All of the above, while a graph is traced."""
+    with dropout_as_in_eager(), layouts_as_in_eager(), upsampling_as_in_eager():
         yield
 
 
