@@ -105,3 +105,11 @@ def test_transformers_model_output_and_dict_batch():
     graph, predicted, measured = predict_and_measure("handover_hf_dict_batch.py", pick=lambda out: out.loss)
     assert_exact(predicted, measured)
     assert any("CausalLMOutputWithPast's 'loss'" in n for n in graph.config.notes)
+
+
+def test_a_plain_tensor_attribute_is_a_buffer_for_the_trace():
+    """`self.freqs_cis = precompute_freqs_cis(...)` (complex, not a buffer): export refused it as a fake
+    constant, so the step fell to the dispatch rung (no recompute policies); as a buffer it traces."""
+    graph, predicted, measured = predict_and_measure("reference_llama_plain_tensor_attribute.py")
+    assert graph.config.capture_path == "aot-joint"
+    assert_exact(predicted, measured)

@@ -13,6 +13,10 @@ initialiser's output, a tensor too large to compute) is answered with 0 / False 
 and each such read is reported as a note with its user line. Weight values never change memory; a value
 that decides a shape or a module's structure would, and the note says where to look.
 
+A tensor held as a plain module attribute since the build is made a non-persistent buffer of its module
+(tracing would take it for a constant, which export refuses for a fake tensor); it exists before the step
+either way.
+
 Two more things a real build does that fake tensors refuse, made to work while the build runs:
 - `copy.deepcopy(module)` (`clones()`, `nn.TransformerEncoder`) copies a fake tensor's `fake_mode`
   attribute, giving the copy a mode of its own ("Mixing fake modes NYI" at the first op): the mode is a
@@ -97,7 +101,20 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
             args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args)
     model.train()
+    _tensor_attributes_as_buffers(model)
     return FakeBuild(model=model, batch=args, batch_keys=keys, notes=values.notes())
+
+
+def _tensor_attributes_as_buffers(model: nn.Module) -> None:
+    """A tensor the model holds as a plain attribute since its build (`self.freqs_cis = precompute(...)` in
+    the reference Llama) exists before the step like a buffer, but a trace takes it for a constant, which
+    export refuses as a fake constant: it is registered as a non-persistent buffer of its module."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                    and name not in module._parameters and name not in module._buffers:
+                del module.__dict__[name]
+                module.register_buffer(name, value, persistent=False)
 
 
 class _BuildValues(TorchDispatchMode):
