@@ -182,11 +182,42 @@ def fill_rng_wrapper_values(gm: fx.GraphModule, fake_mode) -> None:
             _fill_rng_wrapper_meta(node, fake_mode)
 
 
+_WRAPPED_OP_META = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "ac_graph_id")
+
+
+def restore_rng_wrapper_meta(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+    """The partitioner replaces each recomputed random op (dropout, attention with dropout) by a wrapper
+    node without meta: run_and_save_rng_state in the forward, whose `[1]` item gets the op's meta, and
+    run_with_rng_state in the backward, which gets none. Give each wrapper the wrapped op's source meta
+    (its stack trace, module, torch call, sequence number, region): the backward's from the forward wrapper
+    of the same op on the same arguments (the partitioner keeps the joint's node names)."""
+    by_call: dict[tuple, dict] = {}
+    for node in forward.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "run_and_save_rng_state":
+            continue
+        item = next((u for u in node.users if u.target is _GETITEM and u.args[1] == 1), None)
+        if item is None:
+            continue
+        meta = {k: item.meta[k] for k in _WRAPPED_OP_META if k in item.meta}
+        for key, value in meta.items():
+            node.meta.setdefault(key, value)
+        by_call[_wrapped_call(node.args[0], node.args[1:])] = meta
+    for node in backward.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "run_with_rng_state":
+            for key, value in by_call.get(_wrapped_call(node.args[1], node.args[2:]), {}).items():
+                node.meta.setdefault(key, value)
+
+
+def _wrapped_call(op, args) -> tuple:
+    return (op, tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
+
+
 def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     """Checkpointing wraps random ops in run_and_save_rng_state(op, *args) -> (rng_state, out) and
     run_with_rng_state(rng_state, op, *args) -> out; the partitioner leaves these nodes without meta.
     Their values come from running the wrapped op on fake inputs; the saved CPU RNG state is a uint8
-    tensor of torch.get_rng_state()'s size. Attribution falls back to the first input's line and module."""
+    tensor of torch.get_rng_state()'s size. Attribution comes from the wrapped op (`restore_rng_wrapper_meta`),
+    else falls back to the first input's line and module."""
     saving = node.target.__name__ == "run_and_save_rng_state"
     op, args = (node.args[0], node.args[1:]) if saving else (node.args[1], node.args[2:])
     fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))

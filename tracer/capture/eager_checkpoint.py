@@ -24,14 +24,14 @@ from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
-    the CPU RNG state it saves at entry (preserve_rng_state=True) when the partition saved none, held
-    until the region's recompute ends; the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
+    the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
+    region's recompute and backward have run (it stands in for the states the partition saves per
+    random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
     cached from forward until the region's recompute has run."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
     first_backward = next((i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD), len(ops) - 1)
-    has_rng_state = set()
     for i, d in enumerate(ops):
         region = d.checkpoint_region
         if region is None:
@@ -39,7 +39,8 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
         if d.phase is Phase.FORWARD:
             first_forward.setdefault(region, i)
             if d.name.startswith("run_and_save_rng_state"):
-                has_rng_state.add(region)
+                # the partition saves the RNG state per random op; eager saves one per region (below)
+                table.update(d.outputs[0].storage_id, nbytes=0)
         elif d.recomputed:
             recompute_start.setdefault(region, i)
             recompute_end[region] = i
@@ -73,8 +74,6 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
         ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
         table.update(sid, held_until_op=recompute_end[region])
     for region, start in first_forward.items():
-        if region in has_rng_state:
-            continue
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
                         name=f"checkpoint RNG state, region {region}")
         state = TensorValue(sid, (rng_bytes,), "uint8")
