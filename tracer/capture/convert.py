@@ -77,7 +77,7 @@ class OpDraft:
     rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
     held_to_region_end: bool = False    # its outputs are held until the region's backward ends
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
-    torch_call: str | None = None       # forward: the Python-level torch call that ran it ("name_counter")
+    torch_call: str | None = None       # forward or recomputed: the Python-level torch call that ran it ("name_counter")
 
 
 @dataclasses.dataclass
@@ -521,7 +521,7 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         is_view=is_view,
         seq_nr=node.meta.get("seq_nr"),
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
-        torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD else None,
+        torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD or recomputed else None,
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
         held_to_region_end=bool(node.meta.get(HELD_KEY)),
