@@ -83,6 +83,28 @@ def test_transformers_gradient_checkpointing_enable(name, attn):
     assert predicted.saved.total_bytes == measured.saved_bytes - held_unread
 
 
+_BERT_REENTRANT_GAP = ("backward 6,656 B (0.25%) under: the rerun inside backward runs the layer's Python code again, "
+                       "but its copies of the forward ops carry no sequence number, so recompute_local_holds cannot "
+                       "hold them as the forward's locals held their twins (BertSelfAttention's query_layer is let go "
+                       "at its last use)")
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name, attn", [("hf:llama", "sdpa"),
+                                        pytest.param("hf:bert", "eager", marks=pytest.mark.xfail(
+                                            strict=True, reason=_BERT_REENTRANT_GAP))])
+def test_transformers_gradient_checkpointing_enable_reentrant(name, attn):
+    """gradient_checkpointing_enable(use_reentrant=True), as older transformers versions and many
+    codebases run it: CheckpointFunction keeps the functools.partial (with Llama's rotary cos/sin and
+    position ids) on its autograd node, so the tensors it binds live until the graph dies. (Saved bytes are
+    not compared: the truth's saved-tensor hooks do not see what CheckpointFunction holds.)"""
+    source = _hf_source(name, attn, reentrant=True)
+    predicted = _predict(source)
+    notes = [n for n in predicted.graph.config.notes if n.startswith("checkpointed region")]
+    assert len(notes) == 2 and all("reentrant" in n and "non-reentrant" not in n for n in notes)
+    _assert_phases(predicted, _measure(source))
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_policy_full_on_bert_matches_gradient_checkpointing():
     """BERT's layers end in a LayerNorm (post-LN): the region's output op is recomputed for the layer's own

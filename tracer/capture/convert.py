@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.inplace import in_place_writes
-from tracer.capture.joint import JointCapture
+from tracer.capture.joint import PARTIAL_HELD_KEY, JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, storage_key
@@ -76,6 +76,7 @@ class OpDraft:
     must_save: bool = False             # selective checkpointing keeps this op's outputs
     rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
     held_to_region_end: bool = False    # its outputs are held until the region's backward ends
+    partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python-level torch call that ran it ("name_counter")
 
@@ -525,6 +526,7 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
         held_to_region_end=bool(node.meta.get(HELD_KEY)),
+        partial_held=phase is Phase.FORWARD and bool((node.meta.get("custom") or {}).get(PARTIAL_HELD_KEY)),
         rerun=bool(node.meta.get(RERUN_KEY)),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )

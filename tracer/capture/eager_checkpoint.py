@@ -8,8 +8,7 @@ outputs until the region's backward ends; and a recomputed value freed when the 
 it returns (before the engine's `sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values
 as the forward's Python locals held their twins. The recompute's place (at the region's first unpacking
 backward node) is set when the backward graph is made (tracer/capture/policies.py).
-Not modelled: tensors a checkpointed callable receives but never reads; under use_reentrant=True, tensors a
-functools.partial holds until the graph dies.
+Not modelled: tensors a non-reentrant checkpointed callable receives but never reads.
 """
 from __future__ import annotations
 
@@ -177,7 +176,12 @@ def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
 
 def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
     """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
-    `outputs` local of CheckpointFunction.backward) until the region's backward has run."""
+    `outputs` local of CheckpointFunction.backward) until the region's backward has run, and the tensors
+    its callable binds as a functools.partial (ctx.run_function) until the graph dies."""
+    for d in ops:
+        for value in d.outputs if d.partial_held else ():
+            if table.get(value.storage_id).role is StorageRole.INTERMEDIATE:
+                table.update(value.storage_id, persistent=True)
     produced_in: dict[int, int | None] = {}
     for d in ops:
         for value in d.outputs:
