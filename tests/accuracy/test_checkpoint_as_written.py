@@ -126,6 +126,30 @@ def _matmul_flops(ops) -> int:
     return sum(op_flops(op) or 0 for op in ops if op.target.startswith(("aten.mm", "aten.addmm", "aten.bmm")))
 
 
+
+def _flop_counted(ops) -> int:
+    """FLOPs of the ops FlopCounterMode has a formula for (its registry; torch 2.13 has none for the CPU
+    flash-attention kernel), by the tracer's own formulas."""
+    from torch.utils.flop_counter import flop_registry
+    counted = {str(packet) for packet in flop_registry}
+    return sum(op_flops(op) or 0 for op in ops if op.target.rsplit(".", 1)[0] in counted)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("name, attn", [("hf:llama", "sdpa"), ("hf:bert", "eager"), ("hf:gpt2", "sdpa")])
+def test_transformers_recompute_flops_match_flop_counter(name, attn):
+    """The recomputed ops' FLOPs equal FlopCounterMode's difference between the real step with
+    gradient_checkpointing_enable() and without it (the ops it counts)."""
+    source = _hf_source(name, attn, reentrant=False)
+    recomputed = [op for op in _predict(source).graph.ops if op.recomputed]
+    batch = source.example_batch(BATCH, SEQ)
+    torch.manual_seed(0)
+    checkpointed = _counted_flops(source.build_model(), batch)
+    torch.manual_seed(0)
+    plain = _counted_flops(_hf_source(name, attn).build_model(), batch)
+    assert _flop_counted(recomputed) == checkpointed - plain > 0
+
+
 @pytest.mark.parametrize("fixture, recomputed_matmuls", [("checkpoint_function.py", 2), ("checkpoint_reentrant.py", 4)])
 def test_checkpointed_function_and_reentrant_checkpoint(fixture, recomputed_matmuls):
     """A plain function (`checkpoint(mlp, x, up, down)`) and use_reentrant=True (its region reruns whole in

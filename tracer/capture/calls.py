@@ -18,10 +18,10 @@ frees each tensor at its last use; eager holds more:
     but the scaled key is not).
 
 `call_holds(ops)` returns storage id -> index of the op until which a call holds it. Forward ops and
-recomputed ones (a checkpointed region's recompute reruns its calls); the calls are those the capture stamped (`OpDraft.torch_call`, set while
-the joint graph is traced from the module itself). Not modelled: the locals of other composite kernels
-(each keeps its own; most are rebound or die with their full expression, as the graph has them), and calls
-on the export capture rungs, which record no call per op.
+recomputed ones (a checkpointed region's recompute reruns its calls); the calls are those the capture
+stamped (`OpDraft.torch_call`, from the nodes' `torch_fn`). Not modelled: the locals of other composite
+kernels (each keeps its own; most are rebound or die with their full expression, as the graph has them), and
+calls on capture paths that record no `torch_fn` per op.
 """
 from __future__ import annotations
 

@@ -78,7 +78,7 @@ class OpDraft:
     held_to_region_end: bool = False    # its outputs are held until the region's backward ends
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
-    torch_call: str | None = None       # forward or recomputed: the Python-level torch call that ran it ("name_counter")
+    torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
 
 
 @dataclasses.dataclass

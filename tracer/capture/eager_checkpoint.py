@@ -25,8 +25,9 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
     the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
     region's recompute and backward have run (it stands in for the states the partition saves per
-    random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
-    cached from forward until the region's recompute has run."""
+    random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region
+    recomputes; and, for selective checkpointing, every output of a MUST_SAVE op, cached from forward until
+    the region's recompute has run."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
