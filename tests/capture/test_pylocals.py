@@ -189,6 +189,43 @@ def test_a_tuple_target_holds_the_local_the_callee_returns_at_its_position(tmp_p
     assert holds[50] == 1                         # the first e: let go when embed rebinds e
 
 
+
+WRAPPED_TUPLE_SOURCE = textwrap.dedent('''\
+    def block(x):
+        out, _ = attn(x)
+        h = out + x
+        y = mlp(h)
+        return y
+
+
+    def wrapped_func(*args, **kwargs):
+        return func(*args, **kwargs)
+
+
+    def attn(x):
+        out = proj(x)
+        return out, None
+''')
+
+
+def test_a_tuple_target_binds_through_a_wrapper_that_returns_its_call(tmp_path):
+    """`out, _ = self.attn(x)` where attn's forward is decorated (transformers' deprecate_kwarg): the
+    wrapper's `return func(*args, **kwargs)` passes attn's `return out, None` on, so `out` holds attn's `out`
+    until block returns (checkpointed GPT-2: the attention output was let go after the residual add)."""
+    path = tmp_path / "wrapped.py"
+    path.write_text(WRAPPED_TUPLE_SOURCE)
+    f = str(path)
+    block = (f, 2, "block")
+    ops = [
+        (0, (block, (f, 9, "wrapped_func"), (f, 13, "attn")), (60,), (1,)),   # out = proj(x)
+        (1, ((f, 3, "block"),), (61,), (60, 1)),                              # h = out + x: last use of out
+        (2, ((f, 4, "block"),), (62,), (61,)),                                # y = mlp(h)
+        (3, ((f, 4, "block"),), (63,), (62,)),
+    ]
+    holds = local_holds(ops)
+    assert holds[60] == 3                         # out: held until block returns, not freed at the add
+
+
 TWO_FORWARDS_SOURCE = textwrap.dedent('''\
     class Mix:
         def forward(self, x):

@@ -12,13 +12,16 @@ frees each tensor at its last use; eager holds more:
     returns; the graph frees the repeated key after the scaling that reads it. Measured on CPU (torch 2.13):
     the repeated key is freed after the output's bmm, while the attention scores it rebinds (`attn =
     attn.add(mask)`, `attn = _safe_softmax(attn)`) are freed as they are rebound. So every storage the
-    kernel makes before its first matmul (`aten.bmm`) is held until its last op.
+    kernel makes before its first matmul (`aten.bmm`) is held until its last op, except the scaled key
+    (`key.transpose(-2, -1) * scale`), a temporary of the matmul's expression, held until that matmul returns
+    (measured in a checkpointed region's recompute, where bmm's copies of its operands are kept for backward
+    but the scaled key is not).
 
-`call_holds(ops)` returns storage id -> index of the op until which a call holds it. Forward ops only
-(recomputed ones are left alone); the calls are those the capture stamped (`OpDraft.torch_call`, set while
-the joint graph is traced from the module itself). Not modelled: the locals of other composite kernels
-(each keeps its own; most are rebound or die with their full expression, as the graph has them), and calls
-on the export capture rungs, which record no call per op.
+`call_holds(ops)` returns storage id -> index of the op until which a call holds it. Forward ops and
+recomputed ones (a checkpointed region's recompute reruns its calls); the calls are those the capture
+stamped (`OpDraft.torch_call`, from the nodes' `torch_fn`). Not modelled: the locals of other composite
+kernels (each keeps its own; most are rebound or die with their full expression, as the graph has them), and
+calls on capture paths that record no `torch_fn` per op.
 """
 from __future__ import annotations
 
@@ -42,30 +45,69 @@ def call_holds(ops: Sequence) -> dict[int, int]:
     holds: dict[int, int] = {}
     for start, end in _call_ranges(ops):
         first_matmul = _first_matmul(ops, start, end)
+        temporary = _scaled_key(ops, start, first_matmul) if first_matmul is not None else None
         for index in range(start, end):
             for sid in storage_ids((ops[index].args, ops[index].kwargs)):
                 if made_at.get(sid, -1) < start:
                     holds[sid] = max(holds.get(sid, -1), end - 1)       # an argument of the call
             if first_matmul is not None and index < first_matmul and not ops[index].is_view:
                 for value in ops[index].outputs:
-                    holds[value.storage_id] = max(holds.get(value.storage_id, -1), end - 1)
+                    until = first_matmul if value.storage_id == temporary else end - 1
+                    holds[value.storage_id] = max(holds.get(value.storage_id, -1), until)
     return holds
 
 
+# ops through which at::matmul passes an operand on to its bmm: views, and the copies of its batch expansion
+_MATMUL_PLUMBING = ("aten.view.default", "aten.expand.default", "aten.clone.default", "aten._unsafe_view.default",
+                    "aten.transpose.int", "aten.reshape.default")
+
+
+def _scaled_key(ops: Sequence, start: int, first_matmul: int) -> int | None:
+    """The storage of the math kernel's `key.transpose(-2, -1) * scale`: a temporary of the expression that
+    passes it to the first matmul (not a C++ local), so it lives until that matmul returns. It is the first
+    matmul's second operand, followed back through the matmul's views and copies to the op that made it."""
+    made: dict[int, int] = {}
+    for index in range(start, first_matmul):
+        for value in ops[index].outputs:
+            made.setdefault(value.storage_id, index)
+    operands = [a for a in ops[first_matmul].args if hasattr(a, "storage_id")]
+    if len(operands) < 2:
+        return None
+    sid, seen = operands[1].storage_id, set()
+    while sid in made and sid not in seen:
+        seen.add(sid)
+        producer = ops[made[sid]]
+        if producer.target not in _MATMUL_PLUMBING:
+            return sid
+        sources = [a for a in producer.args if hasattr(a, "storage_id")]
+        if not sources:
+            return None
+        sid = sources[0].storage_id
+    return None
+
+
 def _call_ranges(ops: Sequence) -> list[tuple[int, int]]:
-    """[start, end) ranges of consecutive forward ops of one torch call."""
+    """[start, end) ranges of consecutive ops of one torch call, in forward or in a checkpointed region's
+    recompute (which reruns the region's Python code)."""
     ranges, index = [], 0
     while index < len(ops):
-        call = ops[index].torch_call
-        if ops[index].phase is not Phase.FORWARD or call is None or ops[index].recomputed:
+        call, kind = ops[index].torch_call, _kind(ops[index])
+        if call is None or kind is None:
             index += 1
             continue
         end = index + 1
-        while end < len(ops) and ops[end].torch_call == call and ops[end].phase is Phase.FORWARD:
+        while end < len(ops) and ops[end].torch_call == call and _kind(ops[end]) == kind:
             end += 1
         ranges.append((index, end))
         index = end
     return ranges
+
+
+def _kind(op) -> str | None:
+    """"forward", "recomputed", or None for an op no Python call ran (a backward formula's)."""
+    if op.recomputed:
+        return "recomputed"
+    return "forward" if op.phase is Phase.FORWARD else None
 
 
 def _first_matmul(ops: Sequence, start: int, end: int) -> int | None:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.inplace import in_place_writes
-from tracer.capture.joint import JointCapture
+from tracer.capture.joint import PARTIAL_HELD_KEY, JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, storage_key
@@ -76,8 +76,9 @@ class OpDraft:
     must_save: bool = False             # selective checkpointing keeps this op's outputs
     rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
     held_to_region_end: bool = False    # its outputs are held until the region's backward ends
+    partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
-    torch_call: str | None = None       # forward: the Python-level torch call that ran it ("name_counter")
+    torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
 
 
 @dataclasses.dataclass
@@ -182,11 +183,42 @@ def fill_rng_wrapper_values(gm: fx.GraphModule, fake_mode) -> None:
             _fill_rng_wrapper_meta(node, fake_mode)
 
 
+_WRAPPED_OP_META = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "ac_graph_id")
+
+
+def restore_rng_wrapper_meta(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+    """The partitioner replaces each recomputed random op (dropout, attention with dropout) by a wrapper
+    node without meta: run_and_save_rng_state in the forward, whose `[1]` item gets the op's meta, and
+    run_with_rng_state in the backward, which gets none. Give each wrapper the wrapped op's source meta
+    (its stack trace, module, torch call, sequence number, region): the backward's from the forward wrapper
+    of the same op on the same arguments (the partitioner keeps the joint's node names)."""
+    by_call: dict[tuple, dict] = {}
+    for node in forward.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "__name__", "") != "run_and_save_rng_state":
+            continue
+        item = next((u for u in node.users if u.target is _GETITEM and u.args[1] == 1), None)
+        if item is None:
+            continue
+        meta = {k: item.meta[k] for k in _WRAPPED_OP_META if k in item.meta}
+        for key, value in meta.items():
+            node.meta.setdefault(key, value)
+        by_call[_wrapped_call(node.args[0], node.args[1:])] = meta
+    for node in backward.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", "") == "run_with_rng_state":
+            for key, value in by_call.get(_wrapped_call(node.args[1], node.args[2:]), {}).items():
+                node.meta.setdefault(key, value)
+
+
+def _wrapped_call(op, args) -> tuple:
+    return (op, tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
+
+
 def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     """Checkpointing wraps random ops in run_and_save_rng_state(op, *args) -> (rng_state, out) and
     run_with_rng_state(rng_state, op, *args) -> out; the partitioner leaves these nodes without meta.
     Their values come from running the wrapped op on fake inputs; the saved CPU RNG state is a uint8
-    tensor of torch.get_rng_state()'s size. Attribution falls back to the first input's line and module."""
+    tensor of torch.get_rng_state()'s size. Attribution comes from the wrapped op (`restore_rng_wrapper_meta`),
+    else falls back to the first input's line and module."""
     saving = node.target.__name__ == "run_and_save_rng_state"
     op, args = (node.args[0], node.args[1:]) if saving else (node.args[1], node.args[2:])
     fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
@@ -490,10 +522,11 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         is_view=is_view,
         seq_nr=node.meta.get("seq_nr"),
         frames=user_frames(node.meta.get("stack_trace")) if phase is Phase.FORWARD else (),
-        torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD else None,
+        torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD or recomputed else None,
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
         held_to_region_end=bool(node.meta.get(HELD_KEY)),
+        partial_held=phase is Phase.FORWARD and bool((node.meta.get("custom") or {}).get(PARTIAL_HELD_KEY)),
         rerun=bool(node.meta.get(RERUN_KEY)),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )

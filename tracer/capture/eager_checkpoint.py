@@ -8,8 +8,7 @@ outputs until the region's backward ends; and a recomputed value freed when the 
 it returns (before the engine's `sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values
 as the forward's Python locals held their twins. The recompute's place (at the region's first unpacking
 backward node) is set when the backward graph is made (tracer/capture/policies.py).
-Not modelled: tensors a checkpointed callable receives but never reads; under use_reentrant=True, tensors a
-functools.partial holds until the graph dies.
+Not modelled: tensors a non-reentrant checkpointed callable receives but never reads.
 """
 from __future__ import annotations
 
@@ -24,14 +23,15 @@ from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
-    the CPU RNG state it saves at entry (preserve_rng_state=True) when the partition saved none, held
-    until the region's recompute ends; the state fork_rng stashes while the region recomputes; and, for selective checkpointing, every output of a MUST_SAVE op,
-    cached from forward until the region's recompute has run."""
+    the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
+    region's recompute and backward have run (it stands in for the states the partition saves per
+    random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region
+    recomputes; and, for selective checkpointing, every output of a MUST_SAVE op, cached from forward until
+    the region's recompute has run."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
     first_backward = next((i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD), len(ops) - 1)
-    has_rng_state = set()
     for i, d in enumerate(ops):
         region = d.checkpoint_region
         if region is None:
@@ -39,7 +39,8 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
         if d.phase is Phase.FORWARD:
             first_forward.setdefault(region, i)
             if d.name.startswith("run_and_save_rng_state"):
-                has_rng_state.add(region)
+                # the partition saves the RNG state per random op; eager saves one per region (below)
+                table.update(d.outputs[0].storage_id, nbytes=0)
         elif d.recomputed:
             recompute_start.setdefault(region, i)
             recompute_end[region] = i
@@ -73,8 +74,6 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
         ops[start].outputs = ops[start].outputs + (TensorValue(sid, (rng_bytes,), "uint8"),)
         table.update(sid, held_until_op=recompute_end[region])
     for region, start in first_forward.items():
-        if region in has_rng_state:
-            continue
         sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=rng_bytes, dtype="uint8", shape=(rng_bytes,),
                         name=f"checkpoint RNG state, region {region}")
         state = TensorValue(sid, (rng_bytes,), "uint8")
@@ -178,7 +177,12 @@ def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
 
 def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
     """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
-    `outputs` local of CheckpointFunction.backward) until the region's backward has run."""
+    `outputs` local of CheckpointFunction.backward) until the region's backward has run, and the tensors
+    its callable binds as a functools.partial (ctx.run_function) until the graph dies."""
+    for d in ops:
+        for value in d.outputs if d.partial_held else ():
+            if table.get(value.storage_id).role is StorageRole.INTERMEDIATE:
+                table.update(value.storage_id, persistent=True)
     produced_in: dict[int, int | None] = {}
     for d in ops:
         for value in d.outputs:

@@ -597,7 +597,7 @@ def _tag_checkpoint_regions():
             # gets a gradient (torch warns "None of the inputs have requires_grad=True")
             grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
             with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}), torch.set_grad_enabled(grad):
-                return function(*args)
+                return _partial_held_marked(function)(*args)
 
     real_generator, real_function = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
     ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = generator, Reentrant
@@ -606,6 +606,22 @@ def _tag_checkpoint_regions():
             yield
     finally:
         ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = real_generator, real_function
+
+
+PARTIAL_HELD_KEY = "tracer_partial_held"    # a view of a tensor a reentrant region's functools.partial binds
+
+
+def _partial_held_marked(function):
+    """`function` with the tensors its functools.partial layers bind (transformers' masks and rotary
+    embeddings) passed through views whose nodes are tagged `meta["custom"][PARTIAL_HELD_KEY]`: reentrant
+    checkpointing keeps the callable on its autograd node, so those tensors live until the graph dies."""
+    import torch.fx.traceback as fx_traceback
+    from torch.utils._pytree import tree_map_only
+    if not isinstance(function, functools.partial):
+        return function
+    with fx_traceback.annotate({PARTIAL_HELD_KEY: True}):
+        args, keywords = tree_map_only(torch.Tensor, lambda t: t.view_as(t), (function.args, function.keywords))
+    return functools.partial(_partial_held_marked(function.func), *args, **keywords)
 
 
 class _UserFrameAnchors(set):

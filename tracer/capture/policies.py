@@ -29,7 +29,8 @@ import operator
 
 import torch
 
-from tracer.capture.convert import HELD_KEY, fill_rng_wrapper_values, REGION_KEY, RERUN_KEY, Schedule, target_name
+from tracer.capture.convert import (HELD_KEY, fill_rng_wrapper_values, REGION_KEY, RERUN_KEY, Schedule,
+                                    restore_rng_wrapper_meta, target_name)
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -102,6 +103,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
+    restore_rng_wrapper_meta(forward, backward)
     _recompute_at_first_unpack(backward)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
 
@@ -114,6 +116,7 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
 
     with torch._functorch.config.patch(**config):
         forward, backward = inductor_partition(joint, cap.fake_mode, num_fwd_outputs=num_fwd, static_inputs=static)
+    restore_rng_wrapper_meta(forward, backward)
     for graph in (forward, backward):
         fill_rng_wrapper_values(graph, cap.fake_mode)     # recomputed random ops (checkpointed blocks)
     donated = donated_inputs(forward, backward, num_fwd)

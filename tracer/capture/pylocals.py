@@ -130,7 +130,9 @@ def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = N
             name = _holding_name(inv.file, line)
             if called and _tuple_target_names(inv.file, line):
                 # `a, b = f(x)`: by f's `return h, None` (the values f's ops leave unread are not its result)
-                bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][inv.depth + 1], bound[callee])
+                inner = _past_wrappers(invocations, invocation_at, callee, last)
+                bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][invocations[inner].depth],
+                                                    bound[inner])
             elif name is not None and called and returned[callee]:
                 bindings = [(name, returned[callee])]      # `out = f(x)`: all f returned (`return h, before, dims`)
             else:
@@ -138,7 +140,9 @@ def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = N
                 if bindings and not _callees_return_it(frames_of[last][inv.depth + 1:]):
                     continue               # the call returned something its last op did not make (None, a bool)
                 if not bindings and callee is not None:   # `a, b, c = f(x)`: f's `return h, None, ids`
-                    bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][inv.depth + 1], bound[callee])
+                    inner = _past_wrappers(invocations, invocation_at, callee, last)
+                    bindings = _returned_tuple_bindings(inv.file, line, frames_of[last][invocations[inner].depth],
+                                                        bound[inner])
             for name, sids in bindings:
                 bound[n][name] = bound_at[n][(line, name)] = sids
                 release = _release_op(inv.file, line, name, inv.runs[k + 1:], inv.end, executed)
@@ -149,6 +153,20 @@ def local_holds(forward_ops: Sequence[tuple], executed: ExecutedLines | None = N
         passed_on = returned[callee] if callee is not None and invocations[callee].end == last else ()
         returned[n] = _returned_values(inv, bound_at[n], outputs[last], passed_on)
     return holds
+
+
+def _past_wrappers(invocations: list[_Invocation], invocation_at: dict, callee: int, last: int) -> int:
+    """The call whose `return` gives a statement's value: `callee`, or, while the callee ends in `return
+    f(*args, **kwargs)` (a decorator's wrapper, `super().__call__`) and that call of f ends where it does,
+    the call of f."""
+    while True:
+        inv = invocations[callee]
+        stmt, _ = _statement_at(inv.file, inv.runs[-1][0])
+        inner = invocation_at.get((inv.depth + 1, last))
+        if not (isinstance(stmt, ast.Return) and isinstance(stmt.value, ast.Call)) or inner is None \
+                or invocations[inner].end != last:
+            return callee
+        callee = inner
 
 
 def _returned_values(inv: _Invocation, bound_at: dict, last_outputs: tuple[int, ...],
