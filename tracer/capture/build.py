@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from tracer.capture.model_input import ModelSource
 from tracer.capture.source import WRAPPED_ATTR, loc_from_python_stack
-from tracer.errors import ModelRunError, UsageError
+from tracer.errors import ModelRunError, TracerError, UsageError
 
 SMALL_NUMEL = 1 << 16                 # outputs up to this many elements are computed for real while building
 KNOWN_BYTES_LIMIT = 64 << 20          # real bytes kept for known values, in all; beyond, values are not kept
@@ -74,8 +74,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
                 torch.set_default_dtype(torch.bfloat16)
             model = source.build_model()
             args = source.example_batch(batch, seq)
-    except UsageError:
-        raise                      # a tracer option the model cannot take (--lora-targets naming no module)
+    except TracerError:
+        raise                      # tracer's own refusal (--lora-targets naming no module, an hf: --seq too long)
     except Exception as exc:
         at = where(exc) if where is not None else "model"
         raise ModelRunError(f"{at}: building the model or its example batch raised "
