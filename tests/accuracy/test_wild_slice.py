@@ -3,7 +3,8 @@ tests/models/test_hf_models.py, each shrunk by the sweep's generic tiny override
 eager) and measured in a real CPU step (tests/truth.py): every phase peak within 0.1%, saved bytes equal.
 Hand-written styles (benchmarks/wild_styles/) and transformers architectures: an ALBERT masked LM (one layer
 shared by all), BEiT and ConvNeXt image classifiers, BLOOM (ALiBi, eager attention), a Cohere2 mixture of
-experts with balanced routers, BART (seq2seq)."""
+experts with balanced routers, BART (seq2seq); a hand-written router (`out.index_add_` per expert, `y, aux =
+moe(x)`) and nn.MultiheadAttention's defaults (`x, _ = block(x, pad)` holding the head-averaged weights)."""
 import importlib.util
 import os
 import sys
@@ -27,7 +28,8 @@ def _sweep():
     return module
 
 
-SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:convnet",
+SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:convnet", "style:moe_router",
+         "style:mha_default",
          "hf:albert", "hf:beit", "hf:bloom", "hf:convnext", "hf:cohere2_moe", "hf:bart"]
 
 

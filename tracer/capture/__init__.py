@@ -30,6 +30,7 @@ from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
+from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
@@ -282,7 +283,7 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        holds = local_holds(forward, cap.executed_lines)
+        holds = _python_holds(cap, part.ops, table, forward)
         for sid, op_index in holds.items():
             table.update(sid, held_until_op=op_index)
         recompute_local_holds(part.ops, table, holds)
@@ -297,6 +298,27 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         eager_checkpoint_semantics(part.ops, table)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     return MicroBatch(part=part, table=table, kept=kept)
+
+
+def _python_holds(cap, ops, table: StorageTable, forward: list) -> dict[int, int]:
+    """storage id -> the op through which the forward's Python code holds it: seen where the trace ran the
+    user's Python (python_lifetimes.py), read from the source (pylocals.py) elsewhere and for the storages
+    whose release the trace could not see (an object autograd saved)."""
+    op_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.FORWARD and not d.recomputed}
+    if cap.python_deaths is None or not op_index_of:
+        return local_holds(forward, cap.executed_lines)
+    sid_of_output = {(d.name, position): value.storage_id for d in ops if d.phase is Phase.FORWARD and not d.recomputed
+                     for position, value in enumerate(d.outputs)
+                     if table.get(value.storage_id).role is StorageRole.INTERMEDIATE
+                     and not table.get(value.storage_id).preexisting}
+    observed = observed_holds(cap.python_deaths, sid_of_output, op_index_of,
+                              [node.name for node in cap.joint.graph.nodes])
+    holds = dict(observed.until)
+    if observed.unseen:
+        for sid, op_index in local_holds(forward, cap.executed_lines).items():
+            if sid in observed.unseen:
+                holds[sid] = max(op_index, holds.get(sid, -1))
+    return holds
 
 
 def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int]:

@@ -6,12 +6,17 @@ by `select_scatter(base, copy, ...)`. Each functional op makes a new tensor wher
 storage it already has (autograd's CopySlices does the same in backward: `new_empty_strided`, then
 `copy_` of the gradient into it). `in_place_writes(graph)` finds the functional ops that stand for such a
 write: `aten.copy` and the view-scatter ops (`select_scatter`, `slice_scatter`, `diagonal_scatter`,
-`as_strided_scatter`), which user code rarely calls out of place, whose destination's storage nothing
-reads afterwards except the scatter that puts this very write back into the same storage. Their outputs
-take the destination's storage (no allocation), as in eager.
+`as_strided_scatter`), which user code rarely calls out of place; and the functional op of an in-place
+torch call of the forward (`out.index_add_(...)`, `mask.masked_fill_(...)`, `x += y`, `x[idx] = v`,
+`F.relu(x, inplace=True)`: `is_inplace_call`), which the trace marks on its nodes (`INPLACE_CALL_KEY` in
+`meta["custom"]`): the call's last node whose first argument has the output's shape and dtype is the write.
+A write counts when its destination's storage nothing reads afterwards except the scatter that puts this
+very write back into the same storage. Its output takes the destination's storage (no allocation), as in
+eager.
 
-Not modelled: other in-place ops (`masked_fill_`, `index_put_`, `add_` ...), whose functional forms are also
-ordinary out-of-place ops that user code calls; a destination read again later keeps its own storage.
+Not modelled: in-place calls on capture paths that do not mark them (export, torch.compile): their
+functional ops allocate; a destination read again later (eager would refuse the backward, or autograd
+clones it) keeps its own storage.
 """
 from __future__ import annotations
 
@@ -24,6 +29,22 @@ _aten = torch.ops.aten
 _SCATTERS = frozenset({_aten.select_scatter.default, _aten.slice_scatter.default, _aten.diagonal_scatter.default,
                        _aten.as_strided_scatter.default})
 _WRITES = _SCATTERS | {_aten.copy.default}
+INPLACE_CALL_KEY = "tracer_inplace_call"      # meta["custom"] key on the nodes of an in-place torch call
+
+# Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
+_NOT_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"})
+
+
+def is_inplace_call(func, kwargs=None) -> bool:
+    """A torch call that writes into its first tensor argument: an in-place method or dunder (`add_`,
+    `__iadd__`, `__setitem__`), or a functional with `inplace=True` (`F.relu(x, inplace=True)`)."""
+    name = getattr(func, "__name__", "")
+    if name in _INPLACE_DUNDERS or (kwargs or {}).get("inplace") is True:
+        return True
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_INPLACE
 
 
 def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
@@ -34,13 +55,37 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         for arg in _tensor_inputs(node):
             readers.setdefault(storage_key(arg.meta["val"]), []).append(pos)
     writes = {}
+    marked = _marked_call_writes(nodes)
     for pos, node in enumerate(nodes):
-        if node.target not in _WRITES or not _is_tensor_node(node.args[0]):
+        if (node.target not in _WRITES and node not in marked) or not node.args or not _is_tensor_node(node.args[0]):
             continue
         key = storage_key(node.args[0].meta["val"])
         if all(_puts_back(nodes[later], node, key) for later in readers.get(key, ()) if later > pos):
             writes[node] = node.args[0]
     return writes
+
+
+def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The node of each marked in-place torch call whose result eager writes into the call's tensor: the
+    call's last forward node (not a view-scatter, already a write) that makes a new tensor of its first
+    argument's shape and dtype."""
+    last_of_call: dict[str, fx.Node] = {}
+    for node in nodes:
+        if not (node.meta.get("custom") or {}).get(INPLACE_CALL_KEY) or node.meta.get("partitioner_tag") == "is_backward":
+            continue
+        call = (node.meta.get("torch_fn") or (None,))[0]
+        if call is not None and node.target not in _SCATTERS and _writes_first_argument(node):
+            last_of_call[call] = node
+    return set(last_of_call.values())
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    out = node.meta.get("val")
+    if not node.args or not _is_tensor_node(node.args[0]) or not isinstance(out, torch.Tensor):
+        return False
+    dst = node.args[0].meta["val"]
+    return (tuple(out.shape) == tuple(dst.shape) and out.dtype == dst.dtype
+            and storage_key(out) != storage_key(dst))        # a new tensor, not a view of the destination
 
 
 def _puts_back(reader: fx.Node, write: fx.Node, key: int) -> bool:

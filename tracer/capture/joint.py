@@ -24,6 +24,8 @@ import torch
 from torch import nn
 
 from tracer.capture.build import step_module
+from tracer.capture.inplace import INPLACE_CALL_KEY, is_inplace_call
+from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
 from tracer.capture.pylocals import ExecutedLines, record_executed_lines
@@ -47,6 +49,8 @@ class JointCapture:
     build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
     python_backward_nodes: frozenset[int] = frozenset()   # seq_nrs of custom autograd Functions' nodes
     executed_lines: ExecutedLines = dataclasses.field(default_factory=ExecutedLines)   # model lines the trace ran
+    # the forward's Python objects, observed dying (python_lifetimes.py); None: not observed on this path
+    python_deaths: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +118,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
                         build_notes=built.notes + traced.notes(),
                         python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()),
-                        executed_lines=executed)
+                        executed_lines=executed, python_deaths=getattr(jd, "python_deaths", None))
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
@@ -195,6 +199,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
                 kernels_as_in_eager(), unused_forward_ops_kept(), custom:
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
+        jd.python_deaths = resolve_deaths(meta.lifetimes.deaths, jd.graph_module) if source_meta else None
     finally:
         kept_tensors = 0
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
@@ -284,6 +289,7 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         self._handles: list = []
         self._preserve = None
         self._calls = 0
+        self.lifetimes = PythonLifetimes()
 
     def __enter__(self):
         import torch.fx.traceback as fx_traceback
@@ -297,6 +303,7 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
+        self.lifetimes.close()
         self._preserve.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -315,11 +322,16 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         meta["stack_trace"] = _user_stack_trace()
         self._calls += 1             # which aten ops one call ran (a C++ composite's locals: capture/calls.py)
         meta["torch_fn"] = (f"{getattr(func, '__name__', 'call')}_{self._calls}", _qualified_name(func))
-        if args and _is_inplace(func) and torch.is_grad_enabled():
+        inplace = is_inplace_call(func, kwargs)
+        if args and inplace and torch.is_grad_enabled():
             _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
         meta["nn_module_stack"] = dict(self._modules)
         try:
-            return func(*args, **(kwargs or {}))
+            # capture/inplace.py: the nodes of an in-place call are marked (fx copies `custom` onto them)
+            with fx_traceback.annotate({INPLACE_CALL_KEY: True}) if inplace else contextlib.nullcontext():
+                out = func(*args, **(kwargs or {}))
+            self.lifetimes.watch(args, out, inplace)
+            return out
         finally:
             for key in _SOURCE_META:
                 meta.pop(key, None)
@@ -331,20 +343,6 @@ _SOURCE_META = ("stack_trace", "nn_module_stack", "torch_fn")
 
 def _qualified_name(func) -> str:
     return f"{getattr(func, '__module__', None) or ''}.{getattr(func, '__qualname__', getattr(func, '__name__', ''))}"
-
-
-# Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
-_NOT_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                              "__irshift__", "__imatmul__"})
-
-
-def _is_inplace(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in _INPLACE_DUNDERS:
-        return True
-    return name.endswith("_") and not name.startswith("_") and name not in _NOT_INPLACE
 
 
 def _refuse_inplace_on_parameter(root: nn.Module, func, tensor, stack_trace: str) -> None:

@@ -1,0 +1,160 @@
+"""How long the forward's Python code keeps each tensor it gets from a torch call, observed while the joint
+graph is traced from the module itself.
+
+The direct trace (`aot-joint`) runs the user's forward as Python, on functional tensors over fake ones:
+every name, attribute, list, dict, tuple and closure holds those objects exactly as it holds real tensors
+in eager, and CPython frees an object when its last reference goes. `PythonLifetimes` puts a
+`weakref.finalize` on every tensor a forward torch call returns (the calls `_SourceMetaMode` sees: the
+user's own, not the ones inside torch's Python functions) and records, when the object dies, the last
+node the trace had made: eager lets go of that tensor's storage after the op of that node (or later, for
+another reference to the same storage). An object that outlives the forward is held by autograd (a saved
+tensor) or by the trace itself (the loss), not by the forward's Python code, whose frames have all
+returned: that is the graph's and autograd's business (liveness, saved tensors), not this module's.
+
+`observed_holds(deaths, ...)` turns the records into storage id -> op index of the last forward op that
+the storage is held through, and names the storages whose Python release it could not see (an object
+autograd saved outlives the forward whatever Python does with it). Not observed: tensors made inside a C++ kernel or a torch Python function
+(capture/calls.py holds those), recomputation under checkpointing (a rerun is traced inside backward), and
+the export rungs (the exported module's interpreter, not the user's Python, runs there).
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from tracer.capture.storages import storage_key
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonDeath:
+    storage_keys: tuple[int, ...]     # the fake storages the object had (an in-place call can give it another)
+    last_node: object                 # the fx node the trace had made last when the object died (None: none yet)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedDeath:
+    """A `PythonDeath` in the names of the joint graph, which every policy's graph keeps for its nodes."""
+    producers: tuple[tuple[str, int], ...]   # (node name, output position) of the storages the object had
+    last_node: str | None                    # the last node made before it died that a graph keeps, if any
+    in_backward: bool                        # it died in backward: autograd, not Python, held it last
+
+
+def resolve_deaths(deaths: Sequence[PythonDeath], joint) -> tuple[ObservedDeath, ...]:
+    """The deaths in terms of the traced joint graph (`joint`: its GraphModule): each storage key becomes
+    the node that made that storage, the last node the nearest earlier one still in the graph."""
+    producer_of: dict[int, tuple[str, int]] = {}
+    kept: set[str] = set()
+    for node in joint.graph.nodes:
+        kept.add(node.name)
+        for position, t in enumerate(_flat_tensors(node.meta.get("val"))):    # as OpDraft.outputs
+            producer_of.setdefault(storage_key(t), (node.name, position))
+    resolved = []
+    for death in deaths:
+        node, in_backward = death.last_node, False
+        while node is not None and getattr(node, "op", None) != "root" and node.name not in kept:
+            node = node.prev
+        if node is not None and getattr(node, "op", None) != "root":
+            in_backward = node.meta.get("partitioner_tag") == "is_backward"
+        name = node.name if node is not None and getattr(node, "op", None) != "root" else None
+        producers = tuple(producer_of[k] for k in death.storage_keys if k in producer_of)
+        resolved.append(ObservedDeath(producers=producers, last_node=name, in_backward=in_backward))
+    return tuple(resolved)
+
+
+class PythonLifetimes:
+    """Records `PythonDeath`s while the joint graph is traced. `watch(func, args, out, inplace)` after each
+    forward torch call; `close()` when the trace ends (objects that die afterwards are not the forward's)."""
+
+    def __init__(self):
+        self.deaths: list[PythonDeath] = []
+        self._keys_of: dict[int, list[int]] = {}     # id(object) -> its storage keys, while it lives
+        self._graph = None
+        self._open = True
+
+    def watch(self, args: tuple, out, inplace: bool) -> None:
+        graph = self._current_graph()
+        if graph is None or not self._open:           # AOT's metadata run of the forward: no graph is traced
+            return
+        self._graph = graph
+        if inplace and args and id(args[0]) in self._keys_of and _inner_key(args[0]) is not None:
+            self._keys_of[id(args[0])].append(_inner_key(args[0]))     # it now holds the write's result
+        for t in tree_leaves(out):
+            key = _inner_key(t)
+            if key is None or id(t) in self._keys_of:
+                continue
+            keys = self._keys_of[id(t)] = [key]
+            weakref.finalize(t, self._died, id(t), keys)
+
+    def close(self) -> None:
+        self._open = False
+
+    def _died(self, object_id: int, keys: list[int]) -> None:
+        self._keys_of.pop(object_id, None)
+        if self._open and self._graph is not None:
+            self.deaths.append(PythonDeath(tuple(keys), _last_node(self._graph)))
+
+    @staticmethod
+    def _current_graph():
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        mode = get_proxy_mode()
+        return getattr(getattr(mode, "tracer", None), "graph", None)
+
+
+def _flat_tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for item in val for t in _flat_tensors(item)]
+    return []
+
+
+def _inner_key(t) -> int | None:
+    """The storage key of the fake tensor a functional tensor wraps now (None: not a functional tensor)."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    if not isinstance(t, FunctionalTensor):
+        return None
+    return storage_key(torch._from_functional_tensor(t.elem))
+
+
+def _last_node(graph):
+    return next(iter(reversed(graph.nodes)), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObservedHolds:
+    until: dict[int, int]          # storage id -> index of the last forward op a Python object held it through
+    unseen: frozenset[int]         # storages an object of which outlived the forward: when its Python
+                                   # references went is not seen (autograd's saved reference kept it)
+
+
+def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[str, int], int],
+                   op_index_of: dict[str, int], joint_order: Sequence[str]) -> ObservedHolds:
+    """`sid_of_output`: (node name, output position) -> storage id, for the forward's intermediates;
+    `op_index_of`: the op index of each forward op's node name; `joint_order`: the joint graph's node names
+    in order (a death after a node that is no op, a getitem or a placeholder, is placed at the nearest
+    earlier op; before any, it holds nothing). An object that dies in backward was kept by autograd (a saved
+    tensor holds the object itself), so its storage is `unseen`: under a policy that does not save it,
+    another rule must say how long Python held it."""
+    op_at: dict[str, int] = {}
+    latest = None
+    for name in joint_order:
+        latest = op_index_of.get(name, latest)
+        if latest is not None:
+            op_at[name] = latest
+    until: dict[int, int] = {}
+    unseen: set[int] = set()
+    for death in deaths:
+        op_index = op_at.get(death.last_node) if not death.in_backward else None
+        for producer in death.producers:
+            sid = sid_of_output.get(producer)
+            if sid is None:
+                continue
+            if death.in_backward:
+                unseen.add(sid)
+            elif op_index is not None:
+                until[sid] = max(until.get(sid, -1), op_index)
+    return ObservedHolds(until=until, unseen=frozenset(unseen))
