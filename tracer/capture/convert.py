@@ -39,7 +39,7 @@ from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 _GETITEM = operator.getitem
 # meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
 REGION_KEY = "tracer_checkpoint_region"     # the reentrant region a forward op, or its rerun, belongs to
-RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward
+RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward: its name
 HELD_KEY = "tracer_held_to_region_end"      # a rerun value the region's backward holds until it ends
 SEED_OP_NAME = "loss_grad_seed"
 
@@ -74,11 +74,16 @@ class OpDraft:
     recomputed: bool = False            # a forward op re-run in backward
     checkpoint_region: int | None = None  # ac_graph_id of the checkpointed block this op belongs to
     must_save: bool = False             # selective checkpointing keeps this op's outputs
-    rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
-    held_to_region_end: bool = False    # its outputs are held until the region's backward ends
+    rerun_of: str | None = None         # a reentrant checkpoint's forward op run again inside backward: its name
+    held_to_region_end: tuple[TensorValue, ...] = ()   # its outputs the region's backward holds until it ends
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
+
+    @property
+    def rerun(self) -> bool:
+        """A reentrant checkpoint's forward op run again inside backward."""
+        return self.rerun_of is not None
 
 
 @dataclasses.dataclass
@@ -257,6 +262,9 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         if node.target is _GETITEM:
             values[node] = values[node.args[0]][node.args[1]]
             node_pos[node] = node_pos[node.args[0]]
+            if node.meta.get(HELD_KEY):     # one output of a multi-output op is the region's output
+                parent = ops[node_pos[node]]
+                parent.held_to_region_end += tuple(_iter_tensor_values(values[node]))
             continue
         tagged_backward = node.meta.get("partitioner_tag") == "is_backward"
         node_phase = phase or (Phase.BACKWARD if tagged_backward else Phase.FORWARD)
@@ -525,9 +533,9 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD or recomputed else None,
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
-        held_to_region_end=bool(node.meta.get(HELD_KEY)),
+        held_to_region_end=outputs if node.meta.get(HELD_KEY) else (),
         partial_held=phase is Phase.FORWARD and bool((node.meta.get("custom") or {}).get(PARTIAL_HELD_KEY)),
-        rerun=bool(node.meta.get(RERUN_KEY)),
+        rerun_of=node.meta.get(RERUN_KEY),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )
 
