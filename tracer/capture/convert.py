@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 from typing import Any
 
 import torch
@@ -432,7 +433,14 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         desc = descs.get(node.name)
         kind = type(desc).__name__
         val = node.meta.get("val")
-        if kind == "ParamAOTInput" or kind == "BufferAOTInput":
+        leaf = _forward_leaf(cap, desc)
+        if leaf is not None:
+            # made in forward: allocated by its first reader; the autograd graph holds it until the step ends
+            sid = table.add(val, StorageRole.INTERMEDIATE, persistent=True,
+                            name=f"leaf made in forward{_at(leaf.source)}")
+            table.alias(leaf.tensor, sid)
+            values[node] = table.value(val, sid)
+        elif kind == "ParamAOTInput" or kind == "BufferAOTInput":
             owner = cap.param_by_fqn.get(desc.target)
             if owner is None:
                 owner = cap.buffer_by_fqn.get(desc.target)
@@ -455,6 +463,16 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         else:
             values[node] = val
     return tangent
+
+
+def _forward_leaf(cap, desc):
+    """The lifted leaf (tracer/capture/forward_leaves.py) a placeholder's descriptor names, if any."""
+    target = getattr(desc, "target", None) if type(desc).__name__ == "ParamAOTInput" else None
+    return next((leaf for leaf in cap.forward_leaves if leaf.fqn == target), None)
+
+
+def _at(source) -> str:
+    return f" at {os.path.basename(source.file)}:{source.line}" if source is not None else ""
 
 
 def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:
@@ -565,9 +583,11 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     table.update(loss_sid, persistent=True, name="loss")
     grads: dict[int, list[tuple[int, TensorValue]]] = {}      # id(param) -> [(ready position, grad value)]
     owners: dict[int, tuple[str, torch.Tensor]] = {}
+    leaves = {leaf.fqn: leaf for leaf in cap.forward_leaves}
     for fqn, out in grad_outputs:
-        param = cap.param_by_fqn[fqn]
-        owners.setdefault(id(param), (normalize_module_path(fqn), param))
+        param = leaves[fqn].tensor if fqn in leaves else cap.param_by_fqn[fqn]
+        name = f"leaf made in forward{_at(leaves[fqn].source)}" if fqn in leaves else normalize_module_path(fqn)
+        owners.setdefault(id(param), (name, param))
         ready = len(ops) - 1 if compiled else _end_of_autograd_node(ops, node_pos[out])
         grads.setdefault(id(param), []).append((ready, values[out]))
     inserts: list[tuple[int, OpDraft]] = []
@@ -575,7 +595,8 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     for pid, incoming in grads.items():
         incoming.sort(key=lambda item: item[0])
         name, param = owners[pid]
-        if grads_preexisting:
+        made_in_forward = any(leaf.tensor is param for leaf in cap.forward_leaves)
+        if grads_preexisting and not made_in_forward:      # a fresh leaf has no .grad from the last step
             grad_value = _new_grad(table, param, name, preexisting=True)
             for pos, value in incoming:
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add_.Tensor",
@@ -591,7 +612,8 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add.Tensor",
                                                     (acc, value), out, ops[pos], fresh=True)))
                 acc = out
-        grad_sid_by_param[pid] = grad_value.storage_id
+        if not made_in_forward:       # not the model's: the optimizer and zero_grad never see it
+            grad_sid_by_param[pid] = grad_value.storage_id
     for pos, op in sorted(inserts, key=lambda item: item[0], reverse=True):
         ops.insert(pos + 1, op)
     seed = next((op.outputs[0].storage_id for op in ops if op.name == SEED_OP_NAME), None)
