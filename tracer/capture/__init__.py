@@ -294,7 +294,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         _eager_saved_for_shape(part.ops)
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
-        eager_checkpoint_semantics(part.ops, table)
+        remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
+        eager_checkpoint_semantics(part.ops, table, remade)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     return MicroBatch(part=part, table=table, kept=kept)
 

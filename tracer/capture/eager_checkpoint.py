@@ -22,13 +22,14 @@ from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 
-def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
+def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_leaves: dict[int, int] | None = None) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
     the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
     region's recompute and backward have run (it stands in for the states the partition saves per
     random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region
     recomputes; and, for selective checkpointing, every output of a MUST_SAVE op, cached from forward until
-    the region's recompute has run."""
+    the region's recompute has run. `remade_leaves`: storage id of a leaf made in forward -> the region
+    whose code made it (`_remade_leaves`)."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
@@ -67,6 +68,7 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
                 table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
     _release_unpacked_recomputes(ops, table)
+    _remade_leaves(ops, table, remade_leaves or {}, recompute_end)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
@@ -85,6 +87,24 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
         if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
             table.update(sid, persistent=True)
+
+
+def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],
+                   recompute_end: dict[int, int]) -> None:
+    """A region whose code makes a leaf that requires grad (tracer/capture/forward_leaves.py) makes a fresh
+    one when it recomputes: a local of the rerun frame, from the first recomputed op that reads the leaf
+    until the recompute stops. (The graph's recompute reads the forward's leaf, which the autograd graph
+    holds anyway.)"""
+    for sid, region in region_of_leaf.items():
+        first = next((i for i, d in enumerate(ops) if d.recomputed and d.checkpoint_region == region
+                      and any(v.storage_id == sid for v in input_values(d))), None)
+        if first is None or region not in recompute_end:
+            continue
+        leaf = table.get(sid)
+        fresh = table.add(None, StorageRole.INTERMEDIATE, nbytes=leaf.nbytes, dtype=leaf.dtype, shape=leaf.shape,
+                          name=f"{leaf.name}, made again by the recompute of region {region}")
+        ops[first].outputs = ops[first].outputs + (TensorValue(fresh, leaf.shape, leaf.dtype),)
+        table.update(fresh, held_until_op=recompute_end[region])
 
 
 def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[int, int]) -> None:

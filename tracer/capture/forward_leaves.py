@@ -12,9 +12,11 @@ exported module (a fake tensor that requires grad), so the joint graph different
 `JointCapture.forward_leaves` names them, and the conversion gives each its own lifetime (allocated by
 its first reader, held with its .grad until the step ends) and keeps it out of the optimizer.
 
-Not handled: a flagged tensor that shares its storage with an earlier value (`h.detach().requires_grad_()`:
-left as export traced it, without a gradient), and one a recompute makes again (eager's recompute makes a
-fresh leaf; the lifted leaf is made once).
+A leaf made inside a checkpointed region is made again by the region's recompute (a fresh leaf, a local
+of the rerun frame: tracer/capture/eager_checkpoint.py). Not handled: a flagged tensor that shares its
+storage with an earlier value (`h.detach().requires_grad_()`: left as export traced it, without a
+gradient); a lifted leaf is allocated by the first op that reads it, not by the op that made it (a
+factory, whose output nothing else holds meanwhile).
 """
 from __future__ import annotations
 
@@ -33,10 +35,12 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 @dataclasses.dataclass(frozen=True)
 class ForwardLeaf:
-    """A lifted leaf: the exported module's parameter that stands for it, and the line that made it."""
+    """A lifted leaf: the exported module's parameter that stands for it, the line that made it, and the
+    torch.utils.checkpoint call (region) whose code made it, if any: that region's recompute makes it again."""
     fqn: str
     tensor: torch.Tensor
     source: SourceLoc | None
+    region: int | None = None
 
 
 class ForwardLeafRecorder(torch.overrides.TorchFunctionMode):
@@ -77,6 +81,7 @@ def _called_from_model_code() -> bool:
 def lift_forward_leaves(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], fake_mode) -> tuple[ForwardLeaf, ...]:
     """Each recorded tensor that owns its storage (the first node whose value lives in that storage made
     it, with the same layout) becomes a parameter of `gm` in place of that node. Returns the lifted leaves."""
+    from tracer.capture.joint import CHECKPOINT_KEY
     first_node: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         for value in _tensors(node.meta.get("val")):
@@ -95,7 +100,8 @@ def lift_forward_leaves(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], f
         attr.meta = dict(node.meta, val=leaf)
         node.replace_all_uses_with(attr)
         gm.graph.erase_node(node)
-        leaves.append(ForwardLeaf(fqn=fqn, tensor=leaf, source=loc_from_stack_trace(node.meta.get("stack_trace"))))
+        leaves.append(ForwardLeaf(fqn=fqn, tensor=leaf, source=loc_from_stack_trace(node.meta.get("stack_trace")),
+                                  region=(node.meta.get("custom") or {}).get(CHECKPOINT_KEY)))
     if leaves:
         gm.recompile()
     return tuple(leaves)
