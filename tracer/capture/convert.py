@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import os
 from typing import Any
 
 import torch
@@ -472,7 +471,7 @@ def _forward_leaf(cap, desc):
 
 
 def _at(source) -> str:
-    return f" at {os.path.basename(source.file)}:{source.line}" if source is not None else ""
+    return f" at {source.short()}" if source is not None else ""
 
 
 def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:

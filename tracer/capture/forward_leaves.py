@@ -109,8 +109,8 @@ def lift_forward_leaves(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], f
 
 def leaf_note(leaf: ForwardLeaf) -> str:
     """The report's note for one lifted leaf."""
-    where = f"{os.path.basename(leaf.source.file)}:{leaf.source.line}" if leaf.source else "the forward"
-    return (f"a tensor made at {where} ({tuple(leaf.tensor.shape)}) is flagged requires_grad in forward: a leaf "
+    where = leaf.source.short() if leaf.source else "the forward"
+    return (f"a tensor made at {where} {tuple(leaf.tensor.shape)} is flagged requires_grad in forward: a leaf "
             "with a gradient of its own, both alive until the step ends, as the autograd graph holds them")
 
 
