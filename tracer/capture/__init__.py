@@ -20,6 +20,7 @@ from tracer.capture.accumulation import KeptPairs, MicroBatch, chain_micro_batch
 from tracer.capture.caller_held import observe_kept_outputs
 from tracer.capture.convert import OpDraft, convert_step, input_values
 from tracer.capture.eager_checkpoint import eager_checkpoint_semantics, recompute_local_holds
+from tracer.capture.forward_leaves import leaf_note
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
 from tracer.errors import CaptureError, UsageError
@@ -295,7 +296,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         _eager_saved_for_shape(part.ops)
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
-        eager_checkpoint_semantics(part.ops, table)
+        remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
+        eager_checkpoint_semantics(part.ops, table, remade)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     return MicroBatch(part=part, table=table, kept=kept)
 
@@ -349,6 +351,7 @@ def _capture_notes(cap) -> tuple[str, ...]:
         where = f" (made at {kept.source.short()})" if kept.source else ""
         notes.append(f"{kept.module or 'the model'}.{kept.attribute} keeps a {kept.nbytes:,} B tensor past the "
                      f"step{where}")
+    notes += [leaf_note(leaf) for leaf in cap.forward_leaves]
     return tuple(notes)
 
 

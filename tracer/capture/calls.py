@@ -12,10 +12,11 @@ frees each tensor at its last use; eager holds more:
     returns; the graph frees the repeated key after the scaling that reads it. Measured on CPU (torch 2.13):
     the repeated key is freed after the output's bmm, while the attention scores it rebinds (`attn =
     attn.add(mask)`, `attn = _safe_softmax(attn)`) are freed as they are rebound. So every storage the
-    kernel makes before its first matmul (`aten.bmm`) is held until its last op, except the scaled key
-    (`key.transpose(-2, -1) * scale`), a temporary of the matmul's expression, held until that matmul returns
-    (measured in a checkpointed region's recompute, where bmm's copies of its operands are kept for backward
-    but the scaled key is not).
+    kernel makes before its first matmul (`aten.bmm`) is held until its last op, except the temporaries of
+    the matmul's expression, held until that matmul returns: the scaled key (`key.transpose(-2, -1) * scale`;
+    measured in a checkpointed region's recompute, where bmm's copies of its operands are kept for backward
+    but the scaled key is not) and those copies themselves (at::matmul's `expand` + `clone` of each operand;
+    measured in a checkpointed region's forward, where nothing is kept for backward).
 
 `call_holds(ops)` returns storage id -> index of the op until which a call holds it. Forward ops and
 recomputed ones (a checkpointed region's recompute reruns its calls); the calls are those the capture
@@ -45,14 +46,14 @@ def call_holds(ops: Sequence) -> dict[int, int]:
     holds: dict[int, int] = {}
     for start, end in _call_ranges(ops):
         first_matmul = _first_matmul(ops, start, end)
-        temporary = _scaled_key(ops, start, first_matmul) if first_matmul is not None else None
+        temporaries = _matmul_temporaries(ops, start, first_matmul) if first_matmul is not None else set()
         for index in range(start, end):
             for sid in storage_ids((ops[index].args, ops[index].kwargs)):
                 if made_at.get(sid, -1) < start:
                     holds[sid] = max(holds.get(sid, -1), end - 1)       # an argument of the call
             if first_matmul is not None and index < first_matmul and not ops[index].is_view:
                 for value in ops[index].outputs:
-                    until = first_matmul if value.storage_id == temporary else end - 1
+                    until = first_matmul if value.storage_id in temporaries else end - 1
                     holds[value.storage_id] = max(holds.get(value.storage_id, -1), until)
     return holds
 
@@ -62,28 +63,33 @@ _MATMUL_PLUMBING = ("aten.view.default", "aten.expand.default", "aten.clone.defa
                     "aten.transpose.int", "aten.reshape.default")
 
 
-def _scaled_key(ops: Sequence, start: int, first_matmul: int) -> int | None:
-    """The storage of the math kernel's `key.transpose(-2, -1) * scale`: a temporary of the expression that
-    passes it to the first matmul (not a C++ local), so it lives until that matmul returns. It is the first
-    matmul's second operand, followed back through the matmul's views and copies to the op that made it."""
+def _matmul_temporaries(ops: Sequence, start: int, first_matmul: int) -> set[int]:
+    """The storages of the first matmul's expression that are no C++ local of the kernel, so they live
+    until that matmul returns: the copies at::matmul makes of its operands' batch expansion (`expand` then
+    `clone`), and the scaled key (`key.transpose(-2, -1) * scale`). Each operand is followed back through
+    the matmul's views and copies; the first operand's source is the kernel's local `query`, the second's
+    the scaled key."""
     made: dict[int, int] = {}
     for index in range(start, first_matmul):
         for value in ops[index].outputs:
             made.setdefault(value.storage_id, index)
     operands = [a for a in ops[first_matmul].args if hasattr(a, "storage_id")]
-    if len(operands) < 2:
-        return None
-    sid, seen = operands[1].storage_id, set()
-    while sid in made and sid not in seen:
-        seen.add(sid)
-        producer = ops[made[sid]]
-        if producer.target not in _MATMUL_PLUMBING:
-            return sid
-        sources = [a for a in producer.args if hasattr(a, "storage_id")]
-        if not sources:
-            return None
-        sid = sources[0].storage_id
-    return None
+    temporaries: set[int] = set()
+    for position, operand in enumerate(operands[:2]):
+        sid, seen = operand.storage_id, set()
+        while sid in made and sid not in seen:
+            seen.add(sid)
+            producer = ops[made[sid]]
+            if producer.target not in _MATMUL_PLUMBING:
+                if position == 1:
+                    temporaries.add(sid)
+                break
+            temporaries.add(sid)
+            sources = [a for a in producer.args if hasattr(a, "storage_id")]
+            if not sources:
+                break
+            sid = sources[0].storage_id
+    return temporaries
 
 
 def _call_ranges(ops: Sequence) -> list[tuple[int, int]]:

@@ -39,7 +39,7 @@ from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 _GETITEM = operator.getitem
 # meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
 REGION_KEY = "tracer_checkpoint_region"     # the reentrant region a forward op, or its rerun, belongs to
-RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward
+RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward: its name
 HELD_KEY = "tracer_held_to_region_end"      # a rerun value the region's backward holds until it ends
 SEED_OP_NAME = "loss_grad_seed"
 
@@ -74,11 +74,16 @@ class OpDraft:
     recomputed: bool = False            # a forward op re-run in backward
     checkpoint_region: int | None = None  # ac_graph_id of the checkpointed block this op belongs to
     must_save: bool = False             # selective checkpointing keeps this op's outputs
-    rerun: bool = False                 # a reentrant checkpoint's forward op run again inside backward
-    held_to_region_end: bool = False    # its outputs are held until the region's backward ends
+    rerun_of: str | None = None         # a reentrant checkpoint's forward op run again inside backward: its name
+    held_to_region_end: tuple[TensorValue, ...] = ()   # its outputs the region's backward holds until it ends
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
+
+    @property
+    def rerun(self) -> bool:
+        """A reentrant checkpoint's forward op run again inside backward."""
+        return self.rerun_of is not None
 
 
 @dataclasses.dataclass
@@ -257,6 +262,9 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         if node.target is _GETITEM:
             values[node] = values[node.args[0]][node.args[1]]
             node_pos[node] = node_pos[node.args[0]]
+            if node.meta.get(HELD_KEY):     # one output of a multi-output op is the region's output
+                parent = ops[node_pos[node]]
+                parent.held_to_region_end += tuple(_iter_tensor_values(values[node]))
             continue
         tagged_backward = node.meta.get("partitioner_tag") == "is_backward"
         node_phase = phase or (Phase.BACKWARD if tagged_backward else Phase.FORWARD)
@@ -424,7 +432,14 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         desc = descs.get(node.name)
         kind = type(desc).__name__
         val = node.meta.get("val")
-        if kind == "ParamAOTInput" or kind == "BufferAOTInput":
+        leaf = _forward_leaf(cap, desc)
+        if leaf is not None:
+            # made in forward: allocated by its first reader; the autograd graph holds it until the step ends
+            sid = table.add(val, StorageRole.INTERMEDIATE, persistent=True,
+                            name=f"leaf made in forward{_at(leaf.source)}")
+            table.alias(leaf.tensor, sid)
+            values[node] = table.value(val, sid)
+        elif kind == "ParamAOTInput" or kind == "BufferAOTInput":
             owner = cap.param_by_fqn.get(desc.target)
             if owner is None:
                 owner = cap.buffer_by_fqn.get(desc.target)
@@ -447,6 +462,16 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         else:
             values[node] = val
     return tangent
+
+
+def _forward_leaf(cap, desc):
+    """The lifted leaf (tracer/capture/forward_leaves.py) a placeholder's descriptor names, if any."""
+    target = getattr(desc, "target", None) if type(desc).__name__ == "ParamAOTInput" else None
+    return next((leaf for leaf in cap.forward_leaves if leaf.fqn == target), None)
+
+
+def _at(source) -> str:
+    return f" at {source.short()}" if source is not None else ""
 
 
 def _tangent_op(tangent, table: StorageTable, values) -> OpDraft:
@@ -525,9 +550,9 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         torch_call=(node.meta.get("torch_fn") or (None,))[0] if phase is Phase.FORWARD or recomputed else None,
         recomputed=recomputed or bool(node.meta.get(RERUN_KEY)),
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
-        held_to_region_end=bool(node.meta.get(HELD_KEY)),
+        held_to_region_end=outputs if node.meta.get(HELD_KEY) else (),
         partial_held=phase is Phase.FORWARD and bool((node.meta.get("custom") or {}).get(PARTIAL_HELD_KEY)),
-        rerun=bool(node.meta.get(RERUN_KEY)),
+        rerun_of=node.meta.get(RERUN_KEY),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )
 
@@ -557,9 +582,11 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     table.update(loss_sid, persistent=True, name="loss")
     grads: dict[int, list[tuple[int, TensorValue]]] = {}      # id(param) -> [(ready position, grad value)]
     owners: dict[int, tuple[str, torch.Tensor]] = {}
+    leaves = {leaf.fqn: leaf for leaf in cap.forward_leaves}
     for fqn, out in grad_outputs:
-        param = cap.param_by_fqn[fqn]
-        owners.setdefault(id(param), (normalize_module_path(fqn), param))
+        param = leaves[fqn].tensor if fqn in leaves else cap.param_by_fqn[fqn]
+        name = f"leaf made in forward{_at(leaves[fqn].source)}" if fqn in leaves else normalize_module_path(fqn)
+        owners.setdefault(id(param), (name, param))
         ready = len(ops) - 1 if compiled else _end_of_autograd_node(ops, node_pos[out])
         grads.setdefault(id(param), []).append((ready, values[out]))
     inserts: list[tuple[int, OpDraft]] = []
@@ -567,7 +594,8 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     for pid, incoming in grads.items():
         incoming.sort(key=lambda item: item[0])
         name, param = owners[pid]
-        if grads_preexisting:
+        made_in_forward = any(leaf.tensor is param for leaf in cap.forward_leaves)
+        if grads_preexisting and not made_in_forward:      # a fresh leaf has no .grad from the last step
             grad_value = _new_grad(table, param, name, preexisting=True)
             for pos, value in incoming:
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add_.Tensor",
@@ -583,7 +611,8 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add.Tensor",
                                                     (acc, value), out, ops[pos], fresh=True)))
                 acc = out
-        grad_sid_by_param[pid] = grad_value.storage_id
+        if not made_in_forward:       # not the model's: the optimizer and zero_grad never see it
+            grad_sid_by_param[pid] = grad_value.storage_id
     for pos, op in sorted(inserts, key=lambda item: item[0], reverse=True):
         ops.insert(pos + 1, op)
     seed = next((op.outputs[0].storage_id for op in ops if op.name == SEED_OP_NAME), None)

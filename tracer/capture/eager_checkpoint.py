@@ -3,11 +3,12 @@
 `eager_checkpoint_semantics(ops, table)` applies, in place, what eager checkpointing keeps beyond what the
 partition needs: the CPU RNG state saved at the region's entry and the one fork_rng stashes while it
 recomputes; MUST_SAVE outputs of a selective region, cached until the recompute pops them (or until the
-region's backward ends when the recompute stops before them); reentrant regions' saved inputs and rerun
-outputs until the region's backward ends; and a recomputed value freed when the backward node that unpacked
-it returns (before the engine's `sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values
-as the forward's Python locals held their twins. The recompute's place (at the region's first unpacking
-backward node) is set when the backward graph is made (tracer/capture/policies.py).
+region's backward ends when the recompute stops before them); reentrant regions' saved inputs, rerun
+outputs and the gradients CheckpointFunction.backward was called with, until the region's backward ends;
+and a recomputed value freed when the backward node that unpacked it returns (before the engine's
+`sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values (a non-reentrant recompute's
+or a reentrant rerun's) as the forward's Python locals held their twins. The recompute's place (at the
+region's first unpacking backward node) is set when the backward graph is made (tracer/capture/policies.py).
 Not modelled: tensors a non-reentrant checkpointed callable receives but never reads.
 """
 from __future__ import annotations
@@ -21,13 +22,14 @@ from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 
-def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
+def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_leaves: dict[int, int] | None = None) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
     the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
     region's recompute and backward have run (it stands in for the states the partition saves per
     random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region
     recomputes; and, for selective checkpointing, every output of a MUST_SAVE op, cached from forward until
-    the region's recompute has run."""
+    the region's recompute has run. `remade_leaves`: storage id of a leaf made in forward -> the region
+    whose code made it (`_remade_leaves`)."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
@@ -66,6 +68,7 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
                 table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
     _release_unpacked_recomputes(ops, table)
+    _remade_leaves(ops, table, remade_leaves or {}, recompute_end)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
@@ -86,31 +89,37 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable) -> None:
             table.update(sid, persistent=True)
 
 
+def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],
+                   recompute_end: dict[int, int]) -> None:
+    """A region whose code makes a leaf that requires grad (tracer/capture/forward_leaves.py) makes a fresh
+    one when it recomputes: a local of the rerun frame, from the first recomputed op that reads the leaf
+    until the recompute stops. (The graph's recompute reads the forward's leaf, which the autograd graph
+    holds anyway.)"""
+    for sid, region in region_of_leaf.items():
+        first = next((i for i, d in enumerate(ops) if d.recomputed and d.checkpoint_region == region
+                      and any(v.storage_id == sid for v in input_values(d))), None)
+        if first is None or region not in recompute_end:
+            continue
+        leaf = table.get(sid)
+        fresh = table.add(None, StorageRole.INTERMEDIATE, nbytes=leaf.nbytes, dtype=leaf.dtype, shape=leaf.shape,
+                          name=f"{leaf.name}, made again by the recompute of region {region}")
+        ops[first].outputs = ops[first].outputs + (TensorValue(fresh, leaf.shape, leaf.dtype),)
+        table.update(fresh, held_until_op=recompute_end[region])
+
+
 def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[int, int]) -> None:
     """A checkpointed region's recompute reruns the region's Python code, so a local that held a forward
     value inside the region holds its recomputed twin too: until the twin of the op where the forward let
-    it go, or until the recompute stops (the early stop unwinds the frames). Holds that outlast the region
-    belong to the caller's frames, which are not rerun."""
-    last_forward: dict[int, int] = {}
-    twins: dict[tuple, int] = {}
-    seen: collections.Counter = collections.Counter()
+    it go, or until the recompute stops (the early stop unwinds the frames; a reentrant rerun runs whole).
+    Holds that outlast the region belong to the caller's frames, which are not rerun."""
+    forward_twin = _recomputed_twins(ops)        # forward op index -> its recomputed twin's index
     recompute_end: dict[int, int] = {}
+    last_forward: dict[int, int] = {}
     for i, d in enumerate(ops):
-        if d.recomputed and not d.rerun and d.checkpoint_region is not None and d.seq_nr is not None:
-            key = (d.seq_nr, d.target)
-            twins[key + (seen[key],)] = i
-            seen[key] += 1
+        if d.recomputed and d.checkpoint_region is not None and (d.rerun or d.seq_nr is not None):
             recompute_end[d.checkpoint_region] = i
-    seen.clear()
-    forward_twin: dict[int, int] = {}        # forward op index -> its recomputed twin's index
-    for i, d in enumerate(ops):
-        if d.phase is Phase.FORWARD and d.seq_nr is not None:
-            key = (d.seq_nr, d.target)
-            if key + (seen[key],) in twins:
-                forward_twin[i] = twins[key + (seen[key],)]
-            seen[key] += 1
-            if d.checkpoint_region is not None:
-                last_forward[d.checkpoint_region] = i
+        if d.phase is Phase.FORWARD and d.seq_nr is not None and d.checkpoint_region is not None:
+            last_forward[d.checkpoint_region] = i
     for f, r in forward_twin.items():
         region = ops[r].checkpoint_region
         for value, twin_value in zip(ops[f].outputs, ops[r].outputs):
@@ -122,6 +131,34 @@ def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[i
             until = min(until, recompute_end[region])
             previous = table.get(twin_value.storage_id).held_until_op
             table.update(twin_value.storage_id, held_until_op=max(until, previous if previous is not None else -1))
+
+
+def _recomputed_twins(ops: list[OpDraft]) -> dict[int, int]:
+    """Forward op index -> the index of its recomputed twin. A non-reentrant recompute's op shares its
+    forward op's seq_nr (matched by seq_nr, target and occurrence: a seq_nr's ops repeat in order); a
+    reentrant rerun's op names the forward op it copies."""
+    twins: dict[tuple, int] = {}
+    seen: collections.Counter = collections.Counter()
+    rerun_of: dict[str, int] = {}
+    for i, d in enumerate(ops):
+        if d.rerun:
+            rerun_of.setdefault(d.rerun_of, i)
+        elif d.recomputed and d.checkpoint_region is not None and d.seq_nr is not None:
+            key = (d.seq_nr, d.target)
+            twins[key + (seen[key],)] = i
+            seen[key] += 1
+    seen.clear()
+    forward_twin: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.phase is not Phase.FORWARD or d.seq_nr is None:
+            continue
+        key = (d.seq_nr, d.target)
+        twin = rerun_of.get(d.name) if d.checkpoint_region is not None and d.name in rerun_of \
+            else twins.get(key + (seen[key],))
+        if twin is not None:
+            forward_twin[i] = twin
+        seen[key] += 1
+    return forward_twin
 
 
 def _release_unpacked_recomputes(ops: list[OpDraft], table: StorageTable) -> None:
@@ -176,24 +213,44 @@ def _last_rerun_seq(ops: list[OpDraft]) -> dict[int, int]:
 
 
 def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end: dict[int, int]) -> None:
-    """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors) and the rerun's outputs (the
-    `outputs` local of CheckpointFunction.backward) until the region's backward has run, and the tensors
-    its callable binds as a functools.partial (ctx.run_function) until the graph dies."""
+    """Reentrant checkpointing keeps its saved inputs (ctx.saved_tensors), the rerun's outputs (the
+    `outputs` local of CheckpointFunction.backward) and the gradients it was called with (its `args`) until
+    the region's backward has run, and the tensors its callable binds as a functools.partial
+    (ctx.run_function) until the graph dies."""
     for d in ops:
         for value in d.outputs if d.partial_held else ():
             if table.get(value.storage_id).role is StorageRole.INTERMEDIATE:
                 table.update(value.storage_id, persistent=True)
-    produced_in: dict[int, int | None] = {}
-    for d in ops:
+    produced_at: dict[int, int] = {}
+    for i, d in enumerate(ops):
         for value in d.outputs:
-            produced_in.setdefault(value.storage_id, d.checkpoint_region if d.rerun else None)
-    for d in ops:
-        end = backward_end.get(d.checkpoint_region)
-        if not d.rerun or end is None:
+            produced_at.setdefault(value.storage_id, i)
+    rerun_start: dict[int, int] = {}
+    for i, d in enumerate(ops):
+        if d.rerun:
+            rerun_start.setdefault(d.checkpoint_region, i)
+    for region, d in _reentrant_ops(ops):
+        if region not in backward_end:
             continue
-        held = list(d.outputs) if d.held_to_region_end else []
-        held += [v for v in input_values(d) if produced_in.get(v.storage_id) != d.checkpoint_region]
+        held = list(d.held_to_region_end)
+        held += [v for v in input_values(d) if produced_at.get(v.storage_id, -1) < rerun_start[region]]
         for value in held:
             storage = table.get(value.storage_id)
             if storage.role is StorageRole.INTERMEDIATE:
-                table.update(value.storage_id, held_until_op=max(end, storage.held_until_op or -1))
+                table.update(value.storage_id, held_until_op=max(backward_end[region], storage.held_until_op or -1))
+
+
+def _reentrant_ops(ops: list[OpDraft]):
+    """(region, op) for each op of a reentrant region's rerun and of that region's backward (the nodes of
+    its forward ops, by seq_nr). The backward runs on the rerun inside CheckpointFunction.backward, so what
+    these ops read that was made before the rerun (the gradients passed in, the saved inputs) is held by that
+    call's frame; values made since (the rerun's, the backward's, the engine's sums of gradients) are freed
+    as usual."""
+    reentrant = {d.checkpoint_region for d in ops if d.rerun}
+    region_of_seq = {d.seq_nr: d.checkpoint_region for d in ops if d.phase is Phase.FORWARD
+                     and d.checkpoint_region in reentrant and d.seq_nr is not None}
+    for d in ops:
+        if d.rerun:
+            yield d.checkpoint_region, d
+        elif d.phase is Phase.BACKWARD and not d.recomputed and d.seq_nr in region_of_seq:
+            yield region_of_seq[d.seq_nr], d

@@ -51,6 +51,7 @@ class JointCapture:
     executed_lines: ExecutedLines = dataclasses.field(default_factory=ExecutedLines)   # model lines the trace ran
     # the forward's Python objects, observed dying (python_lifetimes.py); None: not observed on this path
     python_deaths: tuple | None = None
+    forward_leaves: tuple = ()            # forward_leaves.ForwardLeaf: leaves the forward makes, lifted as inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +100,12 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     if direct:
         with record_executed_lines(_is_user_file) as executed:
             jd = _trace_directly(stack, traced, args, precision, device, source)
-        seen = _NOTHING_SEEN
+        seen, leaves = _NOTHING_SEEN, ()
     else:
         with record_executed_lines(_is_user_file) as executed:
             seen = _observe_forward(traced, args, fake_mode, source)
-        module = _export_module(traced, args, source, strict, tag_checkpoints=bool(seen.checkpoint_calls))
+        module, leaves = _export_module(traced, args, source, strict, tag_checkpoints=bool(seen.checkpoint_calls),
+                                        fake_mode=fake_mode)
         try:
             jd, _ = _aot_joint(stack, module, args, precision, device, source_meta=False)
         except Exception as exc:
@@ -118,7 +120,8 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
                         build_notes=built.notes + traced.notes(),
                         python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()),
-                        executed_lines=executed, python_deaths=getattr(jd, "python_deaths", None))
+                        executed_lines=executed, python_deaths=getattr(jd, "python_deaths", None),
+                        forward_leaves=leaves)
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
@@ -127,10 +130,12 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
     keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
     run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
     observe the forward first, take the model (and give its errors with the user's line)."""
+    from tracer.capture.forward_leaves import ForwardLeafRecorder
     names = {id(m): normalize_module_path(path) for path, m in traced.named_modules()}
     calls: list[CheckpointCall] = []
+    leaves = ForwardLeafRecorder()
     try:
-        with _record_checkpoints(names, calls):
+        with _record_checkpoints(names, calls), leaves:
             jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
     except Exception as exc:
         stack.close()
@@ -145,11 +150,11 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
         raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
-    if calls or kept_tensors or not _returns_scalar_loss(jd.graph_module):
+    if calls or kept_tensors or leaves.tensors or not _returns_scalar_loss(jd.graph_module):
         stack.close()
-        raise CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module or returns "
-                           "no scalar loss: it is exported, which observes the forward first",
-                           next_rung_may_work=True, quiet=True)
+        raise CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module, makes a leaf "
+                           "that requires grad or returns no scalar loss: it is exported, which observes the "
+                           "forward first (and lifts the leaf as an input)", next_rung_may_work=True, quiet=True)
     return jd
 
 
@@ -162,10 +167,16 @@ def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:
 
 
 def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: bool, *,
-                   tag_checkpoints: bool = False) -> torch.fx.GraphModule:
+                   tag_checkpoints: bool = False, fake_mode=None) -> tuple[torch.fx.GraphModule, tuple]:
+    """The exported module, and the leaves its forward makes (non-strict: lifted as parameters of the
+    module, tracer/capture/forward_leaves.py; strict export runs the forward in Dynamo, which no torch
+    function mode sees)."""
+    from tracer.capture.forward_leaves import ForwardLeafRecorder, lift_forward_leaves
     tagging = _tag_checkpoint_regions() if tag_checkpoints and not strict else contextlib.nullcontext()
+    recorder = ForwardLeafRecorder()
     try:
-        with _keep_user_frames(), warnings.catch_warnings(), tagging:
+        with _keep_user_frames(), warnings.catch_warnings(), tagging, \
+                recorder if not strict else contextlib.nullcontext():
             # tensors assigned to module attributes are reported by tracer itself (ForwardObservations)
             warnings.filterwarnings("ignore", message="The tensor attributes")
             ep = torch.export.export(traced, args, strict=strict)
@@ -176,7 +187,7 @@ def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: 
                            hint="see --verbose; data-dependent Python control flow and .item() cannot be exported") from exc
     gm = ep.module()
     _strip_export_asserts(gm)
-    return gm
+    return gm, lift_forward_leaves(gm, recorder.tensors, fake_mode)
 
 
 def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, precision: str, device, *,

@@ -360,7 +360,9 @@ def _rerun_reentrant_regions(joint: torch.fx.GraphModule, region_of_node: dict) 
     region, the whole forward runs again with grad (no early stop) and the region's backward runs on that
     rerun, as a graph of its own. Rewrite the joint graph so: copies of every forward node of the region,
     placed just before the region's first backward node, tagged as backward nodes; the region's backward
-    nodes (matched by seq_nr) read the copies; the original forward nodes keep only forward users. The
+    nodes (matched by seq_nr) read the copies; the original forward nodes keep only forward users. A copy
+    carries no seq_nr (the backward's per-node rules must not take it for its twin's autograd node) but names
+    its forward node (RERUN_KEY), so the rerun's Python locals hold it as the forward's held its twin. The
     copies of the region's outputs are held until the region's backward ends (its `outputs` local)."""
     by_region: dict[int, list] = {}
     for node, region in region_of_node.items():
@@ -380,7 +382,7 @@ def _rerun_reentrant_regions(joint: torch.fx.GraphModule, region_of_node: dict) 
             for node in sorted(nodes, key=order.__getitem__):
                 copy_ = joint.graph.node_copy(node, lambda n: copies.get(n, n))
                 meta = {k: v for k, v in node.meta.items() if k not in ("seq_nr", "recompute", "ac_graph_id")}
-                meta.update({"partitioner_tag": "is_backward", REGION_KEY: region, RERUN_KEY: True,
+                meta.update({"partitioner_tag": "is_backward", REGION_KEY: region, RERUN_KEY: node.name,
                              "fwd_nn_module_stack": node.meta.get("nn_module_stack")})
                 if any(u not in members and not _is_backward(u) for u in node.users):
                     meta[HELD_KEY] = True        # a region output
