@@ -11,7 +11,8 @@ torch call of the forward (`out.index_add_(...)`, `mask.masked_fill_(...)`, `x +
 `F.relu(x, inplace=True)`: `is_inplace_call`), which the trace marks on its nodes (`INPLACE_CALL_KEY` in
 `meta["custom"]`): the call's last node whose first argument has the output's shape and dtype is the write.
 A write counts when its destination's storage nothing reads afterwards except the scatter that puts this
-very write back into the same storage. Its output takes the destination's storage (no allocation), as in
+very write back into the same storage (or, for a marked call, the views by which functionalization
+replays the destination's view chain within the call). Its output takes the destination's storage (no allocation), as in
 eager.
 
 Not modelled: in-place calls on capture paths that do not mark them (export, torch.compile): their
@@ -60,7 +61,8 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         if (node.target not in _WRITES and node not in marked) or not node.args or not _is_tensor_node(node.args[0]):
             continue
         key = storage_key(node.args[0].meta["val"])
-        if all(_puts_back(nodes[later], node, key) for later in readers.get(key, ()) if later > pos):
+        if all(_puts_back(nodes[later], node, key) or (node in marked and _replays_view(nodes[later], node))
+               for later in readers.get(key, ()) if later > pos):
             writes[node] = node.args[0]
     return writes
 
@@ -86,6 +88,17 @@ def _writes_first_argument(node: fx.Node) -> bool:
     dst = node.args[0].meta["val"]
     return (tuple(out.shape) == tuple(dst.shape) and out.dtype == dst.dtype
             and storage_key(out) != storage_key(dst))        # a new tensor, not a view of the destination
+
+
+def _replays_view(reader: fx.Node, write: fx.Node) -> bool:
+    """`reader` is a view, made by the same in-place call, of the storage the write goes into:
+    functionalization replays the destination's view chain from its base while it writes through a view
+    (`scores += bias` where `scores` is a permute of a matmul's output)."""
+    call = (write.meta.get("torch_fn") or (None,))[0]
+    out = reader.meta.get("val")
+    return (call is not None and (reader.meta.get("torch_fn") or (None,))[0] == call
+            and isinstance(out, torch.Tensor) and any(storage_key(out) == storage_key(arg.meta["val"])
+                                                      for arg in _tensor_inputs(reader)))
 
 
 def _puts_back(reader: fx.Node, write: fx.Node, key: int) -> bool:

@@ -31,8 +31,9 @@ from tracer.capture.storages import storage_key
 
 @dataclasses.dataclass(frozen=True)
 class PythonDeath:
-    storage_keys: tuple[int, ...]     # the fake storages the object had (an in-place call can give it another)
-    last_node: object                 # the fx node the trace had made last when the object died (None: none yet)
+    storage_keys: tuple[int, ...]     # the fake storages the object had (an in-place call gives it another)
+    last_node: object                 # the fx node the trace had made last when the object died (or, for
+                                      # an in-place call's tensor, let go of its storage); None: none yet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,11 @@ class PythonLifetimes:
             return
         self._graph = graph
         if inplace and args and id(args[0]) in self._keys_of and _inner_key(args[0]) is not None:
-            self._keys_of[id(args[0])].append(_inner_key(args[0]))     # it now holds the write's result
+            # the object now holds the write's result; the storage it had is let go here unless the write
+            # went into it (capture/inplace.py: then both are one storage, and the later release counts)
+            keys = self._keys_of[id(args[0])]
+            self.deaths.append(PythonDeath(tuple(keys), _last_node(graph)))
+            keys[:] = [_inner_key(args[0])]
         for t in tree_leaves(out):
             key = _inner_key(t)
             if key is None or id(t) in self._keys_of:
