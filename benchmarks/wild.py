@@ -53,18 +53,22 @@ TINY = (
          "num_decoder_layers", "num_encoder_layers", "num_key_value_heads", "num_kv_heads",
          "multi_query_group_num", "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")),
     (64, ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "word_embed_proj_dim", "embedding_size",
-          "projection_dim", "d_embed")),
+          "projection_dim", "d_embed", "emb_dim", "entity_emb_size")),
     (4, ("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads",
          "decoder_attention_heads", "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")),
     (16, ("head_dim", "d_kv", "kv_channels", "num_mel_bins", "qk_rope_head_dim", "v_head_dim", "rotary_dim")),
     (128, ("intermediate_size", "ffn_dim", "d_ff", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim", "n_inner",
-           "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "decoder_hidden_size")),
+           "moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "decoder_hidden_size",
+           "expert_ffn_hidden_size")),
     (256, ("vocab_size",)),
     (32, ("image_size", "max_source_positions", "qk_nope_head_dim")),
     (8, ("patch_size",)),
     (1, ("n_group", "num_expert_group", "topk_group")),     # expert groups must not outnumber the shrunk experts
 )
 TINY_BY_KEY = {key: value for value, keys in TINY for key in keys}
+TINY_VOCABULARY = 256                 # also every other integer key naming a vocabulary (entity, hash, per-layer)
+# float scalings of depth (compound-scaled CNNs) set to 1 where larger: depth, like the layer counts
+UNSCALED = ("depth_coefficient", "depth_multiplier")
 LAYER_KEYS = TINY[0][1][:8]
 
 
@@ -105,7 +109,12 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             out[key] = {**value, **tiny_overrides(value, shrink)}
         elif key in TINY_BY_KEY and isinstance(value, int) and not isinstance(value, bool) and value > TINY_BY_KEY[key]:
             out[key] = TINY_BY_KEY[key]
-        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate", "layerdrop")):
+        elif ("vocab" in key and not key.endswith("_id") and isinstance(value, int) and not isinstance(value, bool)
+              and value > TINY_VOCABULARY and key not in keep):
+            out[key] = TINY_VOCABULARY
+        elif key in UNSCALED and isinstance(value, float) and value > 1.0:
+            out[key] = 1.0
+        elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate", "drop_connect", "layerdrop")):
             out[key] = 0.0
         elif key == "depths" and isinstance(value, list) and shrink != SHRINKS[3]:
             out[key] = [1] * len(value)
