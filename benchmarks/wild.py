@@ -7,7 +7,8 @@ Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING wi
 seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` picks it) and
 `style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
 overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
-vocab 256, image 32, patch 8, dropouts 0, ...), also inside nested sub-configs; where the real model does not
+vocab 256, image 32, patch 8, dropouts 0, per-layer lists and dicts keyed by layer index cut to the new
+depth, ...), also inside nested sub-configs; where the real model does not
 run with that config (transformers raises on real tensors: the shrinking broke a constraint between keys),
 gentler shrinks are tried (`SHRINKS`), and the row names the one used.
 
@@ -126,6 +127,8 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
         elif (isinstance(value, list) and layers_before and len(value) == layers_before
               and key not in ("depths", "hidden_sizes") and shrink != SHRINKS[2]):
             out[key] = value[:2]
+        elif _keyed_by_layer(value) and shrink != SHRINKS[2]:
+            out[key] = {k: v for k, v in value.items() if int(k) < TINY_BY_KEY["num_hidden_layers"]}
     _keep_kv_heads_equal(config, out)
     if shrink == SHRINKS[2]:
         for key in LAYER_KEYS:
@@ -136,6 +139,12 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             if key.endswith("_token_id") and isinstance(value, int) and value >= vocab:
                 out[key] = value % vocab
     return out
+
+
+def _keyed_by_layer(value) -> bool:
+    """A dict of per-layer settings keyed by layer index (`{"05": {"head_dim": 512}, ...}`)."""
+    return (isinstance(value, dict) and bool(value) and "model_type" not in value
+            and all(isinstance(k, (int, str)) and str(k).isdigit() for k in value))
 
 
 def _keep_kv_heads_equal(config: dict, out: dict) -> None:
