@@ -210,7 +210,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
                 kernels_as_in_eager(), unused_forward_ops_kept(), custom:
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
-        jd.python_deaths = resolve_deaths(meta.lifetimes.deaths, jd.graph_module) if source_meta else None
+        jd.python_deaths = resolve_deaths(meta.lifetimes.take_deaths(), jd.graph_module) if source_meta else None
     finally:
         kept_tensors = 0
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was

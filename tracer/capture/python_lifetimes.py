@@ -97,6 +97,13 @@ class PythonLifetimes:
     def close(self) -> None:
         self._open = False
 
+    def take_deaths(self) -> list[PythonDeath]:
+        """The deaths recorded, handed over once: the finalizers of objects that outlive the trace (module
+        attributes, the loss) keep this recorder alive, so it lets go of the graph and its nodes."""
+        deaths, self.deaths, self._graph = self.deaths, [], None
+        self._keys_of.clear()
+        return deaths
+
     def _died(self, object_id: int, keys: list[int]) -> None:
         self._keys_of.pop(object_id, None)
         if self._open and self._graph is not None:
