@@ -1,0 +1,55 @@
+"""Eager's in-place torch calls in the functional joint graph (tracer/capture/inplace.py): the direct
+trace marks the nodes of each in-place call, and the call's functional op writes into the storage of
+the tensor it was called on, as eager does; an out-of-place call allocates."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps
+from tracer.capture.inplace import is_inplace_call
+from tracer.capture.model_input import ModelSource
+
+
+class _InPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, index):
+        h = self.lin(x)                                   # (n, 8)
+        out = torch.zeros_like(h)
+        out.index_add_(0, index, h)                       # writes into `out`
+        out.masked_fill_(out > 10, 0.0)                   # writes into `out`
+        out += h                                          # writes into `out`
+        g = F.relu(out, inplace=True)                     # writes into `out` (relu saves it: nothing after writes)
+        fresh = g.mul(2.0)                                # a new tensor
+        return fresh.sum()
+
+
+def _graph():
+    source = ModelSource(name="inplace", path=None, build_model=_InPlace,
+                         example_batch=lambda batch, seq: (torch.randn(batch * seq, 8), torch.arange(batch * seq)))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=4, target="cpu"), (PolicySpec(name="eager"),))
+    return graphs["eager"]
+
+
+def test_in_place_calls_write_into_their_tensors_storage():
+    graph = _graph()
+    assert graph.config.capture_path == "aot-joint"
+    forward = [op for op in graph.ops if op.phase.value == "forward"]
+    zeros = next(op for op in forward if op.target == "aten.zeros_like.default")
+    written = {op.target: op.outputs[0].storage_id for op in forward
+               if op.target in ("aten.index_add.default", "aten.masked_fill.Scalar", "aten.relu.default",
+                                "aten.add.Tensor")}
+    assert set(written) == {"aten.index_add.default", "aten.masked_fill.Scalar", "aten.relu.default",
+                            "aten.add.Tensor"}
+    assert set(written.values()) == {zeros.outputs[0].storage_id}
+    mul = next(op for op in forward if op.target == "aten.mul.Tensor")
+    assert mul.outputs[0].storage_id != zeros.outputs[0].storage_id
+
+
+def test_which_calls_are_in_place():
+    assert is_inplace_call(torch.Tensor.add_) and is_inplace_call(torch.Tensor.__iadd__)
+    assert is_inplace_call(torch.Tensor.__setitem__) and is_inplace_call(F.relu, {"inplace": True})
+    assert not is_inplace_call(torch.Tensor.add) and not is_inplace_call(F.relu, {"inplace": False})
+    assert not is_inplace_call(torch.Tensor.requires_grad_) and not is_inplace_call(torch.Tensor.__add__)
