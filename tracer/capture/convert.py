@@ -41,6 +41,7 @@ _GETITEM = operator.getitem
 REGION_KEY = "tracer_checkpoint_region"     # the reentrant region a forward op, or its rerun, belongs to
 RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward: its name
 HELD_KEY = "tracer_held_to_region_end"      # a rerun value the region's backward holds until it ends
+FORWARD_VALUE_KEY = "tracer_forward_value"  # a backward placeholder for a forward node's value, not saved: its name
 SEED_OP_NAME = "loss_grad_seed"
 
 
@@ -120,9 +121,12 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         _write_into_buffers(fw_out[:schedule.num_forward_outputs], out_descs, table, values)
         tangent = (None, None)
         saved_inputs = []
+        forward_nodes = {node.name: node for node in schedule.forward.graph.nodes}
         for node in schedule.backward.graph.find_nodes(op="placeholder"):
             if node.name.startswith("tangents"):
                 tangent = (node, node.meta.get("val"))
+            elif FORWARD_VALUE_KEY in node.meta:      # a parameter an eager recompute reads (policies.py)
+                values[node] = values[forward_nodes[node.meta[FORWARD_VALUE_KEY]]]
             else:
                 saved_inputs.append(node)
         saved_outputs = fw_out[schedule.num_forward_outputs:]

@@ -111,7 +111,8 @@ def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[i
     """A checkpointed region's recompute reruns the region's Python code, so a local that held a forward
     value inside the region holds its recomputed twin too: until the twin of the op where the forward let
     it go, or until the recompute stops (the early stop unwinds the frames; a reentrant rerun runs whole).
-    Holds that outlast the region belong to the caller's frames, which are not rerun."""
+    A hold that outlasts the region (a value the region returns, such as an attention bias a layer passes on)
+    held it to the region's end first, in the region's frames: its twin is held until the recompute stops."""
     forward_twin = _recomputed_twins(ops)        # forward op index -> its recomputed twin's index
     recompute_end: dict[int, int] = {}
     last_forward: dict[int, int] = {}
@@ -124,7 +125,7 @@ def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[i
         region = ops[r].checkpoint_region
         for value, twin_value in zip(ops[f].outputs, ops[r].outputs):
             held = holds.get(value.storage_id)
-            if held is None or held <= f or held > last_forward.get(region, -1) or ops[r].is_view:
+            if held is None or held <= f or region not in last_forward or ops[r].is_view:
                 continue
             until = next((forward_twin[j] for j in range(held, last_forward[region] + 1) if j in forward_twin),
                          recompute_end[region])

@@ -22,7 +22,6 @@ CUDA-graph pools are not modelled.
 """
 from __future__ import annotations
 
-import collections
 import copy
 import fnmatch
 import operator
@@ -31,13 +30,13 @@ import torch
 
 from tracer.capture.convert import (HELD_KEY, fill_rng_wrapper_values, REGION_KEY, RERUN_KEY, Schedule,
                                     restore_rng_wrapper_meta, target_name)
+from tracer.capture.eager_rerun import BACKWARD_REGION_KEY, MEMBER_KEY, TWIN_KEY, rerun_as_eager
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
 from tracer.passes.blocks import most_frequent_blocks
 from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
-BACKWARD_REGION_KEY = "tracer_backward_of_region"   # a backward node of a checkpointed region's forward op
 
 
 def find_blocks(joint: torch.fx.GraphModule, pattern: str | None) -> list[str]:
@@ -104,8 +103,16 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
     restore_rng_wrapper_meta(forward, backward)
-    _recompute_at_first_unpack(backward)
+    rerun_as_eager(joint, backward, _parameter_placeholders(joint, cap))
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
+
+
+def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> frozenset[str]:
+    """Names of the joint's placeholders that are parameters (a leaf made in forward is lifted to one, but
+    is an activation)."""
+    leaves = {leaf.fqn for leaf in cap.forward_leaves}
+    return frozenset(p.name for p in joint.graph.find_nodes(op="placeholder")
+                     if type(p.meta.get("desc")).__name__ == "ParamAOTInput" and p.meta["desc"].target not in leaves)
 
 
 def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,
@@ -272,6 +279,8 @@ def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide, *, w
 
     boundary = []
     for node, region in list(region_of_node.items()):
+        if region is not None:
+            node.meta[MEMBER_KEY] = region       # eager's rerun runs it (eager_rerun.py)
         if region is None or node.target is operator.getitem:
             continue
         policy = decide(node, region)
@@ -288,39 +297,6 @@ def _tag_regions(joint: torch.fx.GraphModule, region_of_node: dict, decide, *, w
             node.meta[BACKWARD_REGION_KEY] = region_of_seq[node.meta["seq_nr"]]
     for node, region in boundary:
         _recompute_for_backward(joint, node, region, lambda user: region_of_seq.get(user.meta.get("seq_nr")))
-
-
-def _recompute_at_first_unpack(backward: torch.fx.GraphModule) -> None:
-    """Eager non-reentrant checkpointing recomputes a region when its backward first unpacks a tensor saved
-    inside it, and autograd unpacks all of a node's saved tensors before the node computes anything. So the
-    region's whole recompute runs before the first op of its first backward node that reads any saved value
-    (a parameter, an input or a forward value, recomputed or not), while the partitioner places each
-    recomputed op just before its own first use (after a linear's input-gradient matmul, which reads only
-    the weight). Move each region's recomputed ops there, in the partitioner's order."""
-    nodes = [n for n in backward.graph.nodes if n.op == "call_function"]
-    recomputed: dict[int, list] = collections.defaultdict(list)
-    for node in nodes:
-        if not _is_backward(node) and node.meta.get("ac_graph_id") is not None:
-            recomputed[node.meta["ac_graph_id"]].append(node)
-
-    def saved(value) -> bool:
-        return (value.op == "placeholder" and not value.name.startswith("tangents")) or \
-            (value.op == "call_function" and not _is_backward(value))
-
-    unpacking = {(n.meta[BACKWARD_REGION_KEY], n.meta.get("seq_nr")) for n in nodes
-                 if _is_backward(n) and BACKWARD_REGION_KEY in n.meta and any(saved(a) for a in n.all_input_nodes)}
-    for region, ops in recomputed.items():
-        trigger = next((n for n in nodes if _is_backward(n) and (n.meta.get(BACKWARD_REGION_KEY), n.meta.get("seq_nr"))
-                        in unpacking and n.meta.get(BACKWARD_REGION_KEY) == region), None)
-        if trigger is None:
-            continue
-        position = {n: i for i, n in enumerate(backward.graph.nodes)}
-        late = [n for n in ops if position[n] > position[trigger]]
-        moved = set(late)
-        if any(position[a] > position[trigger] and a not in moved for n in late for a in n.all_input_nodes):
-            continue       # reads something made after the trigger: keep the partitioner's place
-        for node in late:
-            trigger.prepend(node)
 
 
 def _is_backward(node) -> bool:
@@ -343,13 +319,14 @@ def _recompute_for_backward(joint: torch.fx.GraphModule, node, region: int, regi
     graph = joint.graph
     with graph.inserting_after(node):
         twin = graph.node_copy(node, lambda n: n)
-    twin.meta = dict(node.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+    twin.meta = dict(node.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE, **{TWIN_KEY: node.name})
     for user in direct:
         user.replace_input_with(node, twin)
     for item in items:
         with graph.inserting_after(twin):
             item_twin = graph.node_copy(item, lambda n: twin if n is node else n)
-        item_twin.meta = dict(item.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE)
+        item_twin.meta = dict(item.meta, ac_graph_id=region, recompute=CheckpointPolicy.PREFER_RECOMPUTE,
+                              **{TWIN_KEY: item.name})
         for user in [u for u in item.users if reads_recomputed(u)]:
             user.replace_input_with(item, item_twin)
 
