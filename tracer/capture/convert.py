@@ -438,8 +438,9 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         val = node.meta.get("val")
         leaf = _forward_leaf(cap, desc)
         if leaf is not None:
-            # made in forward: allocated by its first reader; the autograd graph holds it until the step ends
-            sid = table.add(val, StorageRole.INTERMEDIATE, persistent=True,
+            # made in forward: allocated by its first reader; the autograd graph holds it until the step ends,
+            # but a reentrant region's leaf belongs to the rerun's own graph, which dies with its backward
+            sid = table.add(val, StorageRole.INTERMEDIATE, persistent=not _in_reentrant_region(cap, leaf),
                             name=f"leaf made in forward{_at(leaf.source)}")
             table.alias(leaf.tensor, sid)
             values[node] = table.value(val, sid)
@@ -466,6 +467,14 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
         else:
             values[node] = val
     return tangent
+
+
+def _in_reentrant_region(cap, leaf) -> bool:
+    """The leaf is made by a use_reentrant=True region: its forward runs without grad and its rerun in
+    backward makes the leaf (and its .grad) afresh in a graph of its own, gone when the region's backward
+    returns."""
+    calls = cap.seen.checkpoint_calls
+    return leaf.region is not None and 0 <= leaf.region < len(calls) and calls[leaf.region].reentrant
 
 
 def _forward_leaf(cap, desc):
@@ -587,6 +596,7 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     grads: dict[int, list[tuple[int, TensorValue]]] = {}      # id(param) -> [(ready position, grad value)]
     owners: dict[int, tuple[str, torch.Tensor]] = {}
     leaves = {leaf.fqn: leaf for leaf in cap.forward_leaves}
+    leaves_by_tensor = {id(leaf.tensor): leaf for leaf in cap.forward_leaves}
     for fqn, out in grad_outputs:
         param = leaves[fqn].tensor if fqn in leaves else cap.param_by_fqn[fqn]
         name = f"leaf made in forward{_at(leaves[fqn].source)}" if fqn in leaves else normalize_module_path(fqn)
@@ -599,6 +609,8 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
         incoming.sort(key=lambda item: item[0])
         name, param = owners[pid]
         made_in_forward = any(leaf.tensor is param for leaf in cap.forward_leaves)
+        # .grad lives with its tensor: a reentrant region's leaf dies with the rerun's graph
+        kept = not (made_in_forward and _in_reentrant_region(cap, leaves_by_tensor[pid]))
         if grads_preexisting and not made_in_forward:      # a fresh leaf has no .grad from the last step
             grad_value = _new_grad(table, param, name, preexisting=True)
             for pos, value in incoming:
@@ -606,9 +618,9 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
                                                     (grad_value, value), grad_value, ops[pos])))
         elif len(incoming) == 1:
             grad_value = incoming[0][1]
-            table.update(grad_value.storage_id, role=StorageRole.GRADIENT, persistent=True, name=f"{name}.grad")
+            table.update(grad_value.storage_id, role=StorageRole.GRADIENT, persistent=kept, name=f"{name}.grad")
         else:
-            grad_value = _new_grad(table, param, name, preexisting=False)
+            grad_value = _new_grad(table, param, name, preexisting=False, persistent=kept)
             acc = incoming[0][1]
             for pos, value in incoming[1:]:
                 out = grad_value if pos == incoming[-1][0] else _fresh_sum(table, param, name)
@@ -623,9 +635,9 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     return GraphPart(ops=ops, grad_sid_by_param=grad_sid_by_param, loss_sid=loss_sid, seed_sid=seed)
 
 
-def _new_grad(table, param, name, *, preexisting: bool) -> TensorValue:
+def _new_grad(table, param, name, *, preexisting: bool, persistent: bool = True) -> TensorValue:
     sid = table.add(None, StorageRole.GRADIENT, nbytes=param.untyped_storage().nbytes(), dtype=dtype_name(param.dtype),
-                    shape=tuple(param.shape), preexisting=preexisting, persistent=True, name=f"{name}.grad")
+                    shape=tuple(param.shape), preexisting=preexisting, persistent=persistent, name=f"{name}.grad")
     return TensorValue(sid, tuple(param.shape), dtype_name(param.dtype))
 
 

@@ -10,7 +10,8 @@ inputs. So, while export traces the forward, `ForwardLeafRecorder` records every
 (not torch's) flags; `lift_forward_leaves` then replaces the node that made each one by a parameter of the
 exported module (a fake tensor that requires grad), so the joint graph differentiates it as eager does;
 `JointCapture.forward_leaves` names them, and the conversion gives each its own lifetime (allocated by
-its first reader, held with its .grad until the step ends) and keeps it out of the optimizer.
+its first reader, held with its .grad until the step ends; in a use_reentrant=True region, whose rerun makes
+it afresh in a graph of its own, both die with that graph) and keeps it out of the optimizer.
 
 A leaf made inside a checkpointed region is made again by the region's recompute (a fresh leaf, a local
 of the rerun frame: tracer/capture/eager_checkpoint.py). Not handled: a flagged tensor that shares its
