@@ -1,6 +1,7 @@
 """Eager's in-place torch calls in the functional joint graph (tracer/capture/inplace.py): the direct
 trace marks the nodes of each in-place call, and the call's functional op writes into the storage of
 the tensor it was called on, as eager does; an out-of-place call allocates."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,12 +12,15 @@ from tracer.capture.model_input import ModelSource
 
 
 class _InPlace(nn.Module):
-    def __init__(self):
+    def __init__(self, keeps_attribute: bool = False):
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.keeps_attribute = keeps_attribute
 
     def forward(self, x, index):
         h = self.lin(x)                                   # (n, 8)
+        if self.keeps_attribute:
+            self.last_input = x.detach()                  # a tensor kept on the module: the export rung takes it
         out = torch.zeros_like(h)
         out.index_add_(0, index, h)                       # writes into `out`
         out.masked_fill_(out > 10, 0.0)                   # writes into `out`
@@ -26,23 +30,25 @@ class _InPlace(nn.Module):
         return fresh.sum()
 
 
-def _graph():
-    source = ModelSource(name="inplace", path=None, build_model=_InPlace,
+def _graph(keeps_attribute: bool):
+    source = ModelSource(name="inplace", path=None, build_model=lambda: _InPlace(keeps_attribute),
                          example_batch=lambda batch, seq: (torch.randn(batch * seq, 8), torch.arange(batch * seq)))
     graphs = capture_steps(source, CaptureOptions(batch=2, seq=4, target="cpu"), (PolicySpec(name="eager"),))
     return graphs["eager"]
 
 
-def test_in_place_calls_write_into_their_tensors_storage():
-    graph = _graph()
-    assert graph.config.capture_path == "aot-joint"
+@pytest.mark.parametrize("keeps_attribute, path", [(False, "aot-joint"), (True, "export-joint")])
+def test_in_place_calls_write_into_their_tensors_storage(keeps_attribute, path):
+    """On the direct trace the calls are marked; on the export rung export's `torch_fn` names them (the
+    kwarg form `inplace=True` is not named there: its relu allocates)."""
+    graph = _graph(keeps_attribute)
+    assert graph.config.capture_path == path
     forward = [op for op in graph.ops if op.phase.value == "forward"]
     zeros = next(op for op in forward if op.target == "aten.zeros_like.default")
-    written = {op.target: op.outputs[0].storage_id for op in forward
-               if op.target in ("aten.index_add.default", "aten.masked_fill.Scalar", "aten.relu.default",
-                                "aten.add.Tensor")}
-    assert set(written) == {"aten.index_add.default", "aten.masked_fill.Scalar", "aten.relu.default",
-                            "aten.add.Tensor"}
+    in_place = ("aten.index_add.default", "aten.masked_fill.Scalar", "aten.add.Tensor") + (
+        ("aten.relu.default",) if path == "aot-joint" else ())
+    written = {op.target: op.outputs[0].storage_id for op in forward if op.target in in_place}
+    assert set(written) == set(in_place)
     assert set(written.values()) == {zeros.outputs[0].storage_id}
     mul = next(op for op in forward if op.target == "aten.mul.Tensor")
     assert mul.outputs[0].storage_id != zeros.outputs[0].storage_id

@@ -15,9 +15,10 @@ very write back into the same storage (or, for a marked call, the views by which
 replays the destination's view chain within the call). Its output takes the destination's storage (no allocation), as in
 eager.
 
-Not modelled: in-place calls on capture paths that do not mark them (export, torch.compile): their
-functional ops allocate; a destination read again later (eager would refuse the backward, or autograd
-clones it) keeps its own storage.
+On the export rungs the call is known by the name export records for it (`torch_fn`), so an in-place
+method or operator is found there too, but not `inplace=True`. Not modelled: in-place calls on
+torch.compile's rung (its graphs name no calls): their functional ops allocate; a destination read again
+later (eager would refuse the backward, or autograd clones it) keeps its own storage.
 """
 from __future__ import annotations
 
@@ -42,10 +43,22 @@ _INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
 def is_inplace_call(func, kwargs=None) -> bool:
     """A torch call that writes into its first tensor argument: an in-place method or dunder (`add_`,
     `__iadd__`, `__setitem__`), or a functional with `inplace=True` (`F.relu(x, inplace=True)`)."""
-    name = getattr(func, "__name__", "")
-    if name in _INPLACE_DUNDERS or (kwargs or {}).get("inplace") is True:
+    return (kwargs or {}).get("inplace") is True or _is_inplace_name(getattr(func, "__name__", ""))
+
+
+def _is_inplace_name(name: str) -> bool:
+    if name in _INPLACE_DUNDERS:
         return True
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_INPLACE
+
+
+def _in_inplace_call(node: fx.Node) -> bool:
+    """The node was made by an in-place torch call: marked by the direct trace, or (export's interpreter
+    names each call's function in `torch_fn`, as "method_descriptor.index_add_") named as one."""
+    if (node.meta.get("custom") or {}).get(INPLACE_CALL_KEY):
+        return True
+    torch_fn = node.meta.get("torch_fn")
+    return bool(torch_fn) and len(torch_fn) > 1 and _is_inplace_name(str(torch_fn[1]).rsplit(".", 1)[-1])
 
 
 def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
@@ -73,7 +86,7 @@ def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
     argument's shape and dtype."""
     last_of_call: dict[str, fx.Node] = {}
     for node in nodes:
-        if not (node.meta.get("custom") or {}).get(INPLACE_CALL_KEY) or node.meta.get("partitioner_tag") == "is_backward":
+        if not _in_inplace_call(node) or node.meta.get("partitioner_tag") == "is_backward":
             continue
         call = (node.meta.get("torch_fn") or (None,))[0]
         if call is not None and node.target not in _SCATTERS and _writes_first_argument(node):
