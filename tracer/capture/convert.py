@@ -33,7 +33,7 @@ from tracer.capture.inplace import in_place_writes
 from tracer.capture.joint import PARTIAL_HELD_KEY, JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
-from tracer.capture.storages import StorageTable, dtype_name, storage_key
+from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
 _GETITEM = operator.getitem
@@ -377,7 +377,7 @@ def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phas
     for node, entries in stored_later.items():      # what reads it later (the backward) reads the stored copy
         flat = list(_iter_tensor_values(values[node]))
         stored = {id(t): TensorValue(sids[e], v.shape, v.dtype) if isinstance(e, int) else v
-                  for t, v, e in zip(_tensors(node.meta.get("val")), flat, entries)}
+                  for t, v, e in zip(flat_tensors(node.meta.get("val")), flat, entries)}
         values[node] = _structure(node.meta.get("val"), stored)
         _bind_items(node, values, node_pos)
     for placeholder, step in plan.input_release_step.items():
@@ -412,7 +412,7 @@ def _planned_storage_layouts(plan) -> dict[int, tuple[str, tuple[int, ...]]]:
     """storage index -> (dtype, shape) of the first fx value kept in it, for the report."""
     out: dict[int, tuple[str, tuple[int, ...]]] = {}
     for node in plan.order:
-        for entry, t in zip(plan.storage_of[node], _tensors(node.meta.get("val"))):
+        for entry, t in zip(plan.storage_of[node], flat_tensors(node.meta.get("val"))):
             if isinstance(entry, int) and entry not in out:
                 out[entry] = (dtype_name(t.dtype), tuple(int(d) for d in t.shape))
     return out
@@ -512,7 +512,7 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
         inputs[storage_key(node.meta["val"])] = written
     new_values = {}
     fresh = False
-    for t in _tensors(node.meta.get("val")):
+    for t in flat_tensors(node.meta.get("val")):
         key = storage_key(t)
         sid = inputs.get(key)
         if sid is None:
@@ -526,7 +526,7 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
 def _planned_node(node, phase, recomputed, table, values, output_sids: list) -> OpDraft:
     inputs = {v.storage_id for v in _iter_tensor_values(_plain(_unwrapped_args(node), values))}
     new_values = {}
-    for t, sid in zip(_tensors(node.meta.get("val")), output_sids):
+    for t, sid in zip(flat_tensors(node.meta.get("val")), output_sids):
         if sid is None:
             sid = table.add(None, StorageRole.INTERMEDIATE, nbytes=t.untyped_storage().nbytes(), dtype=dtype_name(t.dtype),
                             shape=tuple(int(d) for d in t.shape), fused=True)
@@ -658,14 +658,6 @@ def _fresh_sum(table, param, name) -> TensorValue:
 def _accumulate_op(name, target, args, out, producer: OpDraft, fresh=False) -> OpDraft:
     return OpDraft(name=name, target=target, phase=Phase.BACKWARD, args=args, kwargs=(), outputs=(out,),
                    source=producer.source, module=producer.module, is_view=not fresh, seq_nr=producer.seq_nr)
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [t for item in val for t in _tensors(item)]
-    return []
 
 
 def plain_value(obj, table: StorageTable):

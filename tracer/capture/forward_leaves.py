@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tracer.capture.source import is_user_file, loc_from_stack_trace
+from tracer.capture.storages import flat_tensors
 from tracer.stepgraph import SourceLoc
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -85,7 +86,7 @@ def lift_forward_leaves(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], f
     from tracer.capture.joint import CHECKPOINT_KEY
     first_node: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
-        for value in _tensors(node.meta.get("val")):
+        for value in flat_tensors(node.meta.get("val")):
             first_node.setdefault(value.untyped_storage()._cdata, node)
     leaves = []
     for t in tensors:
@@ -120,9 +121,3 @@ def _same_layout(value, t: torch.Tensor) -> bool:
             and value.storage_offset() == t.storage_offset())
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    return []

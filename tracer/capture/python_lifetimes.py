@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.storages import storage_key
+from tracer.capture.storages import flat_tensors, storage_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ def resolve_deaths(deaths: Sequence[PythonDeath], joint) -> tuple[ObservedDeath,
     kept: set[str] = set()
     for node in joint.graph.nodes:
         kept.add(node.name)
-        for position, t in enumerate(_flat_tensors(node.meta.get("val"))):    # as OpDraft.outputs
+        for position, t in enumerate(flat_tensors(node.meta.get("val"))):    # as OpDraft.outputs
             producer_of.setdefault(storage_key(t), (node.name, position))
     resolved = []
     for death in deaths:
@@ -116,12 +116,6 @@ class PythonLifetimes:
         return getattr(getattr(mode, "tracer", None), "graph", None)
 
 
-def _flat_tensors(val) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [t for item in val for t in _flat_tensors(item)]
-    return []
 
 
 def _inner_key(t) -> int | None:

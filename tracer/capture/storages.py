@@ -16,6 +16,15 @@ def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+def flat_tensors(val) -> list[torch.Tensor]:
+    """The tensors of an op's value (a tensor, or nested tuples/lists of them), in order: an op's outputs."""
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for item in val for t in flat_tensors(item)]
+    return []
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
