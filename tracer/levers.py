@@ -5,8 +5,9 @@ user's own settings (a policy, an optimizer, a precision, accumulation, LoRA, of
 row is a full analysis through the same pipeline as the main command, never a formula on the side.
 Combinations are levers too. `run_levers` captures the joint forward and backward once per distinct
 setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
-sharding and the device view are passes over it; the CLI runs these capture groups in one process per
-CPU core) and returns one `LeverRow` per lever;
+sharding and the device view are passes over it; the CLI spreads these captures over one process per
+CPU core: a deep model's groups as their captures cut to 4 and to 6 blocks, checked and synthesized in
+the calling process) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
