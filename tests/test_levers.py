@@ -2,6 +2,7 @@
 the side): a row equals the analysis of the same settings run on its own."""
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -116,3 +117,23 @@ def test_every_flag_reaches_each_levers_analysis(monkeypatch):
             ["llama-debug", *FLAGS])))
     for name, value in EXPECTED.items():
         assert getattr(seen[0], name) == value, name
+
+
+DEEP = os.path.join(os.path.dirname(__file__), "fixtures", "llama8_debug.py")   # 8 blocks: synthesized from 4
+
+
+def _numbers(table):
+    return [(row.lever, row.reason, row.options, row.peak_bytes, row.saved_bytes, row.state_bytes, row.host_bytes,
+             row.recompute_flops, row.out_of_memory) for row in table.rows]
+
+
+@pytest.mark.slow
+def test_a_deep_models_cut_captures_in_worker_processes_give_the_same_rows():
+    """Each capture group of a deep model cut to 4 and to 6 blocks in two worker processes, checked and
+    synthesized in this one: every number of every row as capture_deep in one process gives it, on a CUDA
+    target (the device view's OOM) with sharding and accumulation."""
+    base = dataclasses.replace(BASE, target="cuda")
+    alone = run_levers(DEEP, base, world_size=4, levers=SOME)
+    parallel = run_levers(DEEP, base, world_size=4, levers=SOME, workers=2)
+    assert _numbers(parallel) == _numbers(alone) and parallel.captures == alone.captures == 3
+    assert all(row.peak_bytes for row in alone.rows)

@@ -13,6 +13,9 @@ Otherwise the caller captures in full, with the returned note saying why (which 
 synthesis). Models with at most `CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are
 captured in full without a note. Not covered by the check: a difference that only appears beyond
 `CHECK_DEPTH` blocks (the blocks are identical modules, so the step of each is the same program).
+
+The three steps are also callable one by one (`find_block_list`, `capture_cut`, `check_synthesis`), so
+the two cut captures can run in different processes (tracer/levers.py) with the same result.
 """
 from __future__ import annotations
 
@@ -32,33 +35,84 @@ class DeepCapture:
     note: str | None                         # why those are captured in full (None: silently)
 
 
-def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
-                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int,
-                 say: Callable[[str], None] = lambda message: None) -> DeepCapture:
-    """`capture(source)`: the `count` step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of
-    the i-th graph with the caller's options. A graph whose check fails is left to the full capture."""
+@dataclasses.dataclass(frozen=True)
+class BlockList:
+    """A model's repeated block list deeper than `CHECK_DEPTH` blocks: its module path and its length."""
+    path: str
+    depth: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CutSteps:
+    """The step graphs of a model cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks (one per captured graph),
+    or the TracerError that stopped the first capture that failed (then `base` or `check` is None)."""
+    blocks: BlockList
+    base: tuple[StepGraph, ...] | None
+    check: tuple[StepGraph, ...] | None
+    error: TracerError | None = None
+
+
+def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
+    """The block list to synthesize `source`'s depth from, or None (no repeated block list, or at most
+    `CHECK_DEPTH` blocks): found by building the model cut to `BASE_DEPTH` under fake tensors."""
     from tracer.capture.build import probe_build
     from tracer.passes.depth import DepthError
-    from tracer.passes.depth_graph import synthesize_depth
     from tracer.planning import cut_source
 
-    nothing = DeepCapture((None,) * count, None)
     seen: dict = {}
     try:
         probe_build(cut_source(source, BASE_DEPTH, seen), precision, seq)
     except (TracerError, DepthError):
-        return nothing                              # no block list: the full capture says what is wrong
+        return None                                 # no block list: the full capture says what is wrong
     depth, path = seen.get("depth", 0), seen.get("path", "")
-    if depth <= CHECK_DEPTH:
-        return nothing
-    fallback = f"depth: captured all {depth} blocks of {path}"
-    say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {depth} blocks under fake tensors ...")
+    return BlockList(path, depth) if depth > CHECK_DEPTH else None
+
+
+def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[StepGraph, ...]],
+                say: Callable[[str], None] = lambda message: None) -> CutSteps:
+    """`capture(source)` of `source` cut to `BASE_DEPTH`, then to `CHECK_DEPTH` blocks; a TracerError is
+    kept in the result (the caller captures in full and says why)."""
+    from tracer.planning import cut_source
+
+    say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {blocks.depth} blocks under fake "
+        "tensors ...")
     try:
         base = capture(cut_source(source, BASE_DEPTH, {}))
-        check = capture(cut_source(source, CHECK_DEPTH, {}))
     except TracerError as exc:
+        return CutSteps(blocks, None, None, exc)
+    try:
+        return CutSteps(blocks, base, capture(cut_source(source, CHECK_DEPTH, {})))
+    except TracerError as exc:
+        return CutSteps(blocks, base, None, exc)
+
+
+def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
+                 analyze: Callable[[int, StepGraph], object], *, count: int, precision: str, seq: int,
+                 say: Callable[[str], None] = lambda message: None, cut: CutSteps | None = None) -> DeepCapture:
+    """`capture(source)`: the `count` step graphs of a source; `analyze(i, graph)`: the PolicyAnalysis of
+    the i-th graph with the caller's options. A graph whose check fails is left to the full capture.
+    `cut`: the two cut captures already made (`find_block_list`, then `capture_cut` or one process per
+    depth: tracer/levers.py), else made here."""
+    if cut is None:
+        blocks = find_block_list(source, precision=precision, seq=seq)
+        if blocks is None:
+            return DeepCapture((None,) * count, None)
+        cut = capture_cut(source, blocks, capture, say)
+    return check_synthesis(cut, analyze, count=count)
+
+
+def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], *, count: int) -> DeepCapture:
+    """The full-depth graphs synthesized from `cut.base`, each where its `CHECK_DEPTH`-block synthesis
+    equals `cut.check` op for op (`analyze(i, graph)`: the PolicyAnalysis of the i-th graph)."""
+    from tracer.passes.depth import DepthError
+    from tracer.passes.depth_graph import synthesize_depth
+
+    depth, path = cut.blocks.depth, cut.blocks.path
+    fallback = f"depth: captured all {depth} blocks of {path}"
+    if cut.error is not None:
         return DeepCapture((None,) * count, f"{fallback}: the model cut to a few blocks cannot be captured "
-                                            f"({str(exc).splitlines()[0]})")
+                                            f"({str(cut.error).splitlines()[0]})")
+    base, check = cut.base, cut.check
     differences = {}
     for i, (graph, captured) in enumerate(zip(base, check)):
         try:

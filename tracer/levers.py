@@ -5,8 +5,9 @@ user's own settings (a policy, an optimizer, a precision, accumulation, LoRA, of
 row is a full analysis through the same pipeline as the main command, never a formula on the side.
 Combinations are levers too. `run_levers` captures the joint forward and backward once per distinct
 setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
-sharding and the device view are passes over it; the CLI runs these capture groups in one process per
-CPU core) and returns one `LeverRow` per lever;
+sharding and the device view are passes over it; the CLI spreads these captures over one process per
+CPU core: a deep model's groups as their captures cut to 4 and to 6 blocks, checked and synthesized in
+the calling process) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -20,9 +21,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
 from tracer.errors import UsageError
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
-from tracer.pipeline import AnalysisOptions, analyze_captured, capture_variants, load_source
+from tracer.pipeline import (AnalysisOptions, analyze_captured, block_list, capture_cut_variants, capture_variants,
+                             load_source)
 
 ACCUMULATE_STEPS = 4
 LORA_RANK = 16
@@ -131,29 +134,86 @@ def default_workers() -> int:
 
 
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
-    """Each job's rows: in this process, or in `workers` spawned processes (each loads the model by its name;
-    a capture group is independent of the others, so the rows are the same either way)."""
-    count = min(len(jobs), workers)
+    """Each job's rows: in this process, or with `workers` spawned processes (each loads the model by its
+    name). A deep model's group is captured cut to a few blocks in two processes (one per depth:
+    tracer/depth_capture.py's `capture_cut` steps) while this one checks and synthesizes the groups
+    already captured; a capture is independent of the others, so the rows are the same either way."""
+    count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         source = load_source(model, base)
         return [_group_rows(source, base, job, on_progress) for job in jobs]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    (on_progress or (lambda message: None))(f"capturing {len(jobs)} groups of levers in {count} processes ...")
+    say = on_progress or (lambda message: None)
+    say(f"capturing {len(jobs)} groups of levers in {count} processes ...")
+    order = sorted(range(len(jobs)), key=lambda j: -len(_variants(jobs[j])))   # the most captures first
+    out: dict[int, dict] = {}
     with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_group_rows, model, base, job) for job in jobs]
-        return [future.result() for future in futures]
+        for _ in range(count):                           # start every process now: they import torch
+            pool.submit(_started)                        # while this one loads the model
+        source = load_source(model, base)
+        pending, blocks_by = [], {}
+        for j in order:
+            variants = tuple(_variants(jobs[j]).values())
+            probe = (variants[0].precision, variants[0].seq, variants[0].full_capture)
+            if probe not in blocks_by:                   # the block list a group's capture_deep would find
+                blocks_by[probe] = block_list(source, variants[0])
+            blocks = blocks_by[probe]
+            if blocks is None:
+                pending.append((j, None, pool.submit(_group_rows, model, base, jobs[j])))
+                continue
+            pending.append((j, blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
+                                        for depth in (CHECK_DEPTH, BASE_DEPTH)}))
+        for j, blocks, futures in pending:
+            if blocks is None:
+                out[j] = futures.result()
+                continue
+            cut = _cut_steps(blocks, futures)
+            say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
+            out[j] = _group_rows(source, base, jobs[j], on_progress, cut=cut)
+    return [out[j] for j in range(len(jobs))]
 
 
-def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None) -> dict[int, LeverRow]:
-    """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
-    together, each row analysed with its own options."""
-    source = load_source(model, base)
+def _started() -> None:
+    """A worker process's first job: the imports every later one needs."""
+    import tracer.capture  # noqa: F401
+
+
+def _cut_steps(blocks, futures: dict) -> CutSteps:
+    """The two cut captures as `capture_cut` makes them in one process: the first TracerError (the
+    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised."""
+    from tracer.errors import TracerError
+    try:
+        base = futures[BASE_DEPTH].result()
+    except TracerError as exc:
+        return CutSteps(blocks, None, None, exc)
+    try:
+        return CutSteps(blocks, base, futures[CHECK_DEPTH].result())
+    except TracerError as exc:
+        return CutSteps(blocks, base, None, exc)
+
+
+def _capture_cut(model, base: AnalysisOptions, variants: tuple, depth: int) -> tuple:
+    """A worker process's job: the variants' graphs of the model cut to `depth` blocks."""
+    return capture_cut_variants(load_source(model, base), variants, depth)
+
+
+def _variants(job: tuple) -> dict:
+    """The distinct step graphs of a capture group: step key -> the options of its first row."""
     variants: dict = {}
     for _, _, options in job:
         variants.setdefault(_step_key(options), options)
-    graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress)))
+    return variants
+
+
+def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> dict[int, LeverRow]:
+    """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
+    together (`cut`: its cut captures, when already made), each row analysed with its own options."""
+    source = load_source(model, base)
+    variants = _variants(job)
+    graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
+                                                 cut=cut)))
     return {i: _row(name, options, "", graphs) for i, name, options in job}
 
 

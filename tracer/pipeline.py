@@ -245,23 +245,54 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
-                     on_progress: Callable[[str], None] | None = None) -> tuple:
+                     on_progress: Callable[[str], None] | None = None, cut=None) -> tuple:
     """The StepGraph of each variant's first policy, from one joint capture: the variants may differ only in
-    their policies and in how the step around forward and backward runs (capture.STEP_FIELDS)."""
+    their policies and in how the step around forward and backward runs (capture.STEP_FIELDS). `cut`: the
+    variants' captures of the model cut to a few blocks (`block_list`, then `capture_cut_variants` per
+    depth, as `tracer.depth_capture.CutSteps`), when already made."""
+    say = on_progress or (lambda message: None)
+    return _capture_by_depth(source, variants, _variant_capture(source, variants, say), say, cut=cut)
+
+
+def block_list(source, options: AnalysisOptions):
+    """The block list `capture_graphs` and `capture_variants` synthesize the depth of (tracer/depth_capture.py),
+    or None: captured in full."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import find_block_list
+
+    if options.full_capture:
+        return None
+    with running_user_code(source.name):
+        return find_block_list(source, precision=options.precision, seq=options.seq)
+
+
+def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: int, *,
+                         on_progress: Callable[[str], None] | None = None) -> tuple:
+    """`capture_variants`' graphs of `source` with its block list cut to `depth` blocks (one of the two cut
+    captures of a deep model, made where the caller chooses)."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.planning import cut_source
+
+    capture = _variant_capture(source, variants, on_progress or (lambda message: None))
+    with running_user_code(source.name):
+        return capture(cut_source(source, depth, {}), tuple(range(len(variants))))
+
+
+def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Callable:
     from tracer.capture import capture_step_requests
 
     requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
                      for v in variants)
-    say = on_progress or (lambda message: None)
-    return _capture_by_depth(source, variants, lambda src, indices: capture_step_requests(
+    return lambda src, indices: capture_step_requests(
         src, tuple(requests[i] for i in indices), on_policy=lambda label: say(f"simulating {label} ..."),
-        on_stage=say), say)
+        on_stage=say)
 
 
-def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say) -> tuple:
+def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None) -> tuple:
     """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
     depth: synthesized from the model cut to a few blocks where that is checked exact
-    (tracer/depth_capture.py), the others captured in full, with a note when the synthesis was refused."""
+    (tracer/depth_capture.py; `cut`: those cut captures, when already made), the others captured in full,
+    with a note when the synthesis was refused."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
@@ -277,7 +308,7 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     if not first.full_capture:
         with running_user_code(source.name):
             deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
-                                precision=first.precision, seq=first.seq, say=say)
+                                precision=first.precision, seq=first.seq, say=say, cut=cut)
     missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
     if not missing:
         return deep.graphs
