@@ -13,9 +13,10 @@ returned: that is the graph's and autograd's business (liveness, saved tensors),
 
 `observed_holds(deaths, ...)` turns the records into storage id -> op index of the last forward op that
 the storage is held through, and names the storages whose Python release it could not see (an object
-autograd saved outlives the forward whatever Python does with it). Not observed: tensors made inside a C++ kernel or a torch Python function
-(capture/calls.py holds those), recomputation under checkpointing (a rerun is traced inside backward), and
-the export rungs (the exported module's interpreter, not the user's Python, runs there).
+autograd saved outlives the forward whatever Python does with it). Not observed: tensors made inside a C++
+kernel or a torch Python function (capture/calls.py holds those), recomputation under checkpointing (a
+rerun is traced inside backward), and the export rungs (the exported module's interpreter, not the user's
+Python, runs there).
 """
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def resolve_deaths(deaths: Sequence[PythonDeath], joint) -> tuple[ObservedDeath,
 
 
 class PythonLifetimes:
-    """Records `PythonDeath`s while the joint graph is traced. `watch(func, args, out, inplace)` after each
-    forward torch call; `close()` when the trace ends (objects that die afterwards are not the forward's)."""
+    """Records `PythonDeath`s while the joint graph is traced. `watch(args, out, inplace)` after each forward
+    torch call; `close()` when the trace ends (objects that die afterwards are not the forward's)."""
 
     def __init__(self):
         self.deaths: list[PythonDeath] = []
@@ -114,8 +115,6 @@ class PythonLifetimes:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
         mode = get_proxy_mode()
         return getattr(getattr(mode, "tracer", None), "graph", None)
-
-
 
 
 def _inner_key(t) -> int | None:
