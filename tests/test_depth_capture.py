@@ -134,3 +134,29 @@ def test_levers_are_synthesized_too():
     captured = run_levers(LLAMA8, dataclasses.replace(base, full_capture=True), levers=levers)
     assert [dataclasses.replace(r, options=None) for r in synthesized.rows] == \
         [dataclasses.replace(r, options=None) for r in captured.rows]
+
+
+@pytest.mark.slow
+def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ():
+    """A capture group synthesized on another group's check (tracer/levers.py) is captured at 4 blocks
+    only; blocks 1 and 2 that differ (every second block checkpointed) still send it to the full capture,
+    with the reason, and blocks that agree are synthesized with a note naming where the check ran."""
+    from tracer.depth_capture import BASE_DEPTH, CutSteps, check_synthesis, find_block_list
+    from tracer.pipeline import AnalysisOptions, capture_graphs, load_source
+    from tracer.planning import cut_source
+
+    def cut_base(**keywords):
+        options = AnalysisOptions(batch=1, seq=16, policies=("full",), target="cpu", **keywords)
+        source = load_source(LLAMA8, options)
+        blocks = find_block_list(source, precision="fp32", seq=16)
+        base = capture_graphs(cut_source(source, BASE_DEPTH, {}), dataclasses.replace(options, full_capture=True))
+        return CutSteps(blocks, tuple(base.values()), None, checked_on="elsewhere")
+
+    differ = check_synthesis(cut_base(checkpoint_every=2), analyze=None, count=1)
+    assert differ.graphs == (None,) and differ.note.startswith(
+        "depth: captured all 8 blocks of blocks: the step cut to 4 blocks cannot be synthesized (full: ")
+    agree = check_synthesis(cut_base(), analyze=None, count=1)
+    (graph,) = agree.graphs
+    assert agree.note is None and any(op.module.startswith("blocks.7.") for op in graph.ops)
+    assert graph.config.notes[-1] == ("depth: captured 4 of 8 blocks of blocks, the 8-block step is synthesized; "
+                                      "the synthesis was checked op for op against a 6-block capture of elsewhere")

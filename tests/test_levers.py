@@ -137,3 +137,31 @@ def test_a_deep_models_cut_captures_in_worker_processes_give_the_same_rows():
     parallel = run_levers(DEEP, base, world_size=4, levers=SOME, workers=2)
     assert _numbers(parallel) == _numbers(alone) and parallel.captures == alone.captures == 3
     assert all(row.peak_bytes for row in alone.rows)
+
+
+UNIFORM = tuple(lever for lever in LEVERS if lever.name in (
+    "baseline", "full checkpointing", "pure bf16", "accumulate 4", "LoRA r=16", "full + pure bf16"))
+
+
+@pytest.mark.slow
+def test_groups_that_change_every_block_alike_reuse_the_baselines_depth_check(monkeypatch):
+    """Pure bf16, a micro-batch and LoRA change every block the same way: their groups are captured cut to
+    4 blocks only (the 6-block check ran on the baseline's group) and every row equals its full capture."""
+    import tracer.levers
+    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH
+
+    depths = []
+    honest = tracer.levers._capture_cut
+
+    def recording(model, base, variants, depth):
+        depths.append((variants[0].precision, variants[0].batch, variants[0].lora_rank or 0, depth))
+        return honest(model, base, variants, depth)
+
+    monkeypatch.setattr(tracer.levers, "_capture_cut", recording)
+    synthesized = run_levers(DEEP, BASE, levers=UNIFORM)
+    assert sorted(depths) == sorted([("fp32", 4, 0, CHECK_DEPTH), ("fp32", 4, 0, BASE_DEPTH),
+                                     ("bf16-pure", 4, 0, BASE_DEPTH), ("fp32", 1, 0, BASE_DEPTH),
+                                     ("fp32", 4, 16, BASE_DEPTH)])
+    captured = run_levers(DEEP, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
+    assert [dataclasses.replace(r, options=None) for r in synthesized.rows] == \
+        [dataclasses.replace(r, options=None) for r in captured.rows]

@@ -27,6 +27,7 @@ from tracer.stepgraph import StepGraph
 
 BASE_DEPTH = 4                 # captured and synthesized from: two middle blocks to align
 CHECK_DEPTH = 6                # captured and compared with its synthesis: two copies
+_CHECKED = f"depth: captured {BASE_DEPTH} and {CHECK_DEPTH} of "     # the note of a checked synthesis begins so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +46,14 @@ class BlockList:
 @dataclasses.dataclass(frozen=True)
 class CutSteps:
     """The step graphs of a model cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks (one per captured graph),
-    or the TracerError that stopped the first capture that failed (then `base` or `check` is None)."""
+    or the TracerError that stopped the first capture that failed (then `base` or `check` is None).
+    `checked_on`: `check` is None because the synthesis of this model was checked on another capture of it
+    (named here: a variant of the same model, tracer/levers.py), so only `base` was captured."""
     blocks: BlockList
     base: tuple[StepGraph, ...] | None
     check: tuple[StepGraph, ...] | None
     error: TracerError | None = None
+    checked_on: str | None = None
 
 
 def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
@@ -112,6 +116,8 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
     if cut.error is not None:
         return DeepCapture((None,) * count, f"{fallback}: the model cut to a few blocks cannot be captured "
                                             f"({str(cut.error).splitlines()[0]})")
+    if cut.checked_on is not None and cut.check is None:
+        return _synthesized_unchecked(cut, count)
     base, check = cut.base, cut.check
     differences = {}
     for i, (graph, captured) in enumerate(zip(base, check)):
@@ -121,12 +127,39 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
             difference = str(exc).splitlines()[0]
         if difference:
             differences[i] = f"{graph.config.policy}: {difference}"
-    note = (f"depth: captured {BASE_DEPTH} and {CHECK_DEPTH} of {depth} blocks of {path}; the {CHECK_DEPTH}-block "
+    note = (f"{_CHECKED}{depth} blocks of {path}; the {CHECK_DEPTH}-block "
             f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
     graphs = tuple(None if i in differences else _with_note(synthesize_depth(g, depth), note) for i, g in enumerate(base))
     return DeepCapture(graphs, None if not differences else
                        f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
                        f"capture ({'; '.join(differences.values())})")
+
+
+def _synthesized_unchecked(cut: CutSteps, count: int) -> DeepCapture:
+    """The full-depth graphs synthesized from `cut.base` alone: the comparison with a `CHECK_DEPTH`-block
+    capture was made on `cut.checked_on`; the synthesis still aligns blocks 1 and 2 op by op, so a graph
+    whose blocks differ (DepthError) is left to the full capture."""
+    from tracer.passes.depth import DepthError
+    from tracer.passes.depth_graph import synthesize_depth
+
+    depth, path = cut.blocks.depth, cut.blocks.path
+    note = (f"depth: captured {BASE_DEPTH} of {depth} blocks of {path}, the {depth}-block step is synthesized; "
+            f"the synthesis was checked op for op against a {CHECK_DEPTH}-block capture of {cut.checked_on}")
+    graphs, differences = [], []
+    for graph in cut.base[:count]:
+        try:
+            graphs.append(_with_note(synthesize_depth(graph, depth), note))
+        except DepthError as exc:
+            graphs.append(None)
+            differences.append(f"{graph.config.policy}: {str(exc).splitlines()[0]}")
+    return DeepCapture(tuple(graphs), None if not differences else
+                       f"depth: captured all {depth} blocks of {path}: the step cut to {BASE_DEPTH} blocks cannot "
+                       f"be synthesized ({'; '.join(differences)})")
+
+
+def synthesis_checked(graph: StepGraph) -> bool:
+    """Whether `graph` was synthesized at its depth after the `CHECK_DEPTH`-block comparison passed."""
+    return any(note.startswith(_CHECKED) for note in graph.config.notes)
 
 
 def with_note(graph: StepGraph, note: str | None) -> StepGraph:

@@ -7,7 +7,8 @@ Combinations are levers too. `run_levers` captures the joint forward and backwar
 setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
 sharding and the device view are passes over it; the CLI spreads these captures over one process per
 CPU core: a deep model's groups as their captures cut to 4 and to 6 blocks, checked and synthesized in
-the calling process) and returns one `LeverRow` per lever;
+the calling process; a group that changes every block alike, pure bf16, the micro-batch, LoRA, is cut to 4
+blocks only and synthesized on the baseline group's 6-block check, noted) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
+from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps, synthesis_checked
 from tracer.errors import UsageError
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.pipeline import (AnalysisOptions, analyze_captured, block_list, capture_cut_variants, capture_variants,
@@ -135,44 +136,86 @@ def default_workers() -> int:
 
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
     """Each job's rows: in this process, or with `workers` spawned processes (each loads the model by its
-    name). A deep model's group is captured cut to a few blocks in two processes (one per depth:
-    tracer/depth_capture.py's `capture_cut` steps) while this one checks and synthesizes the groups
-    already captured; a capture is independent of the others, so the rows are the same either way."""
+    name). A deep model's group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut`
+    steps, one process per depth) while this process checks and synthesizes the groups already captured;
+    a capture is independent of the others, so the rows are the same either way. The first group (the
+    baseline's) is checked against its `CHECK_DEPTH`-block capture; a group that differs from it only in
+    what every block's code sees the same way (`_UNIFORM_FIELDS`) is captured at `BASE_DEPTH` alone and
+    synthesized on that check's verdict (its own capture at `CHECK_DEPTH` is made when the check failed)."""
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
-        source = load_source(model, base)
-        return [_group_rows(source, base, job, on_progress) for job in jobs]
+        return _group_results(model, base, jobs, _Inline(), on_progress)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     say = on_progress or (lambda message: None)
     say(f"capturing {len(jobs)} groups of levers in {count} processes ...")
-    order = sorted(range(len(jobs)), key=lambda j: -len(_variants(jobs[j])))   # the most captures first
-    out: dict[int, dict] = {}
     with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
         for _ in range(count):                           # start every process now: they import torch
             pool.submit(_started)                        # while this one loads the model
-        source = load_source(model, base)
-        pending, blocks_by = [], {}
-        for j in order:
-            variants = tuple(_variants(jobs[j]).values())
-            probe = (variants[0].precision, variants[0].seq, variants[0].full_capture)
-            if probe not in blocks_by:                   # the block list a group's capture_deep would find
-                blocks_by[probe] = block_list(source, variants[0])
-            blocks = blocks_by[probe]
-            if blocks is None:
-                pending.append((j, None, pool.submit(_group_rows, model, base, jobs[j])))
-                continue
-            pending.append((j, blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
-                                        for depth in (CHECK_DEPTH, BASE_DEPTH)}))
-        for j, blocks, futures in pending:
-            if blocks is None:
-                out[j] = futures.result()
-                continue
-            cut = _cut_steps(blocks, futures)
-            say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
-            out[j] = _group_rows(source, base, jobs[j], on_progress, cut=cut)
+        return _group_results(model, base, jobs, pool, on_progress)
+
+
+# capture options a lever changes identically in every block of the model (the dtype, the micro-batch, an
+# adapter on every matching module): the depth synthesis checked on the baseline's capture holds for them
+_UNIFORM_FIELDS = frozenset(("precision", "batch", "lora_rank", "lora_targets"))
+
+
+def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) -> list[dict]:
+    say = on_progress or (lambda message: None)
+    from tracer.capture import joint_key
+
+    joints = [joint_key(job[0][2].capture_options()) for job in jobs]       # what decides each group's capture
+    reuses = [j > 0 and _differs_only_in(joints[j], joints[0], _UNIFORM_FIELDS) for j in range(len(jobs))]
+    checked_on = f"the same model under the {jobs[0][0][1]!r} lever" if jobs else None
+    order = [0] + sorted(range(1, len(jobs)), key=lambda j: -len(_variants(jobs[j])))   # the most captures first
+    source = load_source(model, base)
+    pending, blocks_by = {}, {}
+    for j in order:
+        variants = tuple(_variants(jobs[j]).values())
+        probe = (variants[0].precision, variants[0].seq, variants[0].full_capture)
+        if probe not in blocks_by:                       # the block list a group's capture_deep would find
+            blocks_by[probe] = block_list(source, variants[0])
+        blocks = blocks_by[probe]
+        if blocks is None:
+            pending[j] = (None, pool.submit(_group_rows, model, base, jobs[j]))
+            continue
+        depths = (BASE_DEPTH,) if reuses[j] else (CHECK_DEPTH, BASE_DEPTH)
+        pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth) for depth in depths})
+    out: dict[int, dict] = {}
+    checked = False
+    for j in order:
+        blocks, futures = pending[j]
+        if blocks is None:
+            out[j] = futures.result()[0]
+            continue
+        if reuses[j] and not checked and CHECK_DEPTH not in futures:
+            futures[CHECK_DEPTH] = pool.submit(_capture_cut, model, base, tuple(_variants(jobs[j]).values()),
+                                               CHECK_DEPTH)
+        cut = _cut_steps(blocks, futures, checked_on=checked_on if CHECK_DEPTH not in futures else None)
+        say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
+        out[j], graphs = _group_rows(source, base, jobs[j], on_progress, cut=cut)
+        if j == 0:
+            checked = all(synthesis_checked(graph) for graph in graphs)
     return [out[j] for j in range(len(jobs))]
+
+
+def _differs_only_in(options, reference, fields: frozenset) -> bool:
+    return all(getattr(options, f.name) == getattr(reference, f.name)
+               for f in dataclasses.fields(options) if f.name not in fields)
+
+
+class _Inline:
+    """`submit` runs the call now: the one-process path shares the pool path's code."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+        future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:             # kept for `result()`, as a pool keeps it
+            future.set_exception(exc)
+        return future
 
 
 def _started() -> None:
@@ -180,14 +223,17 @@ def _started() -> None:
     import tracer.capture  # noqa: F401
 
 
-def _cut_steps(blocks, futures: dict) -> CutSteps:
-    """The two cut captures as `capture_cut` makes them in one process: the first TracerError (the
-    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised."""
+def _cut_steps(blocks, futures: dict, checked_on: str | None = None) -> CutSteps:
+    """The cut captures as `capture_cut` makes them in one process: the first TracerError (the
+    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised.
+    `checked_on`: only the `BASE_DEPTH` capture was made, the synthesis was checked there."""
     from tracer.errors import TracerError
     try:
         base = futures[BASE_DEPTH].result()
     except TracerError as exc:
         return CutSteps(blocks, None, None, exc)
+    if checked_on is not None:
+        return CutSteps(blocks, base, None, checked_on=checked_on)
     try:
         return CutSteps(blocks, base, futures[CHECK_DEPTH].result())
     except TracerError as exc:
@@ -207,14 +253,15 @@ def _variants(job: tuple) -> dict:
     return variants
 
 
-def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> dict[int, LeverRow]:
-    """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
-    together (`cut`: its cut captures, when already made), each row analysed with its own options."""
+def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> tuple[dict[int, LeverRow], tuple]:
+    """The rows of one capture group (row index, lever name, options) and its step graphs: its distinct
+    step graphs captured together (`cut`: its cut captures, when already made), each row analysed with its
+    own options."""
     source = load_source(model, base)
     variants = _variants(job)
     graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
                                                  cut=cut)))
-    return {i: _row(name, options, "", graphs) for i, name, options in job}
+    return {i: _row(name, options, "", graphs) for i, name, options in job}, tuple(graphs.values())
 
 
 def _step_key(options: AnalysisOptions) -> tuple:
