@@ -97,3 +97,23 @@ def test_a_branch_the_loss_never_reaches_saves_nothing_for_backward(tmp_path):
     measured = measure_step(source.build_model(), source.example_batch(2, 64), None, steady=False)
     assert predicted.saved.total_bytes == measured.saved_bytes
     assert predicted.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
+
+
+def test_cpu_dropout_saves_eagers_float_noise():
+    """On CPU, eager's dropout with p > 0 is ATen's `_dropout_impl` (the fused kernel is CUDA-only): autograd
+    saves a float noise tensor, not native_dropout's bool mask (tracer/capture/eager_kernels.py). Dropout on
+    attention probabilities, after an activation, on a residual branch and in nn.TransformerEncoderLayer:
+    every phase exact against a real CPU step; a CUDA target saves the 1-byte masks instead."""
+    import os
+    from truth import assert_step_exact
+
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dropout_train.py")
+    graph = capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, target="cpu"))
+    predicted = analyze_graph(graph).policies["eager"]
+    source = load_model_source(model)
+    torch.manual_seed(0)
+    built = source.build_model()
+    measured = measure_step(built, source.example_batch(2, 16), torch.optim.AdamW(built.parameters(), foreach=True))
+    assert_step_exact(predicted, measured, scalar_bytes=0)
+    cuda = analyze_graph(capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, target="cuda")))
+    assert cuda.policies["eager"].saved.total_bytes < predicted.saved.total_bytes

@@ -91,7 +91,7 @@ def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, dev
     torch._dynamo.reset()                     # a cached graph of an earlier capture would skip the backend
     try:
         with torch._functorch.config.patch(enable_autograd_cache=False), _attributes_restored(traced), \
-                cuda_capture(device, precision), fake_mode, autocast, kernels_as_in_eager():
+                cuda_capture(device, precision), fake_mode, autocast, kernels_as_in_eager(cpu=not device.is_cuda):
             compiled(*args)
     except Exception as exc:
         raise CaptureError(f"torch.compile (fullgraph) failed on {source.name}: {_compile_message(exc)}",

@@ -5,8 +5,12 @@ they are made to run as eager runs them.
 kernel, CPU and CUDA), but tracing runs torch's Python decomposition of aten.dropout
 (torch/_decomp/decompositions.py), which returns `x.clone()`: a copy eager never makes. Where autograd
 saves both sides (T5's relu -> dropout -> wo saves the relu output and the copy) the prediction saved one
-extra tensor per dropout. For the duration, dropout with p=0 or not training returns its input; p > 0
-keeps torch's decomposition. Eager runs never reach these Python kernels (no Python dispatcher), so they
+extra tensor per dropout. For the duration, dropout with p=0 or not training returns its input. With p > 0
+in training, a CUDA target keeps torch's decomposition (`native_dropout`: a bool mask, as CUDA's fused kernel
+saves), while a CPU target runs what ATen's CPU kernel runs (`_dropout_impl`, dropout.cpp: the fused kernel is
+CUDA-only): `noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise`, so autograd saves the
+noise in x's dtype (4 bytes an element in fp32, not the mask's 1), the in-place calls marked as in-place
+(tracer/capture/inplace.py) so the noise is one storage, as in eager. Eager runs never reach these Python kernels (no Python dispatcher), so they
 are unchanged. Limit: it swaps the op's Python kernels (`py_kernels`, a private torch structure), so a
 torch upgrade may need it revisited; tests/accuracy/test_hf.py (T5) fails if it stops working.
 
@@ -30,7 +34,7 @@ import torch
 
 
 @contextlib.contextmanager
-def dropout_as_in_eager():
+def dropout_as_in_eager(cpu: bool = False):
     from torch._C import DispatchKey
     op = torch.ops.aten.dropout.default
     keys = [k for k in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd) if k in op.py_kernels]
@@ -38,7 +42,9 @@ def dropout_as_in_eager():
 
     def as_in_eager(decomposed):
         def dropout(input, p, train):
-            return input if not train or p == 0 else decomposed(input, p, train)
+            if not train or p == 0 or input.numel() == 0:
+                return input
+            return _cpu_dropout(input, p) if cpu else decomposed(input, p, train)
         return dropout
 
     op.py_kernels.update({k: as_in_eager(saved[k]) for k in keys})
@@ -118,10 +124,25 @@ def upsampling_as_in_eager():
             op._dispatch_cache.clear()
 
 
+def _cpu_dropout(input, p: float):
+    """ATen's CPU dropout (`_dropout_impl`): a noise tensor of the input's dtype, filled and scaled in place."""
+    import torch.fx.traceback as fx_traceback
+    from tracer.capture.inplace import INPLACE_CALL_KEY
+
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    noise = torch.empty_like(input)
+    with fx_traceback.annotate({INPLACE_CALL_KEY: True}):
+        noise = noise.bernoulli_(1 - p)
+    with fx_traceback.annotate({INPLACE_CALL_KEY: True}):
+        noise = noise.div_(1 - p)
+    return input * noise
+
+
 @contextlib.contextmanager
-def kernels_as_in_eager():
-    """All of the above, while a graph is traced."""
-    with dropout_as_in_eager(), layouts_as_in_eager(), upsampling_as_in_eager():
+def kernels_as_in_eager(cpu: bool = False):
+    """All of the above, while a graph is traced (`cpu`: for a CPU target)."""
+    with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager():
         yield
 
 
