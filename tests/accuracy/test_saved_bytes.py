@@ -99,7 +99,8 @@ def test_a_branch_the_loss_never_reaches_saves_nothing_for_backward(tmp_path):
     assert predicted.phases["forward"].peak_bytes == measured.phase_peaks["forward"]
 
 
-def test_cpu_dropout_saves_eagers_float_noise():
+@pytest.mark.parametrize("direct", [True, False], ids=["aot-joint", "export-joint"])
+def test_cpu_dropout_saves_eagers_float_noise(direct, monkeypatch):
     """On CPU, eager's dropout with p > 0 is ATen's `_dropout_impl` (the fused kernel is CUDA-only): autograd
     saves a float noise tensor, not native_dropout's bool mask (tracer/capture/eager_kernels.py). Dropout on
     attention probabilities, after an activation, on a residual branch and in nn.TransformerEncoderLayer:
@@ -107,8 +108,13 @@ def test_cpu_dropout_saves_eagers_float_noise():
     import os
     from truth import assert_step_exact
 
+    import tracer.capture as capture
+    real = capture.export_joint
+    monkeypatch.setattr(capture, "export_joint", lambda *a, direct=False, **k: real(*a, direct=direct_, **k))
+    direct_ = direct
     model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dropout_train.py")
     graph = capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, target="cpu"))
+    assert graph.config.capture_path == ("aot-joint" if direct else "export-joint")
     predicted = analyze_graph(graph).policies["eager"]
     source = load_model_source(model)
     torch.manual_seed(0)
