@@ -5,28 +5,12 @@ Hand-written styles (benchmarks/wild_styles/) and transformers architectures: an
 shared by all), BEiT and ConvNeXt image classifiers, BLOOM (ALiBi, eager attention), a Cohere2 mixture of
 experts with balanced routers, BART (seq2seq); a hand-written router (`out.index_add_` per expert, `y, aux =
 moe(x)`) and nn.MultiheadAttention's defaults (`x, _ = block(x, pad)` holding the head-averaged weights)."""
-import importlib.util
-import os
-import sys
-
 import pytest
 
 from optional import needs
+from wild_sweep_module import wild_sweep
 
 pytestmark = needs("transformers", "einops", "peft", reason="pip install -e '.[hf,test]'")
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def _sweep():
-    if "wild_sweep" in sys.modules:
-        return sys.modules["wild_sweep"]
-    spec = importlib.util.spec_from_file_location("wild_sweep", os.path.join(ROOT, "benchmarks", "wild.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wild_sweep"] = module         # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
 
 SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:convnet", "style:moe_router",
          "style:mha_default",
@@ -35,6 +19,6 @@ SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:co
 
 @pytest.mark.parametrize("name", SLICE)
 def test_a_wild_model_is_exact_against_a_real_step(name):
-    row = _sweep().run_one(name, time_limit_s=120)
+    row = wild_sweep().run_one(name, time_limit_s=120)
     assert row.status == "exact", f"{name}: {row.status}: {row.reason} (predicted {row.predicted}, measured " \
                                   f"{row.measured})"

@@ -1,37 +1,23 @@
 """The corpus sweep's generic shrink rules (benchmarks/wild.py `tiny_overrides`) on plain config dicts: each
 rule keeps a constraint between keys that transformers checks, for any config that has those keys."""
-import importlib.util
-import os
-import sys
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def _sweep():
-    if "wild_sweep" in sys.modules:
-        return sys.modules["wild_sweep"]
-    spec = importlib.util.spec_from_file_location("wild_sweep", os.path.join(ROOT, "benchmarks", "wild.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wild_sweep"] = module         # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+from wild_sweep_module import wild_sweep
 
 
 def test_a_layer_count_that_counts_stages_keeps_every_per_stage_list_whole():
     config = {"depths": [2, 2, 6, 2], "num_layers": 4, "num_heads": [3, 6, 12, 24],
               "pretrained_window_sizes": [0, 0, 0, 0], "embed_dim": 96}
-    out = _sweep().tiny_overrides(config)
+    out = wild_sweep().tiny_overrides(config)
     assert out["depths"] == [1, 1, 1, 1] and out["num_heads"] == [2, 2, 2, 2]
     assert "num_layers" not in out and "pretrained_window_sizes" not in out
 
 
 def test_per_layer_lists_are_still_cut_where_the_layer_count_is_not_a_stage_count():
-    out = _sweep().tiny_overrides({"num_hidden_layers": 4, "layer_types": ["a", "b", "a", "b"]})
+    out = wild_sweep().tiny_overrides({"num_hidden_layers": 4, "layer_types": ["a", "b", "a", "b"]})
     assert out == {"num_hidden_layers": 2, "layer_types": ["a", "b"]}
 
 
 def test_the_proportional_shrink_keeps_heads_times_head_width_a_multiple_of_the_hidden_size():
-    sweep = _sweep()
+    sweep = wild_sweep()
     config = {"hidden_size": 4096, "num_heads": 128, "head_dim": 64, "n_groups": 8, "expand": 2}
     assert sweep.tiny_overrides(config)["head_dim"] == 16                       # 4 x 16 = 64: the plain shrink
     out = sweep.tiny_overrides(config, sweep.PROPORTIONAL_HEADS)
@@ -40,6 +26,6 @@ def test_the_proportional_shrink_keeps_heads_times_head_width_a_multiple_of_the_
 
 
 def test_the_proportional_shrink_leaves_a_head_width_that_is_no_whole_multiple():
-    sweep = _sweep()
+    sweep = wild_sweep()
     config = {"hidden_size": 3072, "num_attention_heads": 16, "head_dim": 256}   # 4096 / 3072: 16 x 256 / 3072
     assert sweep.tiny_overrides(config, sweep.PROPORTIONAL_HEADS)["head_dim"] == 16
