@@ -89,9 +89,9 @@ DEFAULT_LISTS = "tiny, default heads and per-layer lists"
 DEPTH_ONLY = "layers and vocabulary only"
 SHRINKS = (TINY_SHRINK, PROPORTIONAL_HEADS, DEFAULT_HEADS, DEFAULT_LISTS, DEPTH_ONLY)
 # what the last shrink still shrinks: depth, vocabulary and expert counts (dropouts are always 0)
-DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", "num_local_experts", "num_experts", "n_routed_experts",
-                                                "moe_num_experts", "num_experts_per_tok", "num_experts_per_token",
-                                                "moe_topk", "moe_k"}
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", *EXPERT_COUNTS, *TOP_K_KEYS}
 # key/value head counts and the attention head counts they must equal when the default config has them equal
 # (multi-latent attention expands its latent to one key and value per query head: DeepSeek V2/V3, MiniCPM3)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
@@ -139,6 +139,7 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
         elif _keyed_by_layer(value) and shrink != DEFAULT_LISTS:
             out[key] = {k: v for k, v in value.items() if int(k) < TINY_BY_KEY["num_hidden_layers"]}
     _keep_kv_heads_equal(config, out)
+    _route_to_top_k(config, out)
     if shrink == PROPORTIONAL_HEADS:
         _keep_head_width_proportional(config, out)
     if shrink == DEFAULT_LISTS:
@@ -174,6 +175,15 @@ def _keep_head_width_proportional(config: dict, out: dict) -> None:
         if key.endswith("_groups") and isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 \
                 and config[heads_key] % groups == 0 and heads % groups:
             out[key] = math.gcd(groups, heads)
+
+
+def _route_to_top_k(config: dict, out: dict) -> None:
+    """A top-k left unset (None) beside more than one routed expert gets the tiny top-k: the router picks
+    that many experts per token (a default config that leaves it to the checkpoint does not run at all)."""
+    if any(isinstance(config.get(k), int) and config[k] > 1 for k in EXPERT_COUNTS):
+        for key in TOP_K_KEYS:
+            if key in config and config[key] is None:
+                out[key] = TINY_BY_KEY[key]
 
 
 def _keep_kv_heads_equal(config: dict, out: dict) -> None:
@@ -281,8 +291,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _has_experts(model: torch.nn.Module) -> bool:
     config = getattr(getattr(model, "model", None), "config", None)
-    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-    return any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in keys)
+    return any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in EXPERT_COUNTS)
 
 
 def run_one(name: str, time_limit_s: int) -> Row:

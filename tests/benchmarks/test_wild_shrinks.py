@@ -29,3 +29,10 @@ def test_the_proportional_shrink_leaves_a_head_width_that_is_no_whole_multiple()
     sweep = wild_sweep()
     config = {"hidden_size": 3072, "num_attention_heads": 16, "head_dim": 256}   # 4096 / 3072: 16 x 256 / 3072
     assert sweep.tiny_overrides(config, sweep.PROPORTIONAL_HEADS)["head_dim"] == 16
+
+
+def test_a_top_k_left_unset_beside_routed_experts_gets_the_tiny_top_k():
+    sweep = wild_sweep()
+    out = sweep.tiny_overrides({"n_routed_experts": 64, "num_experts_per_tok": None, "hidden_size": 4096})
+    assert out["num_experts_per_tok"] == 2 and out["n_routed_experts"] == 4
+    assert "num_experts_per_tok" not in sweep.tiny_overrides({"n_routed_experts": None, "num_experts_per_tok": None})
