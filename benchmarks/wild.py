@@ -83,11 +83,11 @@ HEAD_GEOMETRY = frozenset(("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim"
 # the shrinks tried in order: the first whose real model runs a forward and backward is used
 MAX_PARAMETERS = 30_000_000           # a real CPU step of a larger shrink is too slow for the sweep
 TINY_SHRINK = "tiny"
-PROPORTIONAL_HEADS = "tiny, head width in the default's proportion"
+PROPORTIONAL = "tiny, in the default's proportions"
 DEFAULT_HEADS = "tiny, default heads"
 DEFAULT_LISTS = "tiny, default heads and per-layer lists"
 DEPTH_ONLY = "layers and vocabulary only"
-SHRINKS = (TINY_SHRINK, PROPORTIONAL_HEADS, DEFAULT_HEADS, DEFAULT_LISTS, DEPTH_ONLY)
+SHRINKS = (TINY_SHRINK, PROPORTIONAL, DEFAULT_HEADS, DEFAULT_LISTS, DEPTH_ONLY)
 # what the last shrink still shrinks: depth, vocabulary and expert counts (dropouts are always 0)
 EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
@@ -102,7 +102,7 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
     """Generic shrinking of one config dict (and of its nested sub-configs): keys of TINY where present and
     larger, dropouts 0, list-valued per-stage sizes shortened, per-layer lists cut to the new layer count,
     token ids kept inside the shrunk vocabulary. The gentler `SHRINKS` keep the total head width in the
-    default's proportion to the hidden size, then keep the attention geometry (HEAD_GEOMETRY), then also the
+    default's proportion to the hidden size and counts of some layers in proportion to the depth, then keep the attention geometry (HEAD_GEOMETRY), then also the
     per-layer lists at their defaults, then every width (only depth, vocabulary and expert counts shrink)."""
     out = {}
     keep = HEAD_GEOMETRY if shrink in (DEFAULT_HEADS, DEFAULT_LISTS) else frozenset()
@@ -140,8 +140,9 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             out[key] = {k: v for k, v in value.items() if int(k) < TINY_BY_KEY["num_hidden_layers"]}
     _keep_kv_heads_equal(config, out)
     _route_to_top_k(config, out)
-    if shrink == PROPORTIONAL_HEADS:
+    if shrink == PROPORTIONAL:
         _keep_head_width_proportional(config, out)
+        _keep_layer_counts_proportional(config, out, layers_before)
     if shrink == DEFAULT_LISTS:
         for key in LAYER_KEYS:
             out.pop(key, None)             # per-layer lists at their defaults need the default layer count
@@ -184,6 +185,18 @@ def _route_to_top_k(config: dict, out: dict) -> None:
         for key in TOP_K_KEYS:
             if key in config and config[key] is None:
                 out[key] = TINY_BY_KEY[key]
+
+
+def _keep_layer_counts_proportional(config: dict, out: dict, layers_before: int | None) -> None:
+    """Counts of some of the layers (`num_kv_shared_layers`: the last 15 of 35 reuse earlier layers' keys and
+    values) keep their share of the new depth: at least one layer, and fewer than all where they were fewer."""
+    layers = next((out[k] for k in LAYER_KEYS if isinstance(out.get(k), int)), None)
+    if not layers_before or not layers:
+        return
+    for key, count in config.items():
+        if key.endswith("_layers") and key not in LAYER_KEYS and isinstance(count, int) \
+                and not isinstance(count, bool) and 0 < count < layers_before:
+            out[key] = min(max(1, round(count * layers / layers_before)), layers - 1)
 
 
 def _keep_kv_heads_equal(config: dict, out: dict) -> None:

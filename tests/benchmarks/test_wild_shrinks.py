@@ -20,7 +20,7 @@ def test_the_proportional_shrink_keeps_heads_times_head_width_a_multiple_of_the_
     sweep = wild_sweep()
     config = {"hidden_size": 4096, "num_heads": 128, "head_dim": 64, "n_groups": 8, "expand": 2}
     assert sweep.tiny_overrides(config)["head_dim"] == 16                       # 4 x 16 = 64: the plain shrink
-    out = sweep.tiny_overrides(config, sweep.PROPORTIONAL_HEADS)
+    out = sweep.tiny_overrides(config, sweep.PROPORTIONAL)
     assert (out["hidden_size"], out["num_heads"], out["head_dim"]) == (64, 4, 32)    # 4 x 32 = 2 x 64
     assert out["n_groups"] == 4                                                  # groups still divide the heads
 
@@ -28,7 +28,7 @@ def test_the_proportional_shrink_keeps_heads_times_head_width_a_multiple_of_the_
 def test_the_proportional_shrink_leaves_a_head_width_that_is_no_whole_multiple():
     sweep = wild_sweep()
     config = {"hidden_size": 3072, "num_attention_heads": 16, "head_dim": 256}   # 4096 / 3072: 16 x 256 / 3072
-    assert sweep.tiny_overrides(config, sweep.PROPORTIONAL_HEADS)["head_dim"] == 16
+    assert sweep.tiny_overrides(config, sweep.PROPORTIONAL)["head_dim"] == 16
 
 
 def test_a_top_k_left_unset_beside_routed_experts_gets_the_tiny_top_k():
@@ -36,3 +36,11 @@ def test_a_top_k_left_unset_beside_routed_experts_gets_the_tiny_top_k():
     out = sweep.tiny_overrides({"n_routed_experts": 64, "num_experts_per_tok": None, "hidden_size": 4096})
     assert out["num_experts_per_tok"] == 2 and out["n_routed_experts"] == 4
     assert "num_experts_per_tok" not in sweep.tiny_overrides({"n_routed_experts": None, "num_experts_per_tok": None})
+
+
+def test_the_proportional_shrink_keeps_a_count_of_some_layers_below_the_new_depth():
+    sweep = wild_sweep()
+    config = {"num_hidden_layers": 35, "num_kv_shared_layers": 15, "layer_types": ["sliding"] * 35}
+    assert "num_kv_shared_layers" not in sweep.tiny_overrides(config)
+    out = sweep.tiny_overrides(config, sweep.PROPORTIONAL)
+    assert (out["num_hidden_layers"], out["num_kv_shared_layers"]) == (2, 1)    # one layer reuses, one makes
