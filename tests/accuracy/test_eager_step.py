@@ -134,3 +134,14 @@ def test_a_forward_that_rewrites_its_input_in_place_is_exact():
     assert result.saved.total_bytes == measured.saved_bytes
     names = [s.name for s in result.graph.storages]
     assert "input 1 (updated in place)" in names
+
+
+def test_a_parameter_clamped_through_data_in_forward_is_written_in_place():
+    """`weight.data.clamp_(...)` in forward: the graph copies the parameter (a mutation autograd does not
+    see) and the linear saves the copy; eager writes the parameter's own storage and saves the parameter."""
+    model = os.path.join(FIXTURES, "parameter_clamped_in_forward.py")
+    result, measured = predict_and_measure(model, batch=2, seq=16)
+    for phase in ("forward", "backward", "optimizer"):
+        assert result.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert result.saved.total_bytes == measured.saved_bytes
+    assert not any("updated in place" in s.name for s in result.graph.storages)   # no storage of its own
