@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import signal
 import sys
@@ -81,11 +82,16 @@ HEAD_GEOMETRY = frozenset(("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim"
                            "decoder_attention_heads"))
 # the shrinks tried in order: the first whose real model runs a forward and backward is used
 MAX_PARAMETERS = 30_000_000           # a real CPU step of a larger shrink is too slow for the sweep
-SHRINKS = ("tiny", "tiny, default heads", "tiny, default heads and per-layer lists", "layers and vocabulary only")
+TINY_SHRINK = "tiny"
+PROPORTIONAL = "tiny, in the default's proportions"
+DEFAULT_HEADS = "tiny, default heads"
+DEFAULT_LISTS = "tiny, default heads and per-layer lists"
+DEPTH_ONLY = "layers and vocabulary only"
+SHRINKS = (TINY_SHRINK, PROPORTIONAL, DEFAULT_HEADS, DEFAULT_LISTS, DEPTH_ONLY)
 # what the last shrink still shrinks: depth, vocabulary and expert counts (dropouts are always 0)
-DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", "num_local_experts", "num_experts", "n_routed_experts",
-                                                "moe_num_experts", "num_experts_per_tok", "num_experts_per_token",
-                                                "moe_topk", "moe_k"}
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k")
+DEPTH_AND_VOCABULARY = frozenset(LAYER_KEYS) | {"vocab_size", *EXPERT_COUNTS, *TOP_K_KEYS}
 # key/value head counts and the attention head counts they must equal when the default config has them equal
 # (multi-latent attention expands its latent to one key and value per query head: DeepSeek V2/V3, MiniCPM3)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num")
@@ -95,14 +101,17 @@ ATTENTION_HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
     """Generic shrinking of one config dict (and of its nested sub-configs): keys of TINY where present and
     larger, dropouts 0, list-valued per-stage sizes shortened, per-layer lists cut to the new layer count,
-    token ids kept inside the shrunk vocabulary. The gentler `SHRINKS` keep the attention geometry
-    (HEAD_GEOMETRY), then also the per-layer lists at their defaults, then every width (only depth,
-    vocabulary and expert counts shrink)."""
+    token ids kept inside the shrunk vocabulary. The gentler `SHRINKS` keep the total head width in the
+    default's proportion to the hidden size and counts of some layers in proportion to the depth, then keep the attention geometry (HEAD_GEOMETRY), then also the
+    per-layer lists at their defaults, then every width (only depth, vocabulary and expert counts shrink)."""
     out = {}
-    keep = HEAD_GEOMETRY if shrink != "tiny" else frozenset()
-    if shrink == SHRINKS[3]:
+    keep = HEAD_GEOMETRY if shrink in (DEFAULT_HEADS, DEFAULT_LISTS) else frozenset()
+    if shrink == DEPTH_ONLY:
         keep = frozenset(TINY_BY_KEY) - DEPTH_AND_VOCABULARY
     layers_before = next((config[k] for k in LAYER_KEYS if isinstance(config.get(k), int)), None)
+    if isinstance(config.get("depths"), list) and layers_before == len(config["depths"]):
+        layers_before = None   # a stage count (hierarchical vision models): per-stage lists keep their length
+        keep = keep | {k for k in LAYER_KEYS if config.get(k) == len(config["depths"])}
     for key, value in config.items():
         if key in keep:
             continue
@@ -117,20 +126,24 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
             out[key] = 1.0
         elif isinstance(value, float) and any(w in key for w in ("dropout", "pdrop", "drop_path", "drop_rate", "drop_connect", "layerdrop")):
             out[key] = 0.0
-        elif key == "depths" and isinstance(value, list) and shrink != SHRINKS[3]:
+        elif key == "depths" and isinstance(value, list) and shrink != DEPTH_ONLY:
             out[key] = [1] * len(value)
         elif key in ("hidden_sizes", "embed_dims", "embedding_dims") and isinstance(value, list) \
-                and shrink != SHRINKS[3]:
+                and shrink != DEPTH_ONLY:
             out[key] = [32 * (i + 1) for i in range(len(value))]     # group norms take up to 32 groups
         elif key in ("num_heads", "num_attention_heads") and isinstance(value, list):
             out[key] = [2] * len(value)
         elif (isinstance(value, list) and layers_before and len(value) == layers_before
-              and key not in ("depths", "hidden_sizes") and shrink != SHRINKS[2]):
+              and key not in ("depths", "hidden_sizes") and shrink != DEFAULT_LISTS):
             out[key] = value[:2]
-        elif _keyed_by_layer(value) and shrink != SHRINKS[2]:
+        elif _keyed_by_layer(value) and shrink != DEFAULT_LISTS:
             out[key] = {k: v for k, v in value.items() if int(k) < TINY_BY_KEY["num_hidden_layers"]}
     _keep_kv_heads_equal(config, out)
-    if shrink == SHRINKS[2]:
+    _route_to_top_k(config, out)
+    if shrink == PROPORTIONAL:
+        _keep_head_width_proportional(config, out)
+        _keep_layer_counts_proportional(config, out, layers_before)
+    if shrink == DEFAULT_LISTS:
         for key in LAYER_KEYS:
             out.pop(key, None)             # per-layer lists at their defaults need the default layer count
     vocab = out.get("vocab_size", config.get("vocab_size"))
@@ -145,6 +158,45 @@ def _keyed_by_layer(value) -> bool:
     """A dict of per-layer settings keyed by layer index (`{"05": {"head_dim": 512}, ...}`)."""
     return (isinstance(value, dict) and bool(value) and "model_type" not in value
             and all(isinstance(k, (int, str)) and str(k).isdigit() for k in value))
+
+
+def _keep_head_width_proportional(config: dict, out: dict) -> None:
+    """heads x head_dim keeps its default ratio to the hidden size where that ratio makes a whole head width
+    (a state-space mixer whose heads span hidden_size * expand: 128 x 64 = 2 x 4096 -> 4 x 32 = 2 x 64)."""
+    heads_key = next((k for k in ATTENTION_HEADS if isinstance(config.get(k), int)), None)
+    width_key = next((k for k in TINY[1][1] if isinstance(config.get(k), int)), None)
+    if heads_key is None or width_key is None or not isinstance(config.get("head_dim"), int):
+        return
+    total, width = config[heads_key] * config["head_dim"], config[width_key]
+    heads, tiny_width = out.get(heads_key, config[heads_key]), out.get(width_key, width)
+    head_dim, rest = divmod(total * tiny_width, width * heads)
+    if rest == 0 and head_dim > 0:
+        out["head_dim"] = head_dim
+    for key, groups in config.items():          # head groups (B/C shared by a group of heads) still divide them
+        if key.endswith("_groups") and isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 \
+                and config[heads_key] % groups == 0 and heads % groups:
+            out[key] = math.gcd(groups, heads)
+
+
+def _route_to_top_k(config: dict, out: dict) -> None:
+    """A top-k left unset (None) beside more than one routed expert gets the tiny top-k: the router picks
+    that many experts per token (a default config that leaves it to the checkpoint does not run at all)."""
+    if any(isinstance(config.get(k), int) and config[k] > 1 for k in EXPERT_COUNTS):
+        for key in TOP_K_KEYS:
+            if key in config and config[key] is None:
+                out[key] = TINY_BY_KEY[key]
+
+
+def _keep_layer_counts_proportional(config: dict, out: dict, layers_before: int | None) -> None:
+    """Counts of some of the layers (`num_kv_shared_layers`: the last 15 of 35 reuse earlier layers' keys and
+    values) keep their share of the new depth: at least one layer, and fewer than all where they were fewer."""
+    layers = next((out[k] for k in LAYER_KEYS if isinstance(out.get(k), int)), None)
+    if not layers_before or not layers:
+        return
+    for key, count in config.items():
+        if key.endswith("_layers") and key not in LAYER_KEYS and isinstance(count, int) \
+                and not isinstance(count, bool) and 0 < count < layers_before:
+            out[key] = min(max(1, round(count * layers / layers_before)), layers - 1)
 
 
 def _keep_kv_heads_equal(config: dict, out: dict) -> None:
@@ -175,12 +227,15 @@ def source_for(name: str, shrink: str | None = "tiny"):
     """The model source of `name`, its config shrunk by `shrink` (None: transformers' default config)."""
     if name.startswith("style:"):
         return load_model_source(os.path.join(STYLES, name[6:] + ".py"))
+    overrides = shrink_overrides(name, shrink) if shrink is not None else {}
+    return load_model_source(name, hf_config=tuple(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
+
+
+def shrink_overrides(name: str, shrink: str) -> dict:
+    """The config overrides `shrink` makes for the transformers architecture `name` (`hf:<model_type>`)."""
     from transformers import AutoConfig
     from tracer.models.hf import hf_spec
-    spec = hf_spec(name[3:])
-    config = AutoConfig.for_model(spec.model_type).to_dict()
-    overrides = tiny_overrides(config, shrink) if shrink is not None else {}
-    return load_model_source(name, hf_config=tuple(f"{k}={json.dumps(v)}" for k, v in overrides.items()))
+    return tiny_overrides(AutoConfig.for_model(hf_spec(name[3:]).model_type).to_dict(), shrink)
 
 
 def runnable_source(name: str):
@@ -196,7 +251,13 @@ def runnable_source(name: str):
                 source_for(name, None).build_model()
         except Exception as exc:
             raise DefaultConfigBroken(_one_line(exc)) from exc
+    tried = []
     for shrink in shrinks:
+        if name.startswith("hf:"):
+            overrides = shrink_overrides(name, shrink)
+            if overrides in tried:
+                continue                   # the same config as a shrink that did not run
+            tried.append(overrides)
         try:
             source = source_for(name, shrink)
             with torch.device("meta"):
@@ -243,8 +304,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _has_experts(model: torch.nn.Module) -> bool:
     config = getattr(getattr(model, "model", None), "config", None)
-    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-    return any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in keys)
+    return any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in EXPERT_COUNTS)
 
 
 def run_one(name: str, time_limit_s: int) -> Row:

@@ -134,3 +134,26 @@ def test_a_forward_that_rewrites_its_input_in_place_is_exact():
     assert result.saved.total_bytes == measured.saved_bytes
     names = [s.name for s in result.graph.storages]
     assert "input 1 (updated in place)" in names
+
+
+def test_a_parameter_clamped_through_data_in_forward_is_written_in_place():
+    """`weight.data.clamp_(...)` in forward: the graph copies the parameter (a mutation autograd does not
+    see) and the linear saves the copy; eager writes the parameter's own storage and saves the parameter."""
+    model = os.path.join(FIXTURES, "parameter_clamped_in_forward.py")
+    result, measured = predict_and_measure(model, batch=2, seq=16)
+    for phase in ("forward", "backward", "optimizer"):
+        assert result.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert result.saved.total_bytes == measured.saved_bytes
+    assert not any("updated in place" in s.name for s in result.graph.storages)   # no storage of its own
+
+
+def test_an_assertion_on_activation_values_is_taken_as_passing_and_noted():
+    """The assert reads a value fake tensors do not have: read as False it would stop the step; the step
+    that runs passes it, so the read is True (op by op on fake tensors) and the report says so."""
+    model = os.path.join(FIXTURES, "asserts_on_values.py")
+    result, measured = predict_and_measure(model, batch=2, seq=16)
+    for phase in ("forward", "backward", "optimizer"):
+        assert result.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert result.saved.total_bytes == measured.saved_bytes
+    assert any("assertion at asserts_on_values.py:21" in note and "passing" in note
+               for note in result.graph.config.notes)

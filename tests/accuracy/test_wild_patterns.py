@@ -78,3 +78,9 @@ def test_names_bound_from_a_helper_returning_a_tuple_hold_what_the_helper_return
     bound nothing (the helper ends with in-place copies, and its split gives two views of one storage), so
     the key and value storages were let go after the attention call: 1.05 MB under the forward peak."""
     _assert_exact("tuple_from_a_helper.py")
+
+
+def test_rows_picked_by_a_mask_from_a_floating_point_constant_are_sized_from_it():
+    """xmod: `lang_ids = id * torch.ones(b)` then `hidden[lang_ids == i]`: the boolean index's size follows
+    from a float constant, which had no shadow values (only int/bool factories had): a RoutingError."""
+    _assert_exact("constant_selected_rows.py")

@@ -4,37 +4,25 @@ eager) and measured in a real CPU step (tests/truth.py): every phase peak within
 Hand-written styles (benchmarks/wild_styles/) and transformers architectures: an ALBERT masked LM (one layer
 shared by all), BEiT and ConvNeXt image classifiers, BLOOM (ALiBi, eager attention), a Cohere2 mixture of
 experts with balanced routers, BART (seq2seq); a hand-written router (`out.index_add_` per expert, `y, aux =
-moe(x)`) and nn.MultiheadAttention's defaults (`x, _ = block(x, pad)` holding the head-averaged weights)."""
-import importlib.util
-import os
-import sys
-
+moe(x)`) and nn.MultiheadAttention's defaults (`x, _ = block(x, pad)` holding the head-averaged weights);
+Mamba2 (the shrink keeping head width in the default's proportion), DeepSeek V2 (a top-k left unset),
+Gemma3n's text model (shared-KV layer count in proportion; a parameter clamped through `.data` in forward) and
+X-MOD (a default language; rows picked by a mask from a float constant)."""
 import pytest
 
 from optional import needs
+from wild_sweep_module import wild_sweep
 
 pytestmark = needs("transformers", "einops", "peft", reason="pip install -e '.[hf,test]'")
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-
-
-def _sweep():
-    if "wild_sweep" in sys.modules:
-        return sys.modules["wild_sweep"]
-    spec = importlib.util.spec_from_file_location("wild_sweep", os.path.join(ROOT, "benchmarks", "wild.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["wild_sweep"] = module         # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 SLICE = ["style:nanogpt", "style:einops_attention", "style:lora_peft", "style:convnet", "style:moe_router",
          "style:mha_default",
-         "hf:albert", "hf:beit", "hf:bloom", "hf:convnext", "hf:cohere2_moe", "hf:bart"]
+         "hf:albert", "hf:beit", "hf:bloom", "hf:convnext", "hf:cohere2_moe", "hf:bart",
+         "hf:mamba2", "hf:deepseek_v2", "hf:gemma3n_text", "hf:xmod"]
 
 
 @pytest.mark.parametrize("name", SLICE)
 def test_a_wild_model_is_exact_against_a_real_step(name):
-    row = _sweep().run_one(name, time_limit_s=120)
+    row = wild_sweep().run_one(name, time_limit_s=120)
     assert row.status == "exact", f"{name}: {row.status}: {row.reason} (predicted {row.predicted}, measured " \
                                   f"{row.measured})"

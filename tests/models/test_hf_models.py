@@ -244,3 +244,16 @@ def test_a_sequence_classifier_is_analysed_by_depth(capsys):
                  "--quiet"]) == ExitCode.OK
     out = capsys.readouterr().out
     assert "6 blocks in model.model.layers" in out and "input 272 B" in out
+
+
+def test_a_head_whose_output_has_no_loss_is_not_a_head_tracer_trains():
+    """PPLCNetForImageClassification returns a backbone's features, without a loss: refused in one line."""
+    with pytest.raises(ModelInputError, match="pp_lcnet has none of the heads"):
+        hf_spec("pp_lcnet")
+
+
+def test_a_model_with_per_language_adapters_and_no_default_language_gets_its_first_language():
+    from tracer.models.hf import _make_config
+    spec = hf_spec("xmod", overrides={"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2})
+    config = _make_config(spec)
+    assert config.default_language == list(config.languages)[0]

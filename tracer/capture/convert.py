@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from tracer.capture.inplace import in_place_writes
+from tracer.capture.inplace import in_place_writes, input_copies_written_back
 from tracer.capture.joint import PARTIAL_HELD_KEY, JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
@@ -165,7 +165,8 @@ def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) ->
     """A buffer the forward updates (`running_mean`), or a user input (`labels.masked_fill_(...)`), is written
     in place in eager: the graph's new value of it is never a storage of its own."""
     for out, desc in zip(outs, descs):
-        if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue):
+        if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue) \
+                and not table.get(values[out].storage_id).preexisting:       # not the input's own storage
             table.update(values[out].storage_id, fused=True, name=f"{_input_name(desc.mutated_input)} (updated in place)")
 
 
@@ -249,6 +250,8 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
     """`regions` (block.compile()): each region's nodes are replaced by its compiled forward, run where its
     first forward node is, and its compiled backward, run where its first backward node is."""
     writes = in_place_writes(gm)
+    input_copies = input_copies_written_back(gm, writes)       # eager writes the input itself
+    written_inputs: set[int] = set()
     region_at = {node: (region, False) for region in regions for node in region.forward_nodes}
     region_at.update({node: (region, True) for region in regions for node in region.backward_nodes})
     region_runs: dict[tuple[int, bool], tuple] = {}     # (id(region), backward) -> (storages made, saved values)
@@ -277,8 +280,12 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         recomputed = partitioned and node_phase is Phase.BACKWARD and not tagged_backward
         if _is_rng_wrapper(node):
             _fill_rng_wrapper_meta(node, fake_mode)
-        ops.append(_convert_node(node, node_phase, recomputed, table, values,
-                                 written=_written_storage(writes.get(node), table, values)))
+        if node in input_copies:
+            written = values[input_copies[node]].storage_id
+            written_inputs.add(written)
+        else:
+            written = _written_storage(writes.get(node), table, values, written_inputs)
+        ops.append(_convert_node(node, node_phase, recomputed, table, values, written=written))
         node_pos[node] = len(ops) - 1
 
 
@@ -324,12 +331,16 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
     return set(made), [values[out] for out in _output_args(gm)[len(joint_outputs):]]
 
 
-def _written_storage(destination: fx.Node | None, table: StorageTable, values) -> int | None:
-    """The intermediate storage an in-place write (capture/inplace.py) puts its output in, if any."""
+def _written_storage(destination: fx.Node | None, table: StorageTable, values,
+                     written_inputs: set[int] = frozenset()) -> int | None:
+    """The intermediate storage an in-place write (capture/inplace.py) puts its output in, if any; or an
+    input's own storage that the forward writes in place (`written_inputs`)."""
     value = values.get(destination) if destination is not None else None
     if not isinstance(value, TensorValue):
         return None
     entry = table.get(value.storage_id)
+    if value.storage_id in written_inputs:
+        return value.storage_id
     return value.storage_id if entry.role is StorageRole.INTERMEDIATE and not entry.preexisting else None
 
 

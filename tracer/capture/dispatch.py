@@ -5,7 +5,8 @@ still runs op by op on fake tensors: forward+loss, `loss.backward()`, `optimizer
 after an untracked warm-up step for steady state. Frees are observed (exact eager lifetimes, Python
 locals included). Backward ops are attributed to the forward line and module that created their
 autograd node (stamped on the node by a TorchFunctionMode during forward). Values read from tensors
-(`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line.
+(`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line; a truth
+value an `assert` statement reads is True (the step predicted passes its assertions).
 What this path cannot do: recompute policies (compiled, selective, full) need a graph.
 """
 from __future__ import annotations
@@ -175,6 +176,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
+    notes += [f"the assertion at {loc.short()} reads a tensor's value: taken as passing (fake tensors have no "
+              "data; the step predicted is one that runs)" for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes)
 
 

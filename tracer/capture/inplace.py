@@ -80,6 +80,36 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return writes
 
 
+def input_copies_written_back(gm: fx.GraphModule, writes: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+    """`clone(input)` node -> the input's placeholder, where the graph's new value of a mutated input (an
+    `InputMutationAOTOutput` of `gm`'s outputs) is that clone written in place (`writes`) or viewed, and the
+    graph reads the input's old value no more after the clone. Functionalization copies an input that the
+    forward changes through a view autograd does not see (`weight.data.clamp_(...)`, weight clipping);
+    eager writes the input's own storage, so the copy and what is saved of it are the input itself."""
+    output = next(iter(gm.graph.find_nodes(op="output")), None)
+    descs = (output.meta.get("desc") or []) if output is not None else []
+    order = {node: pos for pos, node in enumerate(gm.graph.nodes)}
+    copies = {}
+    for out, desc in zip(output.args[0] if output is not None else (), descs):
+        if type(desc).__name__ != "InputMutationAOTOutput" or not _is_tensor_node(out):
+            continue
+        node = out
+        while node.op == "call_function" and node.target is not _aten.clone.default:
+            if node in writes:
+                node = writes[node]
+            elif node.args and _is_tensor_node(node.args[0]) \
+                    and storage_key(node.meta["val"]) == storage_key(node.args[0].meta["val"]):
+                node = node.args[0]                        # a view of what it reads (detach, alias)
+            else:
+                break
+        source = node.args[0] if node.target is _aten.clone.default and node.args else None
+        if not (isinstance(source, fx.Node) and source.op == "placeholder"):
+            continue
+        if all(order[user] <= order[node] or user is output for user in source.users):
+            copies[node] = source
+    return copies
+
+
 def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
     """The node of each marked in-place torch call whose result eager writes into the call's tensor: the
     call's last forward node (not a view-scatter, already a write) that makes a new tensor of its first

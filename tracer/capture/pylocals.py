@@ -431,6 +431,11 @@ def _parse(file: str) -> ast.Module | None:
         return None
 
 
+def is_assertion(file: str, line: int) -> bool:
+    """The statement running at `file:line` is an `assert`."""
+    return isinstance(_statement_at(file, line)[0], ast.Assert)
+
+
 @functools.lru_cache(maxsize=4096)
 def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None]:
     """The innermost simple statement covering `line`, and its enclosing function."""

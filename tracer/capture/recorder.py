@@ -5,7 +5,9 @@
 a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last-use guess here.
 Phases and source lines come from callables, so the optimizer step and a whole-step fallback share it.
 Values the code reads from tensors (`.item()`, `if t:`) do not exist on fake tensors: with
-`read_scalars_as_zero` they read as 0 / False and each such read is noted with its line.
+`read_scalars_as_zero` they read as 0 / False and each such read is noted with its line, except that a
+truth value an `assert` statement reads is True (a step that runs passes its assertions: `assert not
+x.isnan().any()`), noted apart.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.convert import OpDraft, plain_value, target_name
+from tracer.capture.pylocals import is_assertion
 from tracer.capture.source import loc_from_python_stack
 from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, SourceLoc, StorageRole
@@ -36,6 +39,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[OpDraft] = []
         self.created: list[int] = []
         self.scalar_reads: list[SourceLoc | None] = []
+        self.asserted_reads: list[SourceLoc] = []         # truth values an assert statement read: True
         self._finalizers: list[weakref.finalize] = []
 
     def track_release(self, t: torch.Tensor, sid: int) -> None:
@@ -59,7 +63,11 @@ class StepRecorder(TorchDispatchMode):
             try:
                 return func(*args, **kwargs)        # a constant the fake mode knows (e.g. Adam's step count)
             except DataDependentOutputException:
-                self.scalar_reads.append(loc_from_python_stack())
+                loc = loc_from_python_stack()
+                if args[0].dtype == torch.bool and loc is not None and is_assertion(loc.file, loc.line):
+                    self.asserted_reads.append(loc)
+                    return True
+                self.scalar_reads.append(loc)
                 return _zero_like_scalar(args[0].dtype)
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t not in self.table:

@@ -174,7 +174,7 @@ class RoutingShadows:
             return self._answer(mode, func, flat, spec)
         if shadowed:
             self._follow(func, flat, spec, out)
-        elif not tensors and _is_small_factory(out):
+        elif not tensors and _is_small_factory(func, out):
             self._follow(func, flat, spec, out)
         elif tensors:
             self._forget_mutated(func, args)
@@ -278,8 +278,17 @@ class RoutingShadows:
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
 
 
-def _is_small_factory(out) -> bool:
-    return (isinstance(out, torch.Tensor) and not out.is_floating_point() and out.numel() <= _FACTORY_LIMIT)
+# factories whose floating-point values are constants (not random, not uninitialized): `lang * torch.ones(b)`
+_CONSTANT_FACTORIES = frozenset({aten.ones.default, aten.zeros.default, aten.full.default, aten.arange.default,
+                                 aten.arange.start, aten.arange.start_step, aten.linspace.default,
+                                 aten.eye.default, aten.scalar_tensor.default})
+
+
+def _is_small_factory(func, out) -> bool:
+    """A small tensor made from no tensor: integer / bool ones (indices, masks), and floating-point ones of a
+    constant factory."""
+    return (isinstance(out, torch.Tensor) and out.numel() <= _FACTORY_LIMIT
+            and (not out.is_floating_point() or func in _CONSTANT_FACTORIES))
 
 
 def _fake_like(mode, real: torch.Tensor):

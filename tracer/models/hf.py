@@ -18,7 +18,8 @@ The loss comes from the model's own `labels` path; the example batch is what a t
 per-sequence class labels, pixel values at the config's image size (`--seq` unused), or Whisper-style
 log-mel features (num_mel_bins x 2*max_source_positions frames). A training step also needs settings some
 default configs lack (`_training_settings`: no KV cache, also in nested configs; a decoder start and pad
-token); nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
+token; the first of `languages` where a model with per-language adapters has no default language);
+nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
@@ -247,6 +248,9 @@ def _training_settings(spec: HFSpec, config) -> dict:
         out["pad_token_id"] = 0
     if spec.task in ("seq2seq", "speech-seq2seq") and getattr(config, "decoder_start_token_id", None) is None:
         out["decoder_start_token_id"] = out.get("pad_token_id", getattr(config, "pad_token_id", 0))
+    languages = getattr(config, "languages", None)
+    if hasattr(config, "default_language") and config.default_language is None and languages:
+        out["default_language"] = list(languages)[0]    # per-language adapters (X-MOD): the batch's language
     return out
 
 
@@ -284,9 +288,24 @@ def _heads(model_type: str) -> dict[str, str]:
             cls = cls[0]
         if cls is None or not hasattr(transformers, cls):
             continue
-        if getattr(getattr(transformers, cls), "main_input_name", None) == _INPUT_NAMES[task.inputs]:
+        head = getattr(transformers, cls)
+        if getattr(head, "main_input_name", None) == _INPUT_NAMES[task.inputs] and _takes_labels(head):
             out[task_name] = cls
     return out
+
+
+def _takes_labels(head) -> bool:
+    """The head's forward can return a loss from `labels`: it names `labels`, or its declared output has a
+    `loss` field (a head whose output has none, e.g. a backbone's features, has no loss to train)."""
+    import inspect
+    try:
+        signature = inspect.signature(head.forward)
+    except (TypeError, ValueError):
+        return True
+    output = signature.return_annotation
+    if "labels" in signature.parameters or not dataclasses.is_dataclass(output):
+        return True
+    return "loss" in {field.name for field in dataclasses.fields(output)}
 
 
 def _tasks_hint(model_type: str, heads: dict[str, str]) -> str:
