@@ -140,8 +140,9 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
     steps, one process per depth) while this process checks and synthesizes the groups already captured;
     a capture is independent of the others, so the rows are the same either way. The first group (the
     baseline's) is checked against its `CHECK_DEPTH`-block capture; a group that differs from it only in
-    what every block's code sees the same way (`_UNIFORM_FIELDS`) is captured at `BASE_DEPTH` alone and
-    synthesized on that check's verdict (its own capture at `CHECK_DEPTH` is made when the check failed)."""
+    what every block's code sees the same way (`_UNIFORM_FIELDS`) is captured at `BASE_DEPTH` alone,
+    synthesized and analysed in its worker while the check runs here, and kept on the check's verdict
+    (captured again with a check of its own when the baseline's failed)."""
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
@@ -180,24 +181,40 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         if blocks is None:
             pending[j] = (None, pool.submit(_group_rows, model, base, jobs[j]))
             continue
-        depths = (BASE_DEPTH,) if reuses[j] else (CHECK_DEPTH, BASE_DEPTH)
-        pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth) for depth in depths})
+        if reuses[j]:                   # its rows made where it is captured, on the check's verdict to come
+            pending[j] = (blocks, pool.submit(_synthesized_rows, model, base, jobs[j], blocks, checked_on))
+            continue
+        pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
+                               for depth in (CHECK_DEPTH, BASE_DEPTH)})
     out: dict[int, dict] = {}
     checked = False
     for j in order:
         blocks, futures = pending[j]
         if blocks is None:
             out[j] = futures.result()[0]
-            continue
-        if reuses[j] and not checked and CHECK_DEPTH not in futures:
-            futures[CHECK_DEPTH] = pool.submit(_capture_cut, model, base, tuple(_variants(jobs[j]).values()),
-                                               CHECK_DEPTH)
-        cut = _cut_steps(blocks, futures, checked_on=checked_on if CHECK_DEPTH not in futures else None)
-        say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
-        out[j], graphs = _group_rows(source, base, jobs[j], on_progress, cut=cut)
-        if j == 0:
-            checked = all(synthesis_checked(graph) for graph in graphs)
+        elif reuses[j]:
+            # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
+            out[j] = futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)[0]
+        else:
+            say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
+            out[j], graphs = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
+            checked = checked or (j == 0 and all(synthesis_checked(graph) for graph in graphs))
     return [out[j] for j in range(len(jobs))]
+
+
+def _synthesized_rows(model, base: AnalysisOptions, job: tuple, blocks, checked_on: str) -> dict[int, LeverRow]:
+    """A worker's job for a group that reuses the baseline's check: its captures cut to `BASE_DEPTH`
+    blocks, synthesized at full depth (tracer/depth_capture.py: `checked_on`) and its rows analysed, so
+    only the rows travel back."""
+    from tracer.errors import TracerError
+
+    source = load_source(model, base)
+    try:
+        cut = CutSteps(blocks, _capture_cut(source, base, tuple(_variants(job).values()), BASE_DEPTH), None,
+                       checked_on=checked_on)
+    except TracerError as exc:
+        cut = CutSteps(blocks, None, None, exc)
+    return _group_rows(source, base, job, cut=cut)[0]
 
 
 def _differs_only_in(options, reference, fields: frozenset) -> bool:
@@ -223,17 +240,14 @@ def _started() -> None:
     import tracer.capture  # noqa: F401
 
 
-def _cut_steps(blocks, futures: dict, checked_on: str | None = None) -> CutSteps:
-    """The cut captures as `capture_cut` makes them in one process: the first TracerError (the
-    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised.
-    `checked_on`: only the `BASE_DEPTH` capture was made, the synthesis was checked there."""
+def _cut_steps(blocks, futures: dict) -> CutSteps:
+    """The two cut captures as `capture_cut` makes them in one process: the first TracerError (the
+    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised."""
     from tracer.errors import TracerError
     try:
         base = futures[BASE_DEPTH].result()
     except TracerError as exc:
         return CutSteps(blocks, None, None, exc)
-    if checked_on is not None:
-        return CutSteps(blocks, base, None, checked_on=checked_on)
     try:
         return CutSteps(blocks, base, futures[CHECK_DEPTH].result())
     except TracerError as exc:
