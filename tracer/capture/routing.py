@@ -40,7 +40,6 @@ import dataclasses
 import json
 import logging
 import os
-import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
@@ -132,7 +131,8 @@ class RoutingShadows:
         self.assumption = assumption
         self.shadow = WeakIdKeyDictionary()
         self.origin = WeakIdKeyDictionary()     # fake -> _Origin flags of its shadow (absent: constants only)
-        self.by_storage: dict[int, list] = {}   # storage key -> weak references to the shadowed fakes on it
+        self.shadowed_storages: set[int] = set()   # storage keys of shadowed fakes (no weak references:
+                                                   # torch.utils.swap_tensors refuses a tensor that has them)
         self.routers: dict[str, _Router] = {}
         self.answered: dict[tuple[str, str], list[str]] = {}   # (op, line) -> what each call decided
         self.answered_origin: dict[tuple[str, str], int] = {}  # (op, line) -> _Origin flags of its inputs
@@ -236,10 +236,18 @@ class RoutingShadows:
             self.origin[fake] = origin
         else:
             self.origin.pop(fake, None)
-        key = fake.untyped_storage()._cdata
-        refs = [r for r in self.by_storage.get(key, ()) if r() is not None]
-        refs.append(weakref.ref(fake))
-        self.by_storage[key] = refs
+        self.shadowed_storages.add(fake.untyped_storage()._cdata)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """`t` and every shadowed tensor on its storage have no known values any more."""
+        self.shadow.pop(t, None)
+        self.origin.pop(t, None)
+        key = t.untyped_storage()._cdata
+        if key in self.shadowed_storages:
+            self.shadowed_storages.discard(key)
+            for other in [o for o in self.shadow.keys() if o.untyped_storage()._cdata == key]:
+                self.shadow.pop(other, None)
+                self.origin.pop(other, None)
 
     def _answer(self, mode, func, flat, spec):
         """The data-dependent op, sized by the shadows' result."""
@@ -312,11 +320,7 @@ class RoutingShadows:
             if argument.alias_info is not None and argument.alias_info.is_write and i < len(args):
                 for t in tree_flatten(args[i])[0]:
                     if isinstance(t, torch.Tensor):
-                        self.shadow.pop(t, None)
-                        for ref in self.by_storage.pop(t.untyped_storage()._cdata, ()):
-                            other = ref()
-                            if other is not None:
-                                self.shadow.pop(other, None)
+                        self.forget(t)
 
 
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
@@ -387,11 +391,23 @@ def _exceptions():
 _DynamicOutputShape, _DataDependentOutput = _exceptions()
 
 
+_ACTIVE: list[RoutingShadows] = []       # the states of the captures under way (innermost last)
+
+
+def forget_values(*tensors: torch.Tensor) -> None:
+    """The values of `tensors` are no longer known (the build swaps them: `module.to(...)`), nor are those of
+    the other tensors on their storages; their shadows, and the weak references they hold, are dropped."""
+    for state in _ACTIVE:
+        for t in tensors:
+            state.forget(t)
+
+
 @contextlib.contextmanager
 def routing_assumption(assumption: RoutingAssumption):
     """Active for one capture: yields the `RoutingShadows` whose `notes` say what was assumed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     state = RoutingShadows(assumption)
+    _ACTIVE.append(state)
     original = FakeTensorMode.dispatch
 
     def dispatch(mode, func, types, args=(), kwargs=None):
@@ -407,3 +423,4 @@ def routing_assumption(assumption: RoutingAssumption):
     finally:
         FakeTensorMode.dispatch = original
         logger.setLevel(level)
+        _ACTIVE.remove(state)
