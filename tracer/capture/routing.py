@@ -11,8 +11,10 @@ depends on the trained router and the data: no static tool can know it. It is mo
   token-choices), worst (every token picks the same top_k experts: each of them sees every token) or
   per-expert counts read from a JSON file. Which token goes to which expert does not change any size;
   only the counts do.
-* every op whose tensor inputs all have shadows (int / bool index arithmetic, small factories of any
-  dtype, constants lifted into the trace: `torch.tensor([-1, 0])`) runs on the shadows too, on real CPU
+* every op whose tensor inputs all have shadows (int / bool index arithmetic, small factories: integer
+  ones, and floating-point ones of determined values (`ones`, `full`, `arange`, not `empty` nor random:
+  a random weight's or a random input's value is never taken as known), constants lifted into the trace:
+  `torch.tensor([-1, 0])`) runs on the shadows too, on real CPU
   tensors, so a shadow follows the routing through `one_hot`, `==`, `sum`, `sort` ..., and a value read of
   a tensor made from constants (transformers' `fast_all(torch.ones(b, s))` deciding SDPA's `is_causal`) is
   answered as eager answers it. A tensor written in place by an op the shadows do not follow loses its
@@ -221,14 +223,20 @@ class RoutingShadows:
             real = self._real(func, flat, spec)
         except Exception:                    # an op the shadows cannot run: the outputs simply get none
             return
-        self._pair(out, real, self._origin_of(func, flat))
+        origin = self._origin_of(func, flat)
+        self._pair(out, real, origin, floats=not (origin & _RANDOM or _makes_uninitialised(func)))
 
-    def _pair(self, out, real, origin: int = 0) -> None:
+    def _pair(self, out, real, origin: int = 0, *, floats: bool = True) -> None:
+        """Give each fake output its real result; `floats` False: floating-point outputs get none (random
+        or uninitialised values, weights among them, which a value read must not take as known)."""
         outs, _ = tree_flatten(out)
         reals, _ = tree_flatten(real)
         for o, r in zip(outs, reals):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
-                self._set(o, r, origin)
+                if floats or not o.is_floating_point():
+                    self._set(o, r, origin)
+                else:
+                    self.forget(o)            # an in-place random op (normal_) on a known tensor
 
     def _set(self, fake: torch.Tensor, real: torch.Tensor, origin: int) -> None:
         self.shadow[fake] = real
@@ -337,6 +345,12 @@ def _origin_text(origin: int) -> str:
     if origin & _RANDOM:
         return "answered from tracer's own draw of those values (a real batch may answer otherwise)"
     return "computed from those constants, exactly"
+
+
+def _makes_uninitialised(func) -> bool:
+    """`torch.empty` and its kin: the values are whatever the memory held."""
+    name = getattr(getattr(func, "_schema", None), "name", "")
+    return "empty" in name.split("::")[-1]
 
 
 def _is_small_factory(out) -> bool:
