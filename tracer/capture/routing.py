@@ -196,10 +196,16 @@ class RoutingShadows:
 
     def _known(self, t: torch.Tensor) -> bool:
         """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`)."""
-        return t in self.shadow or (not _is_fake(t) and t.device.type == "cpu" and t.numel() <= _FACTORY_LIMIT)
+        return t in self.shadow or _is_constant(t)
 
     def _value(self, t: torch.Tensor) -> torch.Tensor:
-        return self.shadow[t] if t in self.shadow else t
+        """The real value of a known tensor; KeyError when it is not known (any more: the op's own nested
+        calls may have written into it), so that no fake tensor ever reaches a real kernel."""
+        if t in self.shadow:
+            return self.shadow[t]
+        if _is_constant(t):
+            return t
+        raise KeyError("no known value")
 
     def _origin_of(self, func, flat) -> int:
         origin = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else 0
@@ -357,9 +363,10 @@ def _is_small_factory(out) -> bool:
     return isinstance(out, torch.Tensor) and out.numel() <= _FACTORY_LIMIT
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
+def _is_constant(t: torch.Tensor) -> bool:
+    """A small real CPU tensor, as torch.tensor([...]) makes and the fake mode lifts: a plain `torch.Tensor`
+    (a parameter over a fake tensor is an `nn.Parameter`, and a fake one a `FakeTensor`)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() <= _FACTORY_LIMIT
 
 
 def _fake_like(mode, real: torch.Tensor):
