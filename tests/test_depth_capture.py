@@ -11,12 +11,12 @@ from tracer.reports.json_report import report_json
 from tracer.reports.text import render_text
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-LLAMA8 = os.path.join(FIXTURES, "llama8_debug.py")
+LLAMA12 = os.path.join(FIXTURES, "llama12_debug.py")
 LLAMA6 = os.path.join(FIXTURES, "llama6_debug.py")
 MLP_LM = os.path.join(FIXTURES, "mlp_lm.py")
-NOTE = ("depth: captured 4 and 6 of 8 blocks of blocks; the 6-block step synthesized from 4 equals its capture op "
-        "for op, the 8-block step is synthesized")
-HF_TINY = ("num_hidden_layers=8", "hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "vocab_size=128")
+NOTE = ("depth: captured 4 and 6 of 12 blocks of blocks; the 6-block step synthesized from 4 equals its capture op "
+        "for op, the 12-block step is synthesized")
+HF_TINY = ("num_hidden_layers=12", "hidden_size=32", "intermediate_size=64", "num_attention_heads=2", "vocab_size=128")
 
 
 def _both(model, **keywords):
@@ -43,10 +43,10 @@ def _assert_same_reports(synthesized, captured):
 
 @pytest.mark.slow
 def test_a_deep_model_is_synthesized_and_reports_as_its_full_capture():
-    synthesized, captured = _both(LLAMA8, batch=2, seq=16, policies=("eager", "selective", "full"), target="cuda")
+    synthesized, captured = _both(LLAMA12, batch=2, seq=16, policies=("eager", "selective", "full"), target="cuda")
     for result in synthesized.policies.values():
         assert result.graph.config.notes.count(NOTE) == 1
-        assert sum(1 for op in result.graph.ops if op.module.startswith("blocks.7.")) > 0
+        assert sum(1 for op in result.graph.ops if op.module.startswith("blocks.11.")) > 0
     assert not any("depth:" in note for note in captured.graph.config.notes)
     _assert_same_reports(synthesized, captured)
 
@@ -58,7 +58,7 @@ def test_a_deep_model_is_synthesized_and_reports_as_its_full_capture():
 def test_micro_batches_and_sharding_report_as_the_full_capture(keywords):
     """adamw8bit: the simulated fused step reads no moment as a tensor, so block 1's state is paired with
     block 2's by name."""
-    synthesized, captured = _both(LLAMA8, batch=2, seq=16, **keywords)
+    synthesized, captured = _both(LLAMA12, batch=2, seq=16, **keywords)
     assert NOTE in synthesized.graph.config.notes
     _assert_same_reports(synthesized, captured)
 
@@ -66,11 +66,11 @@ def test_micro_batches_and_sharding_report_as_the_full_capture(keywords):
 @pytest.mark.slow
 def test_blocks_that_differ_are_captured_in_full_with_the_reason():
     """Every second block checkpointed: blocks 1 and 2 differ, so the step is captured in full."""
-    analysis = tracer.analyze(LLAMA8, batch=1, seq=16, policies=("full",), target="cpu", checkpoint_every=2)
+    analysis = tracer.analyze(LLAMA12, batch=1, seq=16, policies=("full",), target="cpu", checkpoint_every=2)
     (note,) = [n for n in analysis.graph.config.notes if n.startswith("depth:")]
-    assert note.startswith("depth: captured all 8 blocks of blocks: the 6-block step synthesized from 4 blocks "
+    assert note.startswith("depth: captured all 12 blocks of blocks: the 6-block step synthesized from 4 blocks "
                            "differs from its capture (full: ") and "not identical" in note
-    assert sum(1 for op in analysis.graph.ops if op.module.startswith("blocks.7.")) > 0
+    assert sum(1 for op in analysis.graph.ops if op.module.startswith("blocks.11.")) > 0
 
 
 @pytest.mark.slow
@@ -88,29 +88,30 @@ def test_the_check_decides(monkeypatch):
         return dataclasses.replace(out, storages=tuple(storages))
 
     monkeypatch.setattr(depth_graph, "synthesize_depth", off_by_one_block)
-    analysis = tracer.analyze(LLAMA8, batch=1, seq=16, target="cpu")
+    analysis = tracer.analyze(LLAMA12, batch=1, seq=16, target="cpu")
     (note,) = [n for n in analysis.graph.config.notes if n.startswith("depth:")]
     assert "differs from its capture (eager: live bytes during op" in note and "blocks.3.mlp.w1" in note
 
 
-def _six_block_mlp(directory) -> str:
-    """tests/fixtures/mlp_lm.py with six blocks: as deep as a model captured in full, at a third of the
-    cost of llama6_debug.py."""
+def _ten_block_mlp(directory) -> str:
+    """tests/fixtures/mlp_lm.py with ten blocks (BASE_DEPTH + CHECK_DEPTH, the deepest model captured in
+    full), cheap to capture."""
     text = open(MLP_LM).read()
     old = "VOCAB, DIM, HIDDEN, LAYERS = 256, 32, 64, 2\n"
     assert text.count(old) == 1, "mlp_lm.py's sizes line changed"
-    path = directory / "mlp6_lm.py"
-    path.write_text(text.replace(old, old.replace(", 2\n", ", 6\n")))
+    path = directory / "mlp10_lm.py"
+    path.write_text(text.replace(old, old.replace(", 2\n", ", 10\n")))
     return str(path)
 
 
 @pytest.mark.parametrize("model", ["mlp", pytest.param("llama", marks=pytest.mark.slow)])
 def test_shallow_models_and_full_capture_are_captured_in_full_without_a_note(model, tmp_path):
-    """Six blocks (CHECK_DEPTH) are not deep: captured in full, no depth note."""
-    path = _six_block_mlp(tmp_path) if model == "mlp" else LLAMA6
+    """Ten blocks (BASE_DEPTH + CHECK_DEPTH: the two cut captures would cost as much) and six are not deep:
+    captured in full, no depth note."""
+    path, last = (_ten_block_mlp(tmp_path), 9) if model == "mlp" else (LLAMA6, 5)
     shallow = tracer.analyze(path, batch=1, seq=8, target="cpu")
     assert not any("depth:" in note for note in shallow.graph.config.notes)
-    assert any(op.module.startswith("blocks.5.") for op in shallow.graph.ops)
+    assert any(op.module.startswith(f"blocks.{last}.") for op in shallow.graph.ops)
 
 
 @pytest.mark.slow
@@ -119,7 +120,7 @@ def test_shallow_models_and_full_capture_are_captured_in_full_without_a_note(mod
 def test_transformers_models_report_as_their_full_capture(model, policies, target):
     synthesized, captured = _both(model, hf_config=HF_TINY, batch=1, seq=16, policies=policies, target=target)
     (note,) = [n for n in synthesized.graph.config.notes if n.startswith("depth:")]
-    assert note.startswith("depth: captured 4 and 6 of 8 blocks of model.")
+    assert note.startswith("depth: captured 4 and 6 of 12 blocks of model.")
     _assert_same_reports(synthesized, captured)
 
 
@@ -130,8 +131,8 @@ def test_levers_are_synthesized_too():
 
     levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing", "8-bit AdamW"))
     base = AnalysisOptions(batch=2, seq=16, target="cuda")
-    synthesized = run_levers(LLAMA8, base, levers=levers)
-    captured = run_levers(LLAMA8, dataclasses.replace(base, full_capture=True), levers=levers)
+    synthesized = run_levers(LLAMA12, base, levers=levers)
+    captured = run_levers(LLAMA12, dataclasses.replace(base, full_capture=True), levers=levers)
     assert [dataclasses.replace(r, options=None) for r in synthesized.rows] == \
         [dataclasses.replace(r, options=None) for r in captured.rows]
 
@@ -147,16 +148,16 @@ def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ
 
     def cut_base(**keywords):
         options = AnalysisOptions(batch=1, seq=16, policies=("full",), target="cpu", **keywords)
-        source = load_source(LLAMA8, options)
+        source = load_source(LLAMA12, options)
         blocks = find_block_list(source, precision="fp32", seq=16)
         base = capture_graphs(cut_source(source, BASE_DEPTH, {}), dataclasses.replace(options, full_capture=True))
         return CutSteps(blocks, tuple(base.values()), None, checked_on="elsewhere")
 
     differ = check_synthesis(cut_base(checkpoint_every=2), analyze=None, count=1)
     assert differ.graphs == (None,) and differ.note.startswith(
-        "depth: captured all 8 blocks of blocks: the step cut to 4 blocks cannot be synthesized (full: ")
+        "depth: captured all 12 blocks of blocks: the step cut to 4 blocks cannot be synthesized (full: ")
     agree = check_synthesis(cut_base(), analyze=None, count=1)
     (graph,) = agree.graphs
-    assert agree.note is None and any(op.module.startswith("blocks.7.") for op in graph.ops)
-    assert graph.config.notes[-1] == ("depth: captured 4 of 8 blocks of blocks, the 8-block step is synthesized; "
+    assert agree.note is None and any(op.module.startswith("blocks.11.") for op in graph.ops)
+    assert graph.config.notes[-1] == ("depth: captured 4 of 12 blocks of blocks, the 12-block step is synthesized; "
                                       "the synthesis was checked op for op against a 6-block capture of elsewhere")

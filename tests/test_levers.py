@@ -119,7 +119,7 @@ def test_every_flag_reaches_each_levers_analysis(monkeypatch):
         assert getattr(seen[0], name) == value, name
 
 
-DEEP = os.path.join(os.path.dirname(__file__), "fixtures", "llama8_debug.py")   # 8 blocks: synthesized from 4
+DEEP = os.path.join(os.path.dirname(__file__), "fixtures", "llama12_debug.py")   # 12 blocks: synthesized from 4
 
 
 def _numbers(table):

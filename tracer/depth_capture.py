@@ -2,15 +2,15 @@
 checked against a capture.
 
 `capture_deep(source, capture, check, options)`: when the model's repeated block list (planning.py's
-`cut_source`) has more than `CHECK_DEPTH` blocks, the step is captured with the list cut to `BASE_DEPTH`
-and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
+`cut_source`) has more than `BASE_DEPTH + CHECK_DEPTH` blocks (fewer are captured in full at less
+cost), the step is captured with the list cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
 (tracer/passes/depth_graph.py: two copies of a middle block, so a copy next to a copy is exercised) and
 analysed with the caller's options (liveness, saved tensors, attribution, the device view, sharding); only
 if that analysis equals the captured one op for op (`first_difference`) is the full-depth step
 synthesized the same way, and every pass and report runs on it as on a captured step.
 
 Otherwise the caller captures in full, with the returned note saying why (which op or number broke the
-synthesis). Models with at most `CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are
+synthesis). Models with at most `BASE_DEPTH + CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are
 captured in full without a note. Not covered by the check: a difference that only appears beyond
 `CHECK_DEPTH` blocks (the blocks are identical modules, so the step of each is the same program).
 
@@ -38,7 +38,7 @@ class DeepCapture:
 
 @dataclasses.dataclass(frozen=True)
 class BlockList:
-    """A model's repeated block list deeper than `CHECK_DEPTH` blocks: its module path and its length."""
+    """A model's repeated block list deeper than `BASE_DEPTH + CHECK_DEPTH` blocks: its module path and its length."""
     path: str
     depth: int
 
@@ -58,7 +58,8 @@ class CutSteps:
 
 def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
     """The block list to synthesize `source`'s depth from, or None (no repeated block list, or at most
-    `CHECK_DEPTH` blocks): found by building the model cut to `BASE_DEPTH` under fake tensors."""
+    `BASE_DEPTH + CHECK_DEPTH` blocks: the two cut captures would cost as much as the full one): found by
+    building the model cut to `BASE_DEPTH` under fake tensors."""
     from tracer.capture.build import probe_build
     from tracer.passes.depth import DepthError
     from tracer.planning import cut_source
@@ -69,7 +70,7 @@ def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
     except (TracerError, DepthError):
         return None                                 # no block list: the full capture says what is wrong
     depth, path = seen.get("depth", 0), seen.get("path", "")
-    return BlockList(path, depth) if depth > CHECK_DEPTH else None
+    return BlockList(path, depth) if depth > BASE_DEPTH + CHECK_DEPTH else None
 
 
 def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[StepGraph, ...]],
