@@ -278,19 +278,10 @@ def _deep_copies_share_the_fake_mode():
 @contextlib.contextmanager
 def _swappable_fakes():
     """`torch.utils.swap_tensors` does not count the weak references of a fake mode's memo
-    (`weakref.KeyedRef`s to fake tensors; some outlive their memo entry) as references that forbid a swap,
-    and the two tensors' known values (capture/routing.py's shadows, which hold weak references too) are
-    dropped before it."""
+    (`weakref.KeyedRef`s to fake tensors; some outlive their memo entry) as references that forbid a swap."""
     import torch.utils
-
-    from tracer.capture.routing import forget_values
-    swap = torch.utils.swap_tensors
-    namespace = swap.__globals__
+    namespace = torch.utils.swap_tensors.__globals__
     real = namespace["weakref"]
-
-    def swap_tensors(t1, t2):
-        forget_values(t1, t2)
-        return swap(t1, t2)
 
     class MemoBlind:
         def __getattr__(self, name):
@@ -300,11 +291,11 @@ def _swappable_fakes():
         def getweakrefs(t):
             return [r for r in real.getweakrefs(t) if not (isinstance(r, real.KeyedRef) and _is_fake(r()))]
 
-    namespace["weakref"], torch.utils.swap_tensors = MemoBlind(), swap_tensors
+    namespace["weakref"] = MemoBlind()
     try:
         yield
     finally:
-        namespace["weakref"], torch.utils.swap_tensors = real, swap
+        namespace["weakref"] = real
 
 
 class StepModule(nn.Module):
