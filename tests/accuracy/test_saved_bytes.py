@@ -24,16 +24,21 @@ def test_saved_bytes_equal_eager_autograd(model, seq, precision):
 
 
 
+def _on_rung(direct: bool, monkeypatch) -> None:
+    """Every capture of the test takes the direct trace (`aot-joint`) or the export rung."""
+    import tracer.capture as capture
+    real = capture.export_joint
+    monkeypatch.setattr(capture, "export_joint", lambda *a, direct=False, **k: real(*a, direct=chosen, **k))
+    chosen = direct
+
+
 @pytest.mark.parametrize("direct", [True, False], ids=["aot-joint", "export-joint"])
 def test_dropout_with_p_zero_saves_no_copy(direct, monkeypatch):
     """Torch's traced decomposition of dropout(p=0) copies its input; eager returns the input itself
     (tracer/capture/eager_kernels.py). Checked on both graph front ends."""
     import os
 
-    import tracer.capture as capture
-    real = capture.export_joint
-    monkeypatch.setattr(capture, "export_joint", lambda *a, direct=False, **k: real(*a, direct=direct_, **k))
-    direct_ = direct
+    _on_rung(direct, monkeypatch)
     model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dropout_zero.py")
     graph = capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, optimizer="none"))
     assert graph.config.capture_path == ("aot-joint" if direct else "export-joint")
@@ -108,10 +113,7 @@ def test_cpu_dropout_saves_eagers_float_noise(direct, monkeypatch):
     import os
     from truth import assert_step_exact
 
-    import tracer.capture as capture
-    real = capture.export_joint
-    monkeypatch.setattr(capture, "export_joint", lambda *a, direct=False, **k: real(*a, direct=direct_, **k))
-    direct_ = direct
+    _on_rung(direct, monkeypatch)
     model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "dropout_train.py")
     graph = capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, target="cpu"))
     assert graph.config.capture_path == ("aot-joint" if direct else "export-joint")
