@@ -115,3 +115,34 @@ def test_python_holds_observed_by_the_direct_trace_are_exact():
                             precision="bf16")
     for phase in ("forward", "backward", "optimizer"):
         assert abs(predicted.phases[phase].peak_bytes - measured.phase_peaks[phase]) <= 8, phase   # a 0-dim scalar
+
+
+def test_value_reads_of_constants_stay_on_the_direct_trace_and_are_exact():
+    """`if mask.sum() == mask.numel()` on `torch.ones(b, s)` and `0 in tokens[:, [-1, 0]]` (a constant index
+    list): the direct trace answers both as eager does (capture/routing.py's shadows: a float factory of
+    determined values, a constant lifted into the trace, the random batch's own draw), keeps the model on
+    `aot-joint` and takes eager's branch (is_causal SDPA, nothing explicit saved)."""
+    from tracer.capture.build import StepModule
+    source = load_model_source(os.path.join(FIXTURES, "constant_value_reads.py"))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=16, target="cpu"), (PolicySpec(name="eager"),))
+    graph = graphs["eager"]
+    assert graph.config.capture_path == "aot-joint"
+    notes = " ".join(graph.config.notes)
+    assert "made from constants" in notes and "constant_value_reads.py:26" in notes and "exactly" in notes
+    assert "constant_value_reads.py:21" in notes and "tracer's own draw" in notes
+    predicted = analyze_graphs(graphs).policies["eager"]
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step(StepModule(model, loss_fn=source.loss_fn, loss_index=source.loss_index),
+                            source.example_batch(2, 16), torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+    for phase in ("forward", "backward", "optimizer"):
+        assert predicted.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert predicted.saved.total_bytes == measured.saved_bytes
+
+
+def test_a_branch_on_random_floats_is_not_answered():
+    """A value read of activations (random weights times a random input) is never taken as known: the
+    direct trace stops and the ladder goes on (tests/fixtures/data_dependent.py, export names the line)."""
+    with pytest.raises(capture.CaptureError, match="data_dependent.py:13"):
+        capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent.py")),
+                      CaptureOptions(batch=2, seq=4, target="cpu", capture="export"), (PolicySpec(name="eager"),))

@@ -278,10 +278,19 @@ def _deep_copies_share_the_fake_mode():
 @contextlib.contextmanager
 def _swappable_fakes():
     """`torch.utils.swap_tensors` does not count the weak references of a fake mode's memo
-    (`weakref.KeyedRef`s to fake tensors; some outlive their memo entry) as references that forbid a swap."""
+    (`weakref.KeyedRef`s to fake tensors; some outlive their memo entry) as references that forbid a swap,
+    and the two tensors' known values (capture/routing.py's shadows, which hold weak references too) are
+    dropped before it."""
     import torch.utils
-    namespace = torch.utils.swap_tensors.__globals__
+
+    from tracer.capture.routing import forget_values
+    swap = torch.utils.swap_tensors
+    namespace = swap.__globals__
     real = namespace["weakref"]
+
+    def swap_tensors(t1, t2):
+        forget_values(t1, t2)
+        return swap(t1, t2)
 
     class MemoBlind:
         def __getattr__(self, name):
@@ -291,11 +300,11 @@ def _swappable_fakes():
         def getweakrefs(t):
             return [r for r in real.getweakrefs(t) if not (isinstance(r, real.KeyedRef) and _is_fake(r()))]
 
-    namespace["weakref"] = MemoBlind()
+    namespace["weakref"], torch.utils.swap_tensors = MemoBlind(), swap_tensors
     try:
         yield
     finally:
-        namespace["weakref"] = real
+        namespace["weakref"], torch.utils.swap_tensors = real, swap
 
 
 class StepModule(nn.Module):

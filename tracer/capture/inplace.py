@@ -10,8 +10,9 @@ write: `aten.copy` and the view-scatter ops (`select_scatter`, `slice_scatter`, 
 torch call of the forward (`out.index_add_(...)`, `mask.masked_fill_(...)`, `x += y`, `x[idx] = v`,
 `F.relu(x, inplace=True)`: `is_inplace_call`), which the trace marks on its nodes (`INPLACE_CALL_KEY` in
 `meta["custom"]`): the call's last node whose first argument has the output's shape and dtype is the write.
-A write counts when its destination's storage nothing reads afterwards except the scatter that puts this
-very write back into the same storage (or, for a marked call, the views by which functionalization
+A write counts when its destination's storage nothing reads afterwards except the scatters that put this
+very write back into the same storage, level by level for a write through nested views, and the views of
+that storage those scatters write into (or, for a marked call, the views by which functionalization
 replays the destination's view chain within the call). Its output takes the destination's storage (no allocation), as in
 eager.
 
@@ -74,8 +75,8 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
         if (node.target not in _WRITES and node not in marked) or not node.args or not _is_tensor_node(node.args[0]):
             continue
         key = storage_key(node.args[0].meta["val"])
-        if all(_puts_back(nodes[later], node, key) or (node in marked and _replays_view(nodes[later], node))
-               for later in readers.get(key, ()) if later > pos):
+        if _only_put_back(node, [nodes[later] for later in readers.get(key, ()) if later > pos], key,
+                          marked=node in marked):
             writes[node] = node.args[0]
     return writes
 
@@ -110,6 +111,33 @@ def input_copies_written_back(gm: fx.GraphModule, writes: dict[fx.Node, fx.Node]
     return copies
 
 
+def _only_put_back(write: fx.Node, later_readers: list[fx.Node], key: int, *, marked: bool) -> bool:
+    """Nothing reads the storage `key` after `write` but the scatters that put the write back into it, and
+    the views of that storage those scatters write into. A write through nested views (`base[:, -1, :, w:]
+    = x`, or autograd's CopySlices of it in backward: `grad_slice.copy_(...)`) is put back level by level:
+    `slice_scatter(select(base), copy)`, then `select_scatter(base, that)`; the `select` is a view of the
+    same storage that only the chain's scatters read."""
+    chain, views = {write}, set()
+    for reader in later_readers:
+        if marked and _replays_view(reader, write):
+            continue
+        if reader.target in _SCATTERS and len(reader.args) > 1 and reader.args[1] in chain \
+                and _is_tensor_node(reader.args[0]) and storage_key(reader.args[0].meta["val"]) == key:
+            chain.add(reader)
+        elif _is_view_of(reader, key):
+            views.add(reader)
+        else:
+            return False
+    # each view serves the chain only: read as the destination of one of its scatters, or viewed again
+    return all(user in views or (user in chain and user.args[0] is view) for view in views for user in view.users)
+
+
+def _is_view_of(node: fx.Node, key: int) -> bool:
+    out = node.meta.get("val")
+    return (isinstance(out, torch.Tensor) and storage_key(out) == key and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.is_view)
+
+
 def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
     """The node of each marked in-place torch call whose result eager writes into the call's tensor: the
     call's last forward node (not a view-scatter, already a write) that makes a new tensor of its first
@@ -142,12 +170,6 @@ def _replays_view(reader: fx.Node, write: fx.Node) -> bool:
     return (call is not None and (reader.meta.get("torch_fn") or (None,))[0] == call
             and isinstance(out, torch.Tensor) and any(storage_key(out) == storage_key(arg.meta["val"])
                                                       for arg in _tensor_inputs(reader)))
-
-
-def _puts_back(reader: fx.Node, write: fx.Node, key: int) -> bool:
-    """`reader` is the scatter that writes `write`'s result back into the storage `key`."""
-    return (reader.target in _SCATTERS and len(reader.args) > 1 and reader.args[1] is write
-            and _is_tensor_node(reader.args[0]) and storage_key(reader.args[0].meta["val"]) == key)
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:

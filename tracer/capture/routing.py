@@ -11,10 +11,19 @@ depends on the trained router and the data: no static tool can know it. It is mo
   token-choices), worst (every token picks the same top_k experts: each of them sees every token) or
   per-expert counts read from a JSON file. Which token goes to which expert does not change any size;
   only the counts do.
-* every op whose tensor inputs all have shadows (int / bool index arithmetic, small factories) runs on the
-  shadows too, on real CPU tensors, so a shadow follows the routing through `one_hot`, `==`, `sum`, `sort` ...
+* every op whose tensor inputs all have shadows (int / bool index arithmetic, small factories: integer
+  ones, and floating-point ones of determined values (`ones`, `full`, `arange`, not `empty` nor random:
+  a random weight's or a random input's value is never taken as known), constants lifted into the trace:
+  `torch.tensor([-1, 0])`) runs on the shadows too, on real CPU
+  tensors, so a shadow follows the routing through `one_hot`, `==`, `sum`, `sort` ..., and a value read of
+  a tensor made from constants (transformers' `fast_all(torch.ones(b, s))` deciding SDPA's `is_causal`) is
+  answered as eager answers it. A tensor written in place by an op the shadows do not follow loses its
+  shadow, and so does every other tensor on its storage (a view's write changes its base).
 * a data-dependent op whose inputs have shadows gets its size (and its value, for `.item()`) from them.
   Where they have none, capture stops with a `RoutingError` naming the user's line and the op.
+* each shadow knows where its values came from (`_Origin`): constants only (computed exactly), a random
+  op (the example batch's random tokens: tracer's own draw, which a real batch may answer otherwise), or a
+  router (the routing assumption). Each note says which.
 
 `routing_assumption(assumption)` is active for a whole capture: it wraps `FakeTensorMode.dispatch` (every
 fake mode: export and torch.compile make their own), relaxes the grouped-matmul meta kernel's bf16-only
@@ -123,28 +132,33 @@ class RoutingShadows:
         from torch.utils.weak import WeakIdKeyDictionary
         self.assumption = assumption
         self.shadow = WeakIdKeyDictionary()
+        self.origin = WeakIdKeyDictionary()     # fake -> _Origin flags of its shadow (absent: constants only)
+        self.shadowed_storages: set[int] = set()   # storage keys of shadowed fakes (no weak references:
+                                                   # torch.utils.swap_tensors refuses a tensor that has them)
         self.routers: dict[str, _Router] = {}
         self.answered: dict[tuple[str, str], list[str]] = {}   # (op, line) -> what each call decided
-        self.scalar_reads: dict[str, None] = {}                 # lines that read a value it decides
+        self.answered_origin: dict[tuple[str, str], int] = {}  # (op, line) -> _Origin flags of its inputs
+        self.scalar_reads: dict[str, int] = {}                  # line that read a value -> _Origin flags
         self.grouped_mm_lines: dict[str, str] = {}              # line -> dtype
 
     @property
     def notes(self) -> tuple[str, ...]:
         notes = []
-        for router in self.routers.values() if self.answered or self.scalar_reads else ():   # else: no note
+        routed = any(o & _ROUTED for o in (*self.answered_origin.values(), *self.scalar_reads.values()))
+        for router in self.routers.values() if routed else ():   # else: no note
             notes.append(f"routing assumed {self.assumption.label} at the router {router.op} at {router.line}: "
                          f"{router.tokens} tokens x top-{router.top_k} over {router.experts} experts, tokens per "
                          f"expert {_counts_text(router.counts)} (change with --moe-routing balanced|worst|FILE)")
         for (op, line), decided in self.answered.items():
             sizes = ", ".join(dict.fromkeys(decided))
-            notes.append(f"{op} at {line} has a data-dependent size: taken from the routing assumption "
+            notes.append(f"{op} at {line} has a data-dependent size: {_origin_text(self.answered_origin[op, line])} "
                          f"({_clip(sizes)})")
-        if self.scalar_reads and self.routers:
-            notes.append("values read from tensors the routing (or constants) decide (.item(), `if`, a tensor index) "
-                         "at " + _clip(", ".join(self.scalar_reads)) + ": taken from the routing assumption")
-        elif self.scalar_reads:            # no router: the tensors follow from constants the step itself made
-            notes.append("values read from tensors made from constants (.item(), `if`, a tensor index) at "
-                         + _clip(", ".join(self.scalar_reads)) + ": computed from those constants, exactly")
+        by_origin: dict[int, list[str]] = {}
+        for line, origin in self.scalar_reads.items():
+            by_origin.setdefault(origin, []).append(line)
+        for origin, lines in sorted(by_origin.items()):
+            notes.append(f"values read from tensors {_ORIGIN_MADE[origin]} (.item(), `if`, a tensor index) at "
+                         + _clip(", ".join(lines)) + f": {_origin_text(origin)}")
         for line, dtype in self.grouped_mm_lines.items():
             notes.append(f"grouped matmul (aten._grouped_mm) at {line} in {dtype}: sized as torch's CPU kernel "
                          "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
@@ -154,13 +168,13 @@ class RoutingShadows:
     def dispatch(self, mode, original, func, types, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
-        if func in _ROUTERS and tensors and tensors[0].is_floating_point() and tensors[0] not in self.shadow:
+        if func in _ROUTERS and tensors and tensors[0].is_floating_point() and not self._known(tensors[0]):
             out = original(mode, func, types, args, kwargs)
             self._route(func, args, kwargs, out)
             return out
         if func is aten._grouped_mm.default and tensors[0].dtype != torch.bfloat16:
             return self._grouped_mm(mode, args, kwargs)
-        shadowed = bool(tensors) and all(t in self.shadow for t in tensors)
+        shadowed = bool(tensors) and all(self._known(t) for t in tensors)
         try:
             out = original(mode, func, types, args, kwargs)
         except (_DynamicOutputShape, _DataDependentOutput) as exc:
@@ -174,14 +188,34 @@ class RoutingShadows:
             return self._answer(mode, func, flat, spec)
         if shadowed:
             self._follow(func, flat, spec, out)
-        elif not tensors and _is_small_factory(func, out):
+        elif not tensors and _is_small_factory(out):
             self._follow(func, flat, spec, out)
         elif tensors:
             self._forget_mutated(func, args)
         return out
 
+    def _known(self, t: torch.Tensor) -> bool:
+        """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`)."""
+        return t in self.shadow or _is_constant(t)
+
+    def _value(self, t: torch.Tensor) -> torch.Tensor:
+        """The real value of a known tensor; KeyError when it is not known (any more: the op's own nested
+        calls may have written into it), so that no fake tensor ever reaches a real kernel."""
+        if t in self.shadow:
+            return self.shadow[t]
+        if _is_constant(t):
+            return t
+        raise KeyError("no known value")
+
+    def _origin_of(self, func, flat) -> int:
+        origin = _RANDOM if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) else 0
+        for a in flat:
+            if isinstance(a, torch.Tensor):
+                origin |= self.origin.get(a, 0)
+        return origin
+
     def _real(self, func, flat, spec):
-        real_flat = [self.shadow[a] if isinstance(a, torch.Tensor) else a for a in flat]
+        real_flat = [self._value(a) if isinstance(a, torch.Tensor) else a for a in flat]
         args, kwargs = tree_unflatten(real_flat, spec)
         kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
         with _no_python_dispatch():
@@ -195,27 +229,54 @@ class RoutingShadows:
             real = self._real(func, flat, spec)
         except Exception:                    # an op the shadows cannot run: the outputs simply get none
             return
-        self._pair(out, real)
+        origin = self._origin_of(func, flat)
+        self._pair(out, real, origin, floats=not (origin & _RANDOM or _makes_uninitialised(func)))
 
-    def _pair(self, out, real) -> None:
+    def _pair(self, out, real, origin: int = 0, *, floats: bool = True) -> None:
+        """Give each fake output its real result; `floats` False: floating-point outputs get none (random
+        or uninitialised values, weights among them, which a value read must not take as known)."""
         outs, _ = tree_flatten(out)
         reals, _ = tree_flatten(real)
         for o, r in zip(outs, reals):
             if isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor) and o.shape == r.shape:
-                self.shadow[o] = r
+                if floats or not o.is_floating_point():
+                    self._set(o, r, origin)
+                else:
+                    self.forget(o)            # an in-place random op (normal_) on a known tensor
+
+    def _set(self, fake: torch.Tensor, real: torch.Tensor, origin: int) -> None:
+        self.shadow[fake] = real
+        if origin:
+            self.origin[fake] = origin
+        else:
+            self.origin.pop(fake, None)
+        self.shadowed_storages.add(fake.untyped_storage()._cdata)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """`t` and every shadowed tensor on its storage have no known values any more."""
+        self.shadow.pop(t, None)
+        self.origin.pop(t, None)
+        key = t.untyped_storage()._cdata
+        if key in self.shadowed_storages:
+            self.shadowed_storages.discard(key)
+            for other in [o for o in self.shadow.keys() if o.untyped_storage()._cdata == key]:
+                self.shadow.pop(other, None)
+                self.origin.pop(other, None)
 
     def _answer(self, mode, func, flat, spec):
         """The data-dependent op, sized by the shadows' result."""
         real = self._real(func, flat, spec)
         line = _user_line()
+        origin = self._origin_of(func, flat)
         if func is aten._local_scalar_dense.default:
-            self.scalar_reads.setdefault(line, None)
+            self.scalar_reads[line] = self.scalar_reads.get(line, 0) | origin
             return real
         fakes = tree_map_only(torch.Tensor, lambda r: _fake_like(mode, r), real)
-        self._pair(fakes, real)
+        self._pair(fakes, real, origin)
         shapes = [tuple(r.shape) for r in tree_flatten(real)[0] if isinstance(r, torch.Tensor)]
-        self.answered.setdefault((_op_name(func), line), []).append(
-            "x".join(map(str, shapes[0])) if len(shapes) == 1 else str(shapes))
+        key = (_op_name(func), line)
+        self.answered.setdefault(key, []).append("x".join(map(str, shapes[0])) if len(shapes) == 1 else str(shapes))
+        self.answered_origin[key] = self.answered_origin.get(key, 0) | origin
         return fakes
 
     def _route(self, func, args, kwargs, out) -> None:
@@ -245,7 +306,7 @@ class RoutingShadows:
         real = chosen.view(moved).movedim(-1, dim)
         if tuple(real.shape) != tuple(indices.shape):
             return
-        self.shadow[indices] = real.contiguous() if indices.is_contiguous() else real
+        self._set(indices, real.contiguous() if indices.is_contiguous() else real, _ROUTED)
         self.routers.setdefault(line, _Router(line, _op_name(func), tokens, experts, k, counts))
 
     def _grouped_mm(self, mode, args, kwargs):
@@ -265,30 +326,47 @@ class RoutingShadows:
         return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
 
     def _forget_mutated(self, func, args) -> None:
-        """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale. A higher-order
+        """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale, and every
+        other shadowed tensor on the same storage (a write through a view changes its base). A higher-order
         op (run_and_save_rng_state around a recomputed random op) has no schema and mutates nothing."""
         schema = getattr(func, "_schema", None)
         for i, argument in enumerate(schema.arguments if schema is not None else ()):
             if argument.alias_info is not None and argument.alias_info.is_write and i < len(args):
                 for t in tree_flatten(args[i])[0]:
                     if isinstance(t, torch.Tensor):
-                        self.shadow.pop(t, None)
+                        self.forget(t)
 
 
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
 
+# _Origin flags: where a shadow's values came from (none set: constants only, computed exactly)
+_RANDOM, _ROUTED = 1, 2
+_ORIGIN_MADE = {0: "made from constants", _RANDOM: "drawn at random (the example batch's random values)",
+                _ROUTED: "the routing (or constants) decide", _RANDOM | _ROUTED: "the routing and random draws decide"}
 
-# factories whose floating-point values are constants (not random, not uninitialized): `lang * torch.ones(b)`
-_CONSTANT_FACTORIES = frozenset({aten.ones.default, aten.zeros.default, aten.full.default, aten.arange.default,
-                                 aten.arange.start, aten.arange.start_step, aten.linspace.default,
-                                 aten.eye.default, aten.scalar_tensor.default})
+
+def _origin_text(origin: int) -> str:
+    if origin & _ROUTED:
+        return "taken from the routing assumption" + (" and tracer's own random draw" if origin & _RANDOM else "")
+    if origin & _RANDOM:
+        return "answered from tracer's own draw of those values (a real batch may answer otherwise)"
+    return "computed from those constants, exactly"
 
 
-def _is_small_factory(func, out) -> bool:
-    """A small tensor made from no tensor: integer / bool ones (indices, masks), and floating-point ones of a
-    constant factory."""
-    return (isinstance(out, torch.Tensor) and out.numel() <= _FACTORY_LIMIT
-            and (not out.is_floating_point() or func in _CONSTANT_FACTORIES))
+def _makes_uninitialised(func) -> bool:
+    """`torch.empty` and its kin: the values are whatever the memory held."""
+    name = getattr(getattr(func, "_schema", None), "name", "")
+    return "empty" in name.split("::")[-1]
+
+
+def _is_small_factory(out) -> bool:
+    return isinstance(out, torch.Tensor) and out.numel() <= _FACTORY_LIMIT
+
+
+def _is_constant(t: torch.Tensor) -> bool:
+    """A small real CPU tensor, as torch.tensor([...]) makes and the fake mode lifts: a plain `torch.Tensor`
+    (a parameter over a fake tensor is an `nn.Parameter`, and a fake one a `FakeTensor`)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() <= _FACTORY_LIMIT
 
 
 def _fake_like(mode, real: torch.Tensor):
@@ -334,11 +412,23 @@ def _exceptions():
 _DynamicOutputShape, _DataDependentOutput = _exceptions()
 
 
+_ACTIVE: list[RoutingShadows] = []       # the states of the captures under way (innermost last)
+
+
+def forget_values(*tensors: torch.Tensor) -> None:
+    """The values of `tensors` are no longer known (the build swaps them: `module.to(...)`), nor are those of
+    the other tensors on their storages; their shadows, and the weak references they hold, are dropped."""
+    for state in _ACTIVE:
+        for t in tensors:
+            state.forget(t)
+
+
 @contextlib.contextmanager
 def routing_assumption(assumption: RoutingAssumption):
     """Active for one capture: yields the `RoutingShadows` whose `notes` say what was assumed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     state = RoutingShadows(assumption)
+    _ACTIVE.append(state)
     original = FakeTensorMode.dispatch
 
     def dispatch(mode, func, types, args=(), kwargs=None):
@@ -354,3 +444,4 @@ def routing_assumption(assumption: RoutingAssumption):
     finally:
         FakeTensorMode.dispatch = original
         logger.setLevel(level)
+        _ACTIVE.remove(state)
