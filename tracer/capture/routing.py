@@ -204,7 +204,7 @@ class RoutingShadows:
         if t in self.shadow:
             return self.shadow[t]
         if _is_constant(t):
-            return t
+            return t.clone()        # a private copy: holding the step's own tensor would keep it alive
         raise KeyError("no known value")
 
     def _origin_of(self, func, flat) -> int:
@@ -215,10 +215,10 @@ class RoutingShadows:
         return origin
 
     def _real(self, func, flat, spec):
-        real_flat = [self._value(a) if isinstance(a, torch.Tensor) else a for a in flat]
-        args, kwargs = tree_unflatten(real_flat, spec)
-        kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
-        with _no_python_dispatch():
+        with _no_python_dispatch():      # the copies and the op itself are not the step's
+            real_flat = [self._value(a) if isinstance(a, torch.Tensor) else a for a in flat]
+            args, kwargs = tree_unflatten(real_flat, spec)
+            kwargs = {k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()}
             return func(*args, **kwargs)
 
     def _follow(self, func, flat, spec, out) -> None:
