@@ -34,6 +34,17 @@ CONFIGS = {
                    "num_mel_bins=16", "max_source_positions=32", "max_target_positions=64", "pad_token_id=0",
                    "bos_token_id=1", "eos_token_id=2", "decoder_start_token_id=1", "dropout=0", "attention_dropout=0",
                    "activation_dropout=0"),
+    # speech models whose layout their feature extractor gives: frames-first features and an int32 / bool mask
+    "hf:speech_to_text": ("encoder_layers=2", "decoder_layers=2", "d_model=64", "encoder_attention_heads=4",
+                          "decoder_attention_heads=4", "encoder_ffn_dim=128", "decoder_ffn_dim=128",
+                          "vocab_size=512", "conv_channels=32", "input_feat_per_channel=16", "dropout=0",
+                          "attention_dropout=0", "activation_dropout=0"),
+    "hf:canary": ("vocab_size=256",
+                  'encoder_config={"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":4,'
+                  '"intermediate_size":128,"num_mel_bins":16,"dropout":0.0,"layerdrop":0.0,'
+                  '"activation_dropout":0.0,"attention_dropout":0.0}',
+                  'decoder_config={"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,'
+                  '"num_attention_heads":4,"num_key_value_heads":4,"head_dim":16}'),
 }
 # T5 also with eager attention: it runs dropout on the attention probabilities, which autograd saves twice over;
 # llama also as a sequence classifier (--hf-task): it pools the last non-pad position

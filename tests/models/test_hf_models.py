@@ -4,11 +4,12 @@ is in tests/accuracy/test_hf.py."""
 import json
 
 import pytest
+import torch
 
 from optional import needs
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
 from tracer.errors import ExitCode, ModelInputError, ModelRunError
-from tracer.models.hf import build_hf_model, hf_example_batch, hf_spec, parse_overrides
+from tracer.models.hf import build_hf_model, hf_batch_notes, hf_example_batch, hf_spec, parse_overrides
 
 # builds transformers models (importing transformers alone takes seconds; collecting this module does not)
 pytestmark = [pytest.mark.slow, needs("transformers", reason="the hf extra (pip install -e '.[hf]')")]
@@ -29,6 +30,13 @@ CONFIGS = {
                 "decoder_attention_heads=2", "encoder_ffn_dim=64", "decoder_ffn_dim=64", "vocab_size=128",
                 "num_mel_bins=8", "max_source_positions=16", "max_target_positions=32", "pad_token_id=0",
                 "bos_token_id=1", "eos_token_id=2", "decoder_start_token_id=1"),
+    "speech_to_text": ("encoder_layers=1", "decoder_layers=1", "d_model=32", "encoder_attention_heads=2",
+                       "decoder_attention_heads=2", "encoder_ffn_dim=64", "decoder_ffn_dim=64", "vocab_size=128",
+                       "conv_channels=16", "input_feat_per_channel=16"),
+    "canary": ("vocab_size=128", 'encoder_config={"hidden_size":32,"num_hidden_layers":1,"num_attention_heads":2,'
+               '"num_key_value_heads":2,"intermediate_size":64,"num_mel_bins":16,"subsampling_conv_channels":16}',
+               'decoder_config={"vocab_size":128,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":1,'
+               '"num_attention_heads":2,"num_key_value_heads":2,"head_dim":16}'),
     "t5": ("num_layers=1", "d_model=32", "d_ff=64", "num_heads=2", "d_kv=16", "vocab_size=128"),
     "mixtral": TINY + ("num_key_value_heads=1", "num_local_experts=4", "num_experts_per_tok=2"),
     "resnet": ("embedding_size=8", "hidden_sizes=[8,8,8,8]", "depths=[1,1,1,1]", "layer_type=basic"),
@@ -153,6 +161,22 @@ def test_whisper_gets_log_mel_features_of_the_length_its_encoder_takes():
     assert tuple(features.shape) == (2, 8, 32) and tuple(labels.shape) == (2, 16)   # (b, mels, 2 * source positions)
     with pytest.raises(ModelInputError, match="max_target_positions 32"):
         hf_example_batch(spec, 2, 64)
+
+
+def test_a_speech_model_outside_whispers_layout_gets_what_its_feature_extractor_makes_and_says_so():
+    """Speech2Text reads (frames, mels) features with an int32 mask; Parakeet's (canary's) encoder a bool mask,
+    its mel count from the encoder's config: 1 s of audio each, as their extractors lay it out."""
+    spec = hf_spec("speech_to_text", overrides=parse_overrides(CONFIGS["speech_to_text"]))
+    features, mask, labels = hf_example_batch(spec, 2, 16)
+    assert tuple(features.shape) == (2, 98, 16) and tuple(labels.shape) == (2, 16)
+    assert mask.dtype == torch.int32 and tuple(mask.shape) == (2, 98) and bool((mask == 1).all())
+    assert build_hf_model(spec).input_names == ("input_features", "attention_mask", "labels")
+    assert any("1 s of audio" in note and "Speech2TextFeatureExtractor" in note for note in hf_batch_notes(spec))
+    canary = hf_spec("canary", overrides=parse_overrides(CONFIGS["canary"]))
+    features, mask, _ = hf_example_batch(canary, 1, 8)
+    assert tuple(features.shape) == (1, 101, 16) and mask.dtype == torch.bool
+    whisper = hf_spec("whisper", overrides=parse_overrides(CONFIGS["whisper"]))
+    assert hf_batch_notes(whisper) == ()           # its config fixes the layout: nothing assumed
 
 
 def test_a_conv_net_without_an_image_size_gets_imagenet_images_and_says_so():

@@ -15,16 +15,18 @@ never replaced by another.
 
 The loss comes from the model's own `labels` path; the example batch is what a training step feeds that head
 (`hf_example_batch`): token ids and labels of the same shape (a separate tensor, as a data collator's copy),
-per-sequence class labels, pixel values at the config's image size (`--seq` unused), or Whisper-style
-log-mel features (num_mel_bins x 2*max_source_positions frames). A training step also needs settings some
+per-sequence class labels, pixel values at the config's image size (`--seq` unused), or speech features:
+Whisper-style log-mel features (num_mel_bins x 2*max_source_positions frames) where the config fixes them,
+else what the model's own feature extractor makes of AUDIO_SECONDS of audio (its axis order and frame count,
+with an attention mask of ones where the head takes one; a note says so). A training step also needs settings some
 default configs lack (`_training_settings`: no KV cache, also in nested configs; a decoder start and pad
 token; the first of `languages` where a model with per-language adapters has no default language);
 nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
-Not handled: heads outside `TASKS` (question answering, object detection, CTC, ...), speech models whose
-input is not Whisper's layout, and models whose code lives on the hub (trust_remote_code): these are refused
+Not handled: heads outside `TASKS` (question answering, object detection, CTC, ...), speech models without
+a feature extractor making `input_features`, audio language models (token ids with audio placeholders), and models whose code lives on the hub (trust_remote_code): these are refused
 with what to do (a model file can build any of them). `transformers` is an optional extra: it is imported
 only here, inside the functions that need it, with a clear error when it is missing.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import json
 import os
 
@@ -180,14 +183,17 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
         height, width = _image_size(config, spec)
         inputs = torch.randn(batch, _num_channels(config), height, width)                     # (b, c, h, w)
     else:
-        inputs = torch.randn(batch, *_audio_shape(config, spec, seq))                       # (b, mels, frames)
+        layout = _audio_layout(config, spec, seq)
+        inputs = torch.randn(batch, *layout.features_shape)          # (b, mels, frames) or (b, frames, mels)
+        if layout.mask_dtype is not None:                            # every frame is audio: a mask of ones
+            inputs = (inputs, torch.ones(batch, layout.frames, dtype=getattr(torch, layout.mask_dtype)))
     if task.labels == "sequence":
         labels = torch.randint(0, config.num_labels, (batch,))                              # (b,)
     elif spec.task == "token-classification":
         labels = torch.randint(0, config.num_labels, (batch, seq))                          # (b, s)
     else:
         labels = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
-    return inputs, labels
+    return (*inputs, labels) if isinstance(inputs, tuple) else (inputs, labels)
 
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -204,8 +210,11 @@ def hf_failure_hint(spec: HFSpec) -> str:
             f"in a model file")
 
 
-def _input_names(spec: HFSpec) -> tuple[str, str]:
-    return _INPUT_NAMES[TASKS[spec.task].inputs], "labels"
+def _input_names(spec: HFSpec) -> tuple[str, ...]:
+    inputs = TASKS[spec.task].inputs
+    if inputs == "audio" and _audio_layout(_make_config(spec), spec, None).mask_dtype is not None:
+        return _INPUT_NAMES[inputs], "attention_mask", "labels"
+    return _INPUT_NAMES[inputs], "labels"
 
 
 def _make_config(spec: HFSpec):
@@ -356,6 +365,14 @@ def _vision_field(config, key: str):
 
 def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
     """The assumptions `hf_example_batch` makes for `spec` that the config does not state, for the report."""
+    if TASKS[spec.task].inputs == "audio":
+        layout = _audio_layout(_make_config(spec), spec, None)
+        if not layout.extractor:
+            return ()
+        mask = "" if layout.mask_dtype is None else f" and an attention mask of ones ({layout.mask_dtype})"
+        return (f"hf:{spec.name}: the example batch is {AUDIO_SECONDS} s of audio per example as {layout.extractor} "
+                f"lays it out: features {' x '.join(map(str, layout.features_shape))} ({layout.frames} frames){mask}; "
+                f"for longer audio write a model file with its example batch",)
     if TASKS[spec.task].inputs != "image":
         return ()
     config = _make_config(spec)
@@ -367,19 +384,85 @@ def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
             f"{_num_channels(config)} x {height} x {width} images (pass --hf-config image_size=N to change it)",)
 
 
-def _audio_shape(config, spec: HFSpec, seq: int) -> tuple[int, int]:
-    """Whisper's layout: (num_mel_bins, 2 * max_source_positions) log-mel frames (its encoder takes exactly
-    that many), and at most max_target_positions label tokens."""
-    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
-    if mels is None or positions is None:
-        raise ModelInputError(f"hf:{spec.name}: tracer makes speech batches in Whisper's layout only (num_mel_bins "
-                              f"x 2*max_source_positions); the {spec.model_type} config has no such fields",
-                              hint="write a model file with its example batch")
+AUDIO_SECONDS = 1           # of silence, as the model's own feature extractor turns it into features
+
+
+@dataclasses.dataclass(frozen=True)
+class AudioLayout:
+    features_shape: tuple[int, int]         # one example's input_features: (mels, frames) or (frames, mels)
+    frames: int
+    mask_dtype: str | None = None           # the extractor's attention_mask dtype, where the head takes one
+    extractor: str = ""                     # the feature extractor the layout was read from ("": Whisper's rule)
+
+
+def _audio_layout(config, spec: HFSpec, seq: int | None) -> AudioLayout:
+    """How the head reads audio. An encoder with fixed positions over mel frames (num_mel_bins and
+    max_source_positions in its config: Whisper) takes exactly 2 * max_source_positions frames, mels first.
+    Any other speech model reads what its own feature extractor (transformers' FEATURE_EXTRACTOR_MAPPING)
+    makes of AUDIO_SECONDS of audio at the config's feature count: its axis order, its frame count and its
+    attention mask (ones, in the extractor's dtype) where the head takes one. At most max_target_positions
+    label tokens."""
     limit = getattr(config, "max_target_positions", None)
-    if limit is not None and seq > limit:
+    if seq is not None and limit is not None and seq > limit:
         raise ModelInputError(f"hf:{spec.name}: --seq {seq} is longer than the decoder's max_target_positions {limit}",
                               hint=f"use --seq {limit} or less, or --hf-config max_target_positions={seq}")
-    return int(mels), 2 * int(positions)
+    mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if mels is not None and positions is not None:
+        return AudioLayout(features_shape=(int(mels), 2 * int(positions)), frames=2 * int(positions))
+    return _extractor_layout(spec.name, spec.model_type, _audio_feature_count(config), spec.model_class)
+
+
+def _audio_feature_count(config) -> int | None:
+    """Mel bins per frame from the config, its encoder's or its audio sub-config; None: the extractor's default."""
+    for cfg in (config, getattr(config, "encoder_config", None), getattr(config, "audio_config", None)):
+        mels = getattr(cfg, "num_mel_bins", None)
+        if mels is not None:
+            return int(mels)
+    per_channel = getattr(config, "input_feat_per_channel", None)       # Speech2Text: per channel x channels
+    if per_channel is not None:
+        return int(per_channel) * int(getattr(config, "input_channels", 1) or 1)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _extractor_layout(spec_name: str, model_type: str, mels: int | None, model_class: str) -> AudioLayout:
+    transformers = _import_transformers()
+    from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
+    name = FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
+    refusal = ModelInputError(f"hf:{spec_name}: tracer makes speech batches as a model's own feature extractor lays "
+                              f"them out; {model_type} has no usable one" + (f" ({name})" if name else ""),
+                              hint="write a model file with its example batch")
+    if name is None or not hasattr(transformers, name):
+        raise refusal
+    extractor_class = getattr(transformers, name)
+    try:                                # real arrays, whatever device the model is being built on
+        with torch.device("cpu"):
+            return _probe_extractor(extractor_class, mels, model_class, transformers)
+    except Exception as exc:            # transformers' own code (a missing optional package, ...)
+        raise refusal from exc
+
+
+def _probe_extractor(extractor_class, mels: int | None, model_class: str, transformers) -> AudioLayout:
+    """One example's features as the extractor makes them of AUDIO_SECONDS of silence: their axis order (the
+    axis of `mels` values is the feature axis), frame count and attention mask dtype."""
+    import inspect
+    import numpy as np
+    takes = inspect.signature(extractor_class.__init__).parameters
+    sizes = {key: mels for key in ("feature_size", "num_mel_bins") if key in takes or key == "feature_size"}
+    extractor = extractor_class(**sizes) if mels is not None else extractor_class()
+    rate = int(getattr(extractor, "sampling_rate", 16000))
+    made = extractor(np.zeros(rate * AUDIO_SECONDS, dtype=np.float32), sampling_rate=rate, return_tensors="np")
+    features = np.asarray(made["input_features"])
+    if features.ndim != 3:
+        raise ValueError(f"input_features of {features.ndim} dimensions")
+    feature_count = mels if mels is not None else int(extractor.feature_size)
+    _, first, second = features.shape
+    frames = second if first == feature_count else first
+    takes_mask = "attention_mask" in inspect.signature(getattr(transformers, model_class).forward).parameters
+    mask = np.asarray(made["attention_mask"]) if "attention_mask" in made and takes_mask else None
+    mask_dtype = None if mask is None else ("bool" if mask.dtype == np.bool_ else str(mask.dtype))
+    return AudioLayout(features_shape=(int(first), int(second)), frames=int(frames), mask_dtype=mask_dtype,
+                       extractor=extractor_class.__name__)
 
 
 def _read_config_json(path: str) -> dict:
