@@ -157,3 +157,14 @@ def test_an_assertion_on_activation_values_is_taken_as_passing_and_noted():
     assert result.saved.total_bytes == measured.saved_bytes
     assert any("assertion at asserts_on_values.py:21" in note and "passing" in note
                for note in result.graph.config.notes)
+
+
+def test_a_weight_gradient_in_another_layout_is_copied_by_accumulate_grad():
+    """A Conv2d fed a channels_last view (`permute(0, 2, 1).reshape(...)`, PVT's spatial reduction) returns
+    its weight gradient channels_last; AccumulateGrad copies it into the weight's contiguous layout
+    (`clone_obey_contract`) after the convolution's node has released what it saved, so for a moment both
+    gradients are live."""
+    result, measured = predict_and_measure(os.path.join(FIXTURES, "conv_channels_last_input.py"), batch=2, seq=16)
+    assert_step_matches(result, measured, peak_phase="optimizer")
+    assert result.phases["backward"].peak_bytes == measured.phase_peaks["backward"]
+    assert any(op.name == "accumulate_grad_reduce.weight" for op in result.graph.ops)

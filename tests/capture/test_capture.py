@@ -62,11 +62,26 @@ def test_no_real_memory_is_allocated_for_a_7b_model():
 
 @pytest.mark.slow
 def test_a_fused_rnn_module_is_flagged_in_the_report():
-    """nn.LSTM runs a fused kernel in eager that the traced step decomposes: never silently off."""
+    """nn.LSTM runs cuDNN's fused kernel on CUDA, which the traced step does not reproduce: never silently
+    off. On the CPU its oneDNN kernel is traced as eager runs it (capture/eager_kernels.py): no note."""
     path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lstm_lm.py")
-    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu"))
+    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cuda"))
     (note,) = [n for n in graph.config.notes if "fused RNN kernel" in n]
-    assert note.startswith("rnn: nn.LSTM runs a fused RNN kernel")
+    assert note.startswith("rnn: nn.LSTM runs cuDNN's fused RNN kernel")
+    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu"))
+    assert not [n for n in graph.config.notes if "RNN" in n]
+
+
+def test_rnn_notes_name_what_the_trace_does_not_reproduce():
+    from torch import nn
+
+    from tracer.capture import _fused_module_notes
+    model = nn.ModuleDict({"lstm": nn.LSTM(4, 4), "gru": nn.GRU(4, 4), "rnn": nn.RNN(4, 4),
+                           "projected": nn.LSTM(4, 8, proj_size=4)})
+    (cpu,) = _fused_module_notes(model, cpu=True)
+    assert cpu.startswith("rnn, projected: nn.RNN runs ATen's RNN cells")
+    (cuda,) = _fused_module_notes(model, cpu=False)
+    assert cuda.startswith("lstm, gru, rnn, projected: nn.LSTM runs cuDNN's fused RNN kernel")
 
 
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("fp16", marks=pytest.mark.slow)])

@@ -26,6 +26,7 @@ from tracer.capture import dynamo_joint as compile_rung   # a module: its functi
 from tracer.errors import CaptureError, UsageError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
+from tracer.capture.target import parse_target
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, make_grad_scaler
 from tracer.capture.calls import call_holds
@@ -265,7 +266,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
                         policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
-                        notes=_capture_notes(cap) + schedule.notes + recordings[0].notes + accumulation_notes
+                        notes=_capture_notes(cap, cpu=not parse_target(options.target).is_cuda) + schedule.notes + recordings[0].notes + accumulation_notes
                         + offload_notes + held_notes)
     n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
@@ -350,10 +351,10 @@ def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept)
                                      retain_graph=source.retain_graph))
 
 
-def _capture_notes(cap) -> tuple[str, ...]:
+def _capture_notes(cap, *, cpu: bool) -> tuple[str, ...]:
     seen = cap.seen
     notes = list(cap.fallback_notes) + list(cap.build_notes) + checkpoint_notes(seen.checkpoint_calls)
-    notes += _fused_module_notes(cap.model)
+    notes += _fused_module_notes(cap.model, cpu=cpu)
     for kept in seen.kept_attributes:
         where = f" (made at {kept.source.short()})" if kept.source else ""
         notes.append(f"{kept.module or 'the model'}.{kept.attribute} keeps a {kept.nbytes:,} B tensor past the "
@@ -362,19 +363,23 @@ def _capture_notes(cap) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _fused_module_notes(model) -> list[str]:
-    """Modules whose eager kernel is one fused op that the traced step decomposes (so what eager saves for
-    backward differs): nn.LSTM / nn.GRU / nn.RNN run oneDNN's RNN on CPU and cuDNN's on CUDA, which save a
-    workspace of their own. Flagged, never silently off: measured on a 2-layer LSTM (hidden 64, batch 4,
-    seq 32, CPU), the trace saves 575,492 B where eager saves 1,198,084 B and the forward peak is 29% low."""
+def _fused_module_notes(model, *, cpu: bool) -> list[str]:
+    """Modules whose eager kernel the traced step does not run as eager runs it (so what eager saves for
+    backward differs): on CUDA, nn.LSTM / nn.GRU / nn.RNN run cuDNN's fused RNN, which saves a workspace of its
+    own; on the CPU, nn.RNN's cells (nn.LSTM runs oneDNN's RNN and nn.GRU ATen's in-place cells, both traced
+    as eager runs them: eager_kernels.lstm_as_in_eager, gru_as_in_eager). Flagged, never silently off:
+    measured on a 2-layer LSTM (hidden 64, batch 4, seq 32, CPU) traced cell by cell, the trace saved
+    575,492 B where eager saves 1,198,084 B and the forward peak was 29% low."""
     from torch import nn
-    rnns = [name or "(root)" for name, m in model.named_modules() if isinstance(m, nn.RNNBase)]
+    def modeled(m) -> bool:           # an LSTM with projections runs ATen's cells on the CPU too
+        return cpu and (isinstance(m, nn.GRU) or (isinstance(m, nn.LSTM) and not m.proj_size))
+    rnns = [(name or "(root)", m) for name, m in model.named_modules() if isinstance(m, nn.RNNBase) and not modeled(m)]
     if not rnns:
         return []
-    return [f"{', '.join(rnns)}: nn.{type(model.get_submodule(rnns[0]) if rnns[0] != '(root)' else model).__name__} "
-            "runs a fused RNN kernel in eager (oneDNN on CPU, cuDNN on CUDA) that saves its own workspace; the "
-            "traced step runs it cell by cell, so its saved activations and the peaks around it are not exact "
-            "(they are low: a 2-layer LSTM measured 52% low in saved bytes)"]
+    kernel = "ATen's RNN cells" if cpu else "cuDNN's fused RNN kernel"
+    return [f"{', '.join(name for name, _ in rnns)}: nn.{type(rnns[0][1]).__name__} runs {kernel} in eager, "
+            "which the traced step does not reproduce op for op, so its saved activations and the peaks around "
+            "it are not exact (a fused RNN traced cell by cell measured 52% low in saved bytes)"]
 
 
 # aten ops whose Python-level callers (F.layer_norm, F.dropout, F.scaled_dot_product_attention, F.nll_loss, ...)

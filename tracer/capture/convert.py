@@ -605,6 +605,7 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
     loss_sid = values[loss_node].storage_id
     table.update(loss_sid, persistent=True, name="loss")
     grads: dict[int, list[tuple[int, TensorValue]]] = {}      # id(param) -> [(ready position, grad value)]
+    fake_grads: dict[int, Any] = {}                           # id(grad value) -> its fake tensor (strides)
     owners: dict[int, tuple[str, torch.Tensor]] = {}
     leaves = {leaf.fqn: leaf for leaf in cap.forward_leaves}
     leaves_by_tensor = {id(leaf.tensor): leaf for leaf in cap.forward_leaves}
@@ -614,6 +615,7 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
         owners.setdefault(id(param), (name, param))
         ready = len(ops) - 1 if compiled else _end_of_autograd_node(ops, node_pos[out])
         grads.setdefault(id(param), []).append((ready, values[out]))
+        fake_grads[id(values[out])] = out.meta.get("val")
     inserts: list[tuple[int, OpDraft]] = []
     grad_sid_by_param: dict[int, int] = {}
     for pid, incoming in grads.items():
@@ -627,6 +629,14 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
             for pos, value in incoming:
                 inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.add_.Tensor",
                                                     (grad_value, value), grad_value, ops[pos])))
+        elif len(incoming) == 1 and not _obeys_layout_contract(fake_grads.get(id(incoming[0][1])), param):
+            # AccumulateGrad's `clone_obey_contract`: a gradient with other strides than its parameter (a
+            # conv's weight gradient is channels_last when its input is) is copied into a new tensor with the
+            # parameter's strides (`new_empty_strided` + `copy_`); the incoming one is freed
+            pos, value = incoming[0]
+            grad_value = _new_grad(table, param, name, preexisting=False, persistent=kept)
+            inserts.append((pos, _accumulate_op(f"accumulate_grad_{name}", "aten.clone.default", (value,),
+                                                grad_value, ops[pos], fresh=True, own_node=not compiled)))
         elif len(incoming) == 1:
             grad_value = incoming[0][1]
             table.update(grad_value.storage_id, role=StorageRole.GRADIENT, persistent=kept, name=f"{name}.grad")
@@ -644,6 +654,32 @@ def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos,
         ops.insert(pos + 1, op)
     seed = next((op.outputs[0].storage_id for op in ops if op.name == SEED_OP_NAME), None)
     return GraphPart(ops=ops, grad_sid_by_param=grad_sid_by_param, loss_sid=loss_sid, seed_sid=seed)
+
+
+def _obeys_layout_contract(grad, param) -> bool:
+    """`obeys_layout_contract` (torch/csrc/autograd/utils/grad_layout_contract.h), for AccumulateGrad's
+    steal of a strided gradient: a non-overlapping and dense parameter takes it as `.grad` only with its own
+    strides (sizes of 1 aside, unless 0-strided); any other parameter only a contiguous one. Unknown
+    strides (no fake value) count as obeying."""
+    if not isinstance(grad, torch.Tensor) or not isinstance(param, torch.Tensor) or grad.layout != torch.strided \
+            or param.layout != torch.strided:
+        return True
+    if not _non_overlapping_and_dense(param):
+        return grad.is_contiguous()
+    for size, grad_stride, param_stride in zip(grad.shape, grad.stride(), param.stride()):
+        if (size != 1 and grad_stride != param_stride) or (size == 1 and grad_stride == 0):
+            return False
+    return True
+
+
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """c10's `is_non_overlapping_and_dense`: some permutation of the dims makes the tensor contiguous."""
+    expected = 1
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride()) if s != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _new_grad(table, param, name, *, preexisting: bool, persistent: bool = True) -> TensorValue:
@@ -666,9 +702,12 @@ def _fresh_sum(table, param, name) -> TensorValue:
     return TensorValue(sid, tuple(param.shape), dtype_name(param.dtype))
 
 
-def _accumulate_op(name, target, args, out, producer: OpDraft, fresh=False) -> OpDraft:
+def _accumulate_op(name, target, args, out, producer: OpDraft, fresh=False, own_node=False) -> OpDraft:
+    """`own_node`: the op runs in AccumulateGrad's own node, after the producer's node has released what it
+    saved and its incoming gradients."""
     return OpDraft(name=name, target=target, phase=Phase.BACKWARD, args=args, kwargs=(), outputs=(out,),
-                   source=producer.source, module=producer.module, is_view=not fresh, seq_nr=producer.seq_nr)
+                   source=producer.source, module=producer.module, is_view=not fresh,
+                   seq_nr=None if own_node else producer.seq_nr)
 
 
 def plain_value(obj, table: StorageTable):

@@ -29,17 +29,14 @@ Python decomposition saves index tensors eager never makes). Limit: it sets asid
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
 
 import torch
 
 
 @contextlib.contextmanager
 def dropout_as_in_eager(cpu: bool = False):
-    from torch._C import DispatchKey
-    op = torch.ops.aten.dropout.default
-    keys = [k for k in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd) if k in op.py_kernels]
-    saved = {k: op.py_kernels[k] for k in keys}
-
     def as_in_eager(decomposed):
         def dropout(input, p, train):
             if not train or p == 0 or input.numel() == 0:
@@ -47,6 +44,17 @@ def dropout_as_in_eager(cpu: bool = False):
             return _cpu_dropout(input, p) if cpu else decomposed(input, p, train)
         return dropout
 
+    with _autograd_kernels_replaced(torch.ops.aten.dropout.default, as_in_eager):
+        yield
+
+
+@contextlib.contextmanager
+def _autograd_kernels_replaced(op, as_in_eager):
+    """For the duration, `op`'s Python kernels at the autograd level (the decomposition tracing runs) are
+    `as_in_eager(torch's kernel)`."""
+    from torch._C import DispatchKey
+    keys = [k for k in (DispatchKey.CompositeImplicitAutograd, DispatchKey.Autograd) if k in op.py_kernels]
+    saved = {k: op.py_kernels[k] for k in keys}
     op.py_kernels.update({k: as_in_eager(saved[k]) for k in keys})
     op._dispatch_cache.clear()
     try:
@@ -140,9 +148,270 @@ def _cpu_dropout(input, p: float):
 
 
 @contextlib.contextmanager
+def lstm_as_in_eager():
+    """nn.LSTM on a CPU target: eager's `at::lstm` (RNN.cpp) runs oneDNN's fused RNN (`mkldnn_rnn`: one
+    `mkldnn_rnn_layer` per layer and direction, in training too) whenever `use_mkldnn` holds: mkldnn enabled,
+    every tensor on the CPU, the input fp32 (bf16 where oneDNN supports it), not empty, no projections. Its
+    autograd node saves the layer's input, output, hy, cy and a workspace of oneDNN's own (the gates and
+    states of every step); its backward is one `mkldnn_rnn_layer_backward`. Torch's Python decomposition
+    (which tracing runs) takes that path only when the input needs no gradient, so a training step traced
+    cell by cell: per-step gates, a `cat`, other saved tensors and other peaks. For the duration:
+      * aten.lstm.input runs what `mkldnn_rnn` (mkldnn/RNN.cpp) runs where eager's `use_mkldnn` holds: the
+        input made time-major and contiguous once, each layer's mkldnn_rnn_layer on `hx[index]` /
+        `cx[index]` with `train` as given, dropout between layers in training, `stack` of the final states;
+        elsewhere torch's decomposition, unchanged;
+      * the fake (Meta) kernel of mkldnn_rnn_layer returns the workspace at the size oneDNN gives it
+        (`mkldnn_rnn_workspace_nbytes`); torch's is empty;
+      * the fake kernel of mkldnn_rnn_layer_backward returns the bias gradient of b_ih and of b_hh as two
+        tensors, as the CPU kernel does; torch's returns one tensor twice (one storage for two `.grad`s).
+    Limit: it swaps the op's `py_kernels` and overrides two Meta kernels (a `torch.library` registration,
+    removed on exit); tests/capture/test_eager_kernels.py checks both against the real kernels."""
+    import warnings
+
+    from torch._C import DispatchKey
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    def as_in_eager(decomposed):
+        def lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+            if not _lstm_uses_mkldnn(input, hx, params):
+                return decomposed(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                                  batch_first)
+            return _mkldnn_lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                                batch_first)
+        return lstm
+
+    # the Meta kernels: a `torch.library` registration for plain fake tensors, `py_kernels` for the Python
+    # dispatcher that tracing enables (torch registers its Python meta kernels in both)
+    metas = {torch.ops.aten.mkldnn_rnn_layer.default: _mkldnn_rnn_layer_meta,
+             torch.ops.aten.mkldnn_rnn_layer_backward.default: _mkldnn_rnn_layer_backward_meta}
+    saved_metas = {m: m.py_kernels.get(DispatchKey.Meta) for m in metas}
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            for m, kernel in metas.items():
+                lib.impl(m._schema.name.removeprefix("aten::"), kernel, "Meta")
+                m.py_kernels[DispatchKey.Meta] = kernel
+                m._dispatch_cache.clear()
+        FakeTensorMode.cache_clear()
+        with _autograd_kernels_replaced(torch.ops.aten.lstm.input, as_in_eager):
+            yield
+    finally:
+        lib._destroy()
+        for m, kernel in saved_metas.items():
+            if kernel is None:
+                m.py_kernels.pop(DispatchKey.Meta, None)
+            else:
+                m.py_kernels[DispatchKey.Meta] = kernel
+            m._dispatch_cache.clear()
+        FakeTensorMode.cache_clear()
+
+
+def _lstm_uses_mkldnn(input, hx, params) -> bool:
+    """`use_mkldnn` of aten/src/ATen/native/RNN.cpp, and `lstm`'s own condition (no projections)."""
+    if not torch._C._get_mkldnn_enabled() or input.numel() == 0 or len(hx) != 2:
+        return False
+    if any(t.device.type != "cpu" for t in [input, *hx, *params]):
+        return False
+    if hx[0].size(2) != hx[1].size(2):                       # projections: eager's cell-by-cell path
+        return False
+    if input.dtype == torch.float32:
+        return True
+    if input.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if input.dtype == torch.float16:
+        return not torch.is_grad_enabled() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def _mkldnn_lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """`mkldnn_rnn` (aten/src/ATen/native/mkldnn/RNN.cpp) for an LSTM, op by op."""
+    stride = 4 if has_biases else 2
+    directions = 2 if bidirectional else 1
+    if batch_first:
+        input = input.transpose(0, 1)
+    layer_input = input.contiguous()
+    h0, c0 = hx[0].contiguous(), hx[1].contiguous()
+    hidden_size = h0.size(2)
+    hy, cy = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w = params[index * stride:(index + 1) * stride]
+            b_ih = w[2] if has_biases else torch.zeros(w[0].shape, dtype=w[0].dtype, device=w[0].device)
+            b_hh = w[3] if has_biases else torch.zeros(w[1].shape, dtype=w[1].dtype, device=w[1].device)
+            out = torch.ops.aten.mkldnn_rnn_layer.default(
+                layer_input, w[0], w[1], b_ih, b_hh, h0[index], c0[index], direction > 0, [], _LSTM_MODE,
+                hidden_size, num_layers, has_biases, bidirectional, batch_first, train)
+            outputs.append(out[0])
+            hy.append(out[1])
+            cy.append(out[2])
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, True)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    return output, torch.stack(hy, 0), torch.stack(cy, 0)
+
+
+_LSTM_MODE = 2           # ideep::rnn_kind::LSTM
+
+
+def _mkldnn_rnn_layer_meta(input, w0, w1, w2, w3, hx, cx, *scalars):
+    from torch._meta_registrations import mkldnn_rnn_layer
+    output, hy, cy, workspace = mkldnn_rnn_layer(input, w0, w1, w2, w3, hx, cx, *scalars)
+    if torch.is_grad_enabled():            # the CPU kernel keeps a workspace only with grad mode on
+        nbytes = mkldnn_rnn_workspace_nbytes((input, w0, w1, w2, w3, hx, cx) + tuple(scalars))
+        workspace = input.new_empty((nbytes,), dtype=torch.uint8)
+    return output, hy, cy, workspace
+
+
+def _mkldnn_rnn_layer_backward_meta(*args):
+    from torch._meta_registrations import mkldnn_rnn_layer_backward
+    diff_x, diff_w1, diff_w2, diff_b, _, diff_hx, diff_cx = mkldnn_rnn_layer_backward(*args)
+    return diff_x, diff_w1, diff_w2, diff_b, torch.empty_like(diff_b), diff_hx, diff_cx
+
+
+def mkldnn_rnn_workspace_nbytes(args: tuple) -> int:
+    """The bytes of the workspace eager's `mkldnn_rnn_layer` returns for these arguments (its seven tensors,
+    anything with `shape` and `dtype`, then its scalars), grad mode on. oneDNN sizes it in its primitive
+    descriptor (per-step gates and states, each region page-aligned, laid out for this CPU's ISA); it is
+    asked here: the kernel runs once on zero tensors of these shapes on this CPU (memoised by shapes)."""
+    shapes = tuple(tuple(int(d) for d in a.shape) for a in args[:7])
+    dtypes = tuple(str(a.dtype).removeprefix("torch.") for a in args[:7])
+    return _workspace_nbytes(shapes, dtypes, tuple(tuple(a) if isinstance(a, list) else a for a in args[7:]))
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace_nbytes(shapes: tuple, dtypes: tuple, scalars: tuple) -> int:
+    from torch.utils._mode_utils import no_dispatch
+    from torch.utils._python_dispatch import _disable_current_modes
+    meta_included = torch._C._meta_in_tls_dispatch_include()     # set while a fake kernel runs
+    torch._C._set_meta_in_tls_dispatch_include(False)
+    try:
+        with _disable_current_modes(), no_dispatch(), torch.enable_grad():
+            tensors = [torch.zeros(s, dtype=getattr(torch, d), device="cpu") for s, d in zip(shapes, dtypes)]
+            scalars = tuple(list(v) if isinstance(v, tuple) else v for v in scalars)
+            workspace = torch.ops.aten.mkldnn_rnn_layer.default(*tensors, *scalars)[3]
+            return workspace.untyped_storage().nbytes()
+    finally:
+        torch._C._set_meta_in_tls_dispatch_include(meta_included)
+
+
+@contextlib.contextmanager
+def gru_as_in_eager():
+    """nn.GRU on a CPU target: eager's `at::gru` (RNN.cpp) has no oneDNN path; it runs
+    `_rnn_impl_with_concat<GRUCell, FullLayer>`: per layer, the input projection of every step at once
+    (`linear_ih`, then `unbind(0)`), then per step `GRUCell` with ATen's in-place ops on `unsafe_chunk`s of
+    the hidden projection (the reset and update gates are computed into its storage, `add_` / `sigmoid_`,
+    and the new hidden into `hidden - new_gate`'s, `mul_` / `add_`), then `stack` of the step outputs.
+    Torch's Python decomposition computes each gate out of place (two more tensors per step saved for
+    backward) and `cat`s unsqueezed steps. For the duration, aten.gru.input runs the ATen sequence, each
+    in-place call marked as in-place (tracer/capture/inplace.py), as `_cpu_dropout` does. Limits: it swaps
+    the op's `py_kernels`, like the dropout above; C++ locals are not Python locals, so in a bidirectional
+    layer the forward direction's input projection, which ATen keeps until the reverse one is made, is
+    freed at its last use (a 2-layer bidirectional GRU measured one projection, 0.5%, low at the forward
+    peak; unidirectional GRUs are exact)."""
+    def as_in_eager(decomposed):
+        def gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+            if input.device.type != "cpu" or input.is_nested:
+                return decomposed(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                                  batch_first)
+            return _aten_cpu_gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+                                 batch_first)
+        return gru
+
+    with _autograd_kernels_replaced(torch.ops.aten.gru.input, as_in_eager):
+        yield
+
+
+def _in_place(fn, *args):
+    """`fn(*args)`, an in-place call, marked as one for tracer/capture/inplace.py with an id of its own (the
+    model's torch call, `_VF.gru`, holds many)."""
+    import torch.fx.traceback as fx_traceback
+    from tracer.capture.inplace import INPLACE_CALL_KEY
+    with fx_traceback.annotate({INPLACE_CALL_KEY: f"{fn.__name__}_{next(_inplace_ids)}"}):
+        return fn(*args)
+
+
+_inplace_ids = itertools.count()
+
+
+def _aten_gru_cell(igates, hidden, w_hh, b_hh):
+    """ATen's `GRUCell` (RNN.cpp) on a CPU step whose input projection is precomputed."""
+    chunked_igates = igates.unsafe_chunk(3, 1)
+    chunked_hgates = torch.nn.functional.linear(hidden, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = _in_place(torch.Tensor.sigmoid_, _in_place(torch.Tensor.add_, chunked_hgates[0], chunked_igates[0]))
+    input_gate = _in_place(torch.Tensor.sigmoid_, _in_place(torch.Tensor.add_, chunked_hgates[1], chunked_igates[1]))
+    new_gate = _in_place(torch.Tensor.tanh_,
+                         chunked_igates[2].add(_in_place(torch.Tensor.mul_, chunked_hgates[2], reset_gate)))
+    return _in_place(torch.Tensor.add_, _in_place(torch.Tensor.mul_, hidden - new_gate, input_gate), new_gate)
+
+
+def _aten_gru_steps(steps, hidden, w_hh, b_hh) -> list:
+    """ATen's `FullLayer` over precomputed step inputs: the hidden after each step."""
+    outputs = []
+    for step in steps:
+        hidden = _aten_gru_cell(step, hidden, w_hh, b_hh)
+        outputs.append(hidden)
+    return outputs
+
+
+def _aten_gru_layer(input, hidden, w_ih, w_hh, b_ih, b_hh):
+    """ATen's `FullLayer` on the CPU: the input projection of every step at once, then the steps; the
+    projection lives until the step outputs are stacked. Returns (output, final hidden)."""
+    input_w = torch.nn.functional.linear(input, w_ih, b_ih)
+    outputs = _aten_gru_steps(input_w.unbind(0), hidden, w_hh, b_hh)
+    return torch.stack(outputs, 0), outputs[-1]
+
+
+def _aten_gru_bidirectional(input, hidden_fw, hidden_rev, fw: tuple, rev: tuple):
+    """ATen's `FullBidirectionalLayer` on the CPU: the forward direction's projection is freed once the
+    reverse direction's is made (C++ reassigns `input_w` and `step_inputs`); the reverse one lives until the
+    directions are concatenated. Returns (output, final forward hidden, final reverse hidden)."""
+    input_w = torch.nn.functional.linear(input, fw[0], fw[2])
+    step_inputs = input_w.unbind(0)
+    fw_outputs = _aten_gru_steps(step_inputs, hidden_fw, fw[1], fw[3])
+    fw_output = torch.stack(fw_outputs, 0)
+    input_w = torch.nn.functional.linear(input, rev[0], rev[2])
+    step_inputs = input_w.unbind(0)
+    rev_outputs = _aten_gru_steps(list(reversed(step_inputs)), hidden_rev, rev[1], rev[3])
+    rev_final = rev_outputs[-1]
+    rev_outputs.reverse()
+    rev_output = torch.stack(rev_outputs, 0)
+    return torch.cat([fw_output, rev_output], fw_output.dim() - 1), fw_outputs[-1], rev_final
+
+
+def _aten_cpu_gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
+    """`at::gru` on the CPU: `_rnn_impl_with_concat<GRUCell, FullLayer, FullBidirectionalLayer>`, then the
+    output transposed back (`transpose_`) for batch_first."""
+    stride = 4 if has_biases else 2
+    weights = [tuple(params[i:i + stride]) + ((None, None) if not has_biases else ())
+               for i in range(0, len(params), stride)]
+    layer_input = input.transpose(0, 1) if batch_first else input
+    hiddens = hx.unbind(0)
+    final = []
+    for layer in range(num_layers):
+        if bidirectional:
+            layer_input, h_fw, h_rev = _aten_gru_bidirectional(layer_input, hiddens[2 * layer], hiddens[2 * layer + 1],
+                                                               weights[2 * layer], weights[2 * layer + 1])
+            final += [h_fw, h_rev]
+        else:
+            w_ih, w_hh, b_ih, b_hh = weights[layer]
+            layer_input, h = _aten_gru_layer(layer_input, hiddens[layer], w_ih, w_hh, b_ih, b_hh)
+            final.append(h)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = torch.dropout(layer_input, dropout, True)
+    final_hidden = torch.stack(final, 0)
+    return (layer_input.transpose(0, 1) if batch_first else layer_input), final_hidden
+
+
+@contextlib.contextmanager
 def kernels_as_in_eager(cpu: bool = False):
     """All of the above, while a graph is traced (`cpu`: for a CPU target)."""
-    with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager():
+    rnns = (lstm_as_in_eager(), gru_as_in_eager()) if cpu else ()
+    with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager(), contextlib.ExitStack() as stack:
+        for rnn in rnns:
+            stack.enter_context(rnn)
         yield
 
 

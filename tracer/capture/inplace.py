@@ -119,7 +119,7 @@ def _only_put_back(write: fx.Node, later_readers: list[fx.Node], key: int, *, ma
     same storage that only the chain's scatters read."""
     chain, views = {write}, set()
     for reader in later_readers:
-        if marked and _replays_view(reader, write):
+        if marked and (_replays_view(reader, write) or _reads_apart_from(reader, write.args[0], key)):
             continue
         if reader.target in _SCATTERS and len(reader.args) > 1 and reader.args[1] in chain \
                 and _is_tensor_node(reader.args[0]) and storage_key(reader.args[0].meta["val"]) == key:
@@ -130,6 +130,41 @@ def _only_put_back(write: fx.Node, later_readers: list[fx.Node], key: int, *, ma
             return False
     # each view serves the chain only: read as the destination of one of its scatters, or viewed again
     return all(user in views or (user in chain and user.args[0] is view) for view in views for user in view.users)
+
+
+def _reads_apart_from(reader: fx.Node, destination: fx.Node, key: int) -> bool:
+    """`reader` reads the storage `key` only through tensors whose elements lie apart from the
+    destination's: aliases autograd does not track as views (`unsafe_chunk`'s pieces, which ATen's GRU cell
+    writes one by one, `add_` then `sigmoid_`), so the write leaves what the reader reads unchanged."""
+    inputs = [arg for arg in _tensor_inputs(reader) if storage_key(arg.meta["val"]) == key]
+    if reader.op != "call_function" or destination in inputs or not inputs:
+        return False
+    return all(_apart(destination.meta["val"], arg.meta["val"]) for arg in inputs)
+
+
+def _apart(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two strided tensors of one storage with the same strides and dtype share no element: in the
+    mixed radix of the strides (each stride past the extent of the dims inside it, so every offset has one
+    index), `b`'s origin lies outside `a`'s index range in some dim and `b` never carries over into the dim
+    outside. False when that cannot be shown."""
+    if a.dtype != b.dtype or a.dim() != b.dim() or a.stride() != b.stride() or a.numel() == 0 or b.numel() == 0:
+        return a.numel() == 0 or b.numel() == 0
+    if b.storage_offset() < a.storage_offset():
+        a, b = b, a
+    dims = sorted((d for d in range(a.dim()) if max(a.shape[d], b.shape[d]) > 1), key=lambda d: -a.stride(d))
+    delta, origin = b.storage_offset() - a.storage_offset(), {}
+    for d in dims:
+        stride = a.stride(d)
+        if stride <= 0:
+            return False
+        origin[d], delta = divmod(delta, stride)
+    if delta:
+        return False
+    for outer, inner in zip(dims, dims[1:]):           # b's index in `inner` stays within one `outer` step
+        inside = sum((max(a.shape[d], origin[d] + b.shape[d]) - 1) * a.stride(d) for d in dims[dims.index(inner):])
+        if inside >= a.stride(outer):
+            return False
+    return any(origin[d] >= a.shape[d] for d in dims)
 
 
 def _is_view_of(node: fx.Node, key: int) -> bool:
@@ -148,8 +183,15 @@ def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
             continue
         call = (node.meta.get("torch_fn") or (None,))[0]
         if call is not None and node.target not in _SCATTERS and _writes_first_argument(node):
-            last_of_call[call] = node
+            last_of_call[(call, _inner_call(node))] = node
     return set(last_of_call.values())
+
+
+def _inner_call(node: fx.Node):
+    """The in-place call a node belongs to within its torch call: a kernel that tracer runs in place of a
+    torch op (eager_kernels: ATen's GRU cell) makes several in-place calls within the one torch call the
+    model makes, each marked with an id of its own; True for a call marked as a whole."""
+    return (node.meta.get("custom") or {}).get(INPLACE_CALL_KEY)
 
 
 def _writes_first_argument(node: fx.Node) -> bool:
