@@ -447,8 +447,9 @@ def _probe_extractor(extractor_class, mels: int | None, model_class: str, transf
     axis of `mels` values is the feature axis), frame count and attention mask dtype."""
     import inspect
     import numpy as np
-    takes = inspect.signature(extractor_class.__init__).parameters
-    sizes = {key: mels for key in ("feature_size", "num_mel_bins") if key in takes or key == "feature_size"}
+    sizes = {"feature_size": mels}               # Speech2Text's extractor also has a mel count of its own
+    if "num_mel_bins" in inspect.signature(extractor_class.__init__).parameters:
+        sizes["num_mel_bins"] = mels
     extractor = extractor_class(**sizes) if mels is not None else extractor_class()
     rate = int(getattr(extractor, "sampling_rate", 16000))
     made = extractor(np.zeros(rate * AUDIO_SECONDS, dtype=np.float32), sampling_rate=rate, return_tensors="np")
