@@ -125,3 +125,22 @@ def test_cpu_dropout_saves_eagers_float_noise(direct, monkeypatch):
     assert_step_exact(predicted, measured, scalar_bytes=0)
     cuda = analyze_graph(capture_step(load_model_source(model), CaptureOptions(batch=2, seq=16, target="cuda")))
     assert cuda.policies["eager"].saved.total_bytes < predicted.saved.total_bytes
+
+
+def test_what_autograd_holds_without_backward_reading_it_is_held_as_in_eager():
+    """A custom Function's `ctx.save_for_backward` of a mask its backward never reads is saved until that
+    node's backward; a pooling branch the loss ignores keeps what its nodes saved (a tanh's output, the
+    copy a matmul of a transposed input makes) until forward returns. Both are seen on the direct trace."""
+    import os
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "autograd_holds.py")
+    source = load_model_source(model)
+    graph = capture_step(source, CaptureOptions(batch=2, seq=16, target="cpu"))
+    assert graph.config.capture_path == "aot-joint"
+    predicted = analyze_graph(graph).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 16), torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True))
+    mask = [op for op in graph.ops if op.source is not None and "mask = " in op.source.code and not op.is_view][-1]
+    assert mask.outputs[0].storage_id in predicted.saved.storage_ids      # no backward op reads it
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert {name: p.peak_bytes for name, p in predicted.phases.items()} == measured.phase_peaks

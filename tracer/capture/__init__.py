@@ -285,10 +285,13 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        holds = _python_holds(cap, part.ops, table, forward)
+        holds, saved_until = _python_holds(cap, part.ops, table, forward, joint_as_traced=schedule.forward is None)
         for sid, op_index in holds.items():
             table.update(sid, held_until_op=op_index)
         recompute_local_holds(part.ops, table, holds)
+        for sid, op_index in saved_until.items():       # autograd's own saved references (eager's saved set)
+            held = table.get(sid).held_until_op
+            table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
         for extra in (expression_holds(part.ops, cap.python_backward_nodes),     # C++ backward formulas' temporaries
                       call_holds(part.ops)):                      # torch calls' arguments and C++ kernels' locals
             for sid, op_index in extra.items():
@@ -303,25 +306,29 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
     return MicroBatch(part=part, table=table, kept=kept)
 
 
-def _python_holds(cap, ops, table: StorageTable, forward: list) -> dict[int, int]:
+def _python_holds(cap, ops, table: StorageTable, forward: list, *,
+                  joint_as_traced: bool) -> tuple[dict[int, int], dict[int, int]]:
     """storage id -> the op through which the forward's Python code holds it: seen where the trace ran the
     user's Python (python_lifetimes.py), read from the source (pylocals.py) elsewhere and for the storages
-    whose release the trace could not see (an object autograd saved)."""
+    whose release the trace could not see (an object autograd saved). Second, where the step is the joint
+    as traced (`joint_as_traced`: eager's own autograd graph), storage id -> the backward op after which
+    autograd let go of what it saved (ObservedHolds.saved_until)."""
     op_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.FORWARD and not d.recomputed}
     if cap.python_deaths is None or not op_index_of:
-        return local_holds(forward, cap.executed_lines)
+        return local_holds(forward, cap.executed_lines), {}
+    backward_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD} if joint_as_traced else None
     sid_of_output = {(d.name, position): value.storage_id for d in ops if d.phase is Phase.FORWARD and not d.recomputed
                      for position, value in enumerate(d.outputs)
                      if table.get(value.storage_id).role is StorageRole.INTERMEDIATE
                      and not table.get(value.storage_id).preexisting}
     observed = observed_holds(cap.python_deaths, sid_of_output, op_index_of,
-                              [node.name for node in cap.joint.graph.nodes])
+                              [node.name for node in cap.joint.graph.nodes], backward_index_of)
     holds = dict(observed.until)
     if observed.unseen:
         for sid, op_index in local_holds(forward, cap.executed_lines).items():
             if sid in observed.unseen:
                 holds[sid] = max(op_index, holds.get(sid, -1))
-    return holds
+    return holds, observed.saved_until
 
 
 def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int]:

@@ -199,7 +199,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     from tracer.capture.target import cuda_capture
     autocast = autocast_context(precision)
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
-    custom = _CustomFunctionNodes()
+    custom = _CustomFunctionNodes(meta.lifetimes.saving if source_meta else contextlib.nullcontext)
     _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
     linecache.checkcache()
     tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
@@ -223,19 +223,22 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
 class _CustomFunctionNodes:
     """While the joint graph is traced: the sequence numbers of the autograd nodes that custom
     `torch.autograd.Function`s create (their backward is Python code, whose temporaries die at their last
-    use: capture/formulas.py). `Function.apply` is wrapped for the trace only."""
+    use: capture/formulas.py). `Function.apply` is wrapped for the trace only; `saving` is the context its
+    call runs in (PythonLifetimes.saving: what `ctx.save_for_backward` saves is seen as eager saves it)."""
 
-    def __init__(self):
+    def __init__(self, saving=contextlib.nullcontext):
         self.seq_nrs: set[int] = set()
         self._apply = None
+        self._saving = saving
 
     def __enter__(self):
         function = torch.autograd.function.Function
         self._apply = function.__dict__["apply"]
-        original, seq_nrs = self._apply.__func__, self.seq_nrs
+        original, seq_nrs, saving = self._apply.__func__, self.seq_nrs, self._saving
 
         def apply(cls, *args, **kwargs):
-            out = original(cls, *args, **kwargs)
+            with saving():
+                out = original(cls, *args, **kwargs)
             for t in (out if isinstance(out, (tuple, list)) else (out,)):
                 node = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
                 if node is not None:
@@ -339,7 +342,8 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
         meta["nn_module_stack"] = dict(self._modules)
         try:
             # capture/inplace.py: the nodes of an in-place call are marked (fx copies `custom` onto them)
-            with fx_traceback.annotate({INPLACE_CALL_KEY: True}) if inplace else contextlib.nullcontext():
+            with fx_traceback.annotate({INPLACE_CALL_KEY: True}) if inplace else contextlib.nullcontext(), \
+                    self.lifetimes.saving():
                 out = func(*args, **(kwargs or {}))
             self.lifetimes.watch(args, out, inplace)
             return out

@@ -20,6 +20,7 @@ Python, runs there).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Sequence
@@ -35,6 +36,9 @@ class PythonDeath:
     storage_keys: tuple[int, ...]     # the fake storages the object had (an in-place call gives it another)
     last_node: object                 # the fx node the trace had made last when the object died (or, for
                                       # an in-place call's tensor, let go of its storage); None: none yet
+    saved: bool = False               # autograd's saved reference died (its node was freed), not a Python
+                                      # object's: in the forward, a branch the loss does not reach; in
+                                      # backward, right after its node ran (ctx.save_for_backward's unused ones)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class ObservedDeath:
     producers: tuple[tuple[str, int], ...]   # (node name, output position) of the storages the object had
     last_node: str | None                    # the last node made before it died that a graph keeps, if any
     in_backward: bool                        # it died in backward: autograd, not Python, held it last
+    saved: bool = False                      # autograd's saved reference (PythonDeath.saved)
 
 
 def resolve_deaths(deaths: Sequence[PythonDeath], joint) -> tuple[ObservedDeath, ...]:
@@ -63,7 +68,8 @@ def resolve_deaths(deaths: Sequence[PythonDeath], joint) -> tuple[ObservedDeath,
             in_backward = node.meta.get("partitioner_tag") == "is_backward"
         name = node.name if node is not None and getattr(node, "op", None) != "root" else None
         producers = tuple(producer_of[k] for k in death.storage_keys if k in producer_of)
-        resolved.append(ObservedDeath(producers=producers, last_node=name, in_backward=in_backward))
+        resolved.append(ObservedDeath(producers=producers, last_node=name, in_backward=in_backward,
+                                      saved=death.saved))
     return tuple(resolved)
 
 
@@ -95,6 +101,37 @@ class PythonLifetimes:
             keys = self._keys_of[id(t)] = [key]
             weakref.finalize(t, self._died, id(t), keys)
 
+    @contextlib.contextmanager
+    def saving(self):
+        """Autograd's own references, around one forward torch call: every tensor autograd saves in it is
+        packed in a holder that dies when its autograd node does. A node dies in the forward when nothing
+        the loss needs reaches it (a pooling head whose output the loss ignores): eager frees what it
+        saved then, not at the end of the forward. AOT turns saved-tensor hooks off while it traces (they
+        are to run at runtime); these are turned on for the call only, and never over the user's own
+        hooks (checkpointing's), nor where hooks are disabled."""
+        autograd = torch._C._autograd
+        if (not self._open or self._current_graph() is None or not autograd._saved_tensors_hooks_is_enabled()
+                or autograd._top_saved_tensors_default_hooks(True) is not None):
+            yield
+            return
+        tracing = autograd._saved_tensors_hooks_set_tracing(False)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedHolder.unpack):
+                yield
+        finally:
+            autograd._saved_tensors_hooks_set_tracing(tracing)
+
+    def _pack(self, t):
+        holder = _SavedHolder(t)
+        key = _inner_key(t)
+        if key is not None and self._open and self._current_graph() is not None:
+            weakref.finalize(holder, self._saved_died, key)
+        return holder
+
+    def _saved_died(self, key: int) -> None:
+        if self._open and self._graph is not None:
+            self.deaths.append(PythonDeath((key,), _last_node(self._graph), saved=True))
+
     def close(self) -> None:
         self._open = False
 
@@ -117,6 +154,25 @@ class PythonLifetimes:
         return getattr(getattr(mode, "tracer", None), "graph", None)
 
 
+class _SavedHolder:
+    """What a saved-tensor pack hook returns. A tensor a node saves of its own outputs has that node as its
+    grad_fn: holding it would make a cycle (node -> holder -> tensor -> node) that keeps the node, and every
+    node before it, alive past the forward, which eager does not. The holder keeps a new functional
+    wrapper of the same value instead, which has no autograd history (made without dispatch: nothing is
+    traced)."""
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        from torch._subclasses.functional_tensor import FunctionalTensor
+        if isinstance(tensor, FunctionalTensor) and tensor.grad_fn is not None:
+            tensor = FunctionalTensor(tensor.elem, None)
+        self.tensor = tensor
+
+    @staticmethod
+    def unpack(holder: "_SavedHolder"):
+        return holder.tensor
+
+
 def _inner_key(t) -> int | None:
     """The storage key of the fake tensor a functional tensor wraps now (None: not a functional tensor)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
@@ -134,23 +190,26 @@ class ObservedHolds:
     until: dict[int, int]          # storage id -> index of the last forward op a Python object held it through
     unseen: frozenset[int]         # storages an object of which outlived the forward: when its Python
                                    # references went is not seen (autograd's saved reference kept it)
+    saved_until: dict[int, int] = dataclasses.field(default_factory=dict)
+                                   # storage id -> the backward op after which autograd let go of it: what
+                                   # eager saves, used in backward or not (only the joint as traced has it)
 
 
 def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[str, int], int],
-                   op_index_of: dict[str, int], joint_order: Sequence[str]) -> ObservedHolds:
+                   op_index_of: dict[str, int], joint_order: Sequence[str],
+                   backward_index_of: dict[str, int] | None = None) -> ObservedHolds:
     """`sid_of_output`: (node name, output position) -> storage id, for the forward's intermediates;
     `op_index_of`: the op index of each forward op's node name; `joint_order`: the joint graph's node names
     in order (a death after a node that is no op, a getitem or a placeholder, is placed at the nearest
     earlier op; before any, it holds nothing). An object that dies in backward was kept by autograd (a saved
     tensor holds the object itself), so its storage is `unseen`: under a policy that does not save it,
-    another rule must say how long Python held it."""
-    op_at: dict[str, int] = {}
-    latest = None
-    for name in joint_order:
-        latest = op_index_of.get(name, latest)
-        if latest is not None:
-            op_at[name] = latest
+    another rule must say how long Python held it. `backward_index_of` (backward ops' node names, for a
+    step read from the joint as traced): autograd's saved references that die in backward give
+    `saved_until`."""
+    op_at = _nearest_earlier(op_index_of, joint_order)
+    backward_at = _nearest_earlier(backward_index_of or {}, joint_order)
     until: dict[int, int] = {}
+    saved_until: dict[int, int] = {}
     unseen: set[int] = set()
     for death in deaths:
         op_index = op_at.get(death.last_node) if not death.in_backward else None
@@ -158,8 +217,22 @@ def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[st
             sid = sid_of_output.get(producer)
             if sid is None:
                 continue
-            if death.in_backward:
+            if death.in_backward and death.saved:
+                if death.last_node in backward_at:
+                    saved_until[sid] = max(saved_until.get(sid, -1), backward_at[death.last_node])
+            elif death.in_backward:
                 unseen.add(sid)
             elif op_index is not None:
                 until[sid] = max(until.get(sid, -1), op_index)
-    return ObservedHolds(until=until, unseen=frozenset(unseen))
+    return ObservedHolds(until=until, unseen=frozenset(unseen), saved_until=saved_until)
+
+
+def _nearest_earlier(index_of: dict[str, int], order: Sequence[str]) -> dict[str, int]:
+    """node name -> the index of the nearest op at or before it in `order` that `index_of` names."""
+    at: dict[str, int] = {}
+    latest = None
+    for name in order:
+        latest = index_of.get(name, latest)
+        if latest is not None:
+            at[name] = latest
+    return at

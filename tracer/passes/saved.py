@@ -1,5 +1,7 @@
 """Saved-for-backward storages: those live when backward starts and read by some backward op (other than
-one that reads only metadata, `METADATA_READERS`).
+one that reads only metadata, `METADATA_READERS`), and those made in the forward that autograd holds into
+backward without any backward op reading them (`Storage.held_until_op` in backward: a custom Function's
+`ctx.save_for_backward` of a tensor its backward never uses, as the capture saw it).
 
 Parameters are excluded (they are not activations); user inputs that backward reads (token ids,
 targets) are included in `storage_ids` and reported apart as `input_bytes`, since eager autograd
@@ -45,6 +47,7 @@ def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
                     or alloc >= first_backward[op.micro_batch]:
                 continue
             saved.add(value.storage_id)
+    saved |= _held_into_backward(graph, liveness, first_backward)
     total = sum(graph.storage(s).nbytes for s in saved)
     before = sum(graph.storage(s).nbytes for s in saved if liveness.intervals[s].alloc_op == BEFORE_STEP)
     return SavedTensors(frozenset(saved), total, total - before, before)
@@ -56,3 +59,16 @@ def _read_values(op) -> tuple:
     if op.target.rsplit(".", 1)[0] not in METADATA_READERS:
         return op.input_values()
     return tuple(v for name, held in op.kwargs if name == "eager_saved" for v in held)
+
+
+def _held_into_backward(graph: StepGraph, liveness: Liveness, first_backward: dict[int | None, int]) -> set[int]:
+    """Storages made before backward that are held into it (not by the training loop, not for good)."""
+    start = min(first_backward.values())
+    held = set()
+    for storage in graph.storages:
+        alloc = liveness.intervals[storage.storage_id].alloc_op
+        if (storage.held_until_op is not None and storage.held_until_op >= start and alloc is not None
+                and alloc != BEFORE_STEP and alloc < start and not storage.caller_held and not storage.persistent
+                and storage.role not in (StorageRole.PARAMETER, StorageRole.GRADIENT)):
+            held.add(storage.storage_id)
+    return held
