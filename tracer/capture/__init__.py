@@ -285,7 +285,9 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        holds, saved_until = _python_holds(cap, part.ops, table, forward, joint_as_traced=schedule.forward is None)
+        # eager's own autograd graph: the joint as traced, no block compiled (a compiled block saves its own set)
+        joint_as_traced = schedule.forward is None and not schedule.regions
+        holds, saved_until = _python_holds(cap, part.ops, table, forward, joint_as_traced=joint_as_traced)
         for sid, op_index in holds.items():
             table.update(sid, held_until_op=op_index)
         recompute_local_holds(part.ops, table, holds)

@@ -203,11 +203,12 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
     linecache.checkcache()
     tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
+    unpacking = meta.lifetimes.unpacking() if source_meta else contextlib.nullcontext()
     attributes = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
-                kernels_as_in_eager(cpu=not device.is_cuda), unused_forward_ops_kept(), custom:
+                kernels_as_in_eager(cpu=not device.is_cuda), unused_forward_ops_kept(), custom, unpacking:
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
         jd.python_deaths = resolve_deaths(meta.lifetimes.take_deaths(), jd.graph_module) if source_meta else None

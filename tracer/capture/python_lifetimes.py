@@ -82,6 +82,7 @@ class PythonLifetimes:
         self._keys_of: dict[int, list[int]] = {}     # id(object) -> its storage keys, while it lives
         self._graph = None
         self._open = True
+        self._unpacked = None                         # what the unpack hook returned last (see `unpacking`)
 
     def watch(self, args: tuple, out, inplace: bool) -> None:
         graph = self._current_graph()
@@ -116,7 +117,7 @@ class PythonLifetimes:
             return
         tracing = autograd._saved_tensors_hooks_set_tracing(False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _SavedHolder.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             autograd._saved_tensors_hooks_set_tracing(tracing)
@@ -127,6 +128,35 @@ class PythonLifetimes:
         if key is not None and self._open and self._current_graph() is not None:
             weakref.finalize(holder, self._saved_died, key)
         return holder
+
+    def _unpack(self, holder: _SavedHolder):
+        # without hooks, autograd hands back a saved original as it is and makes a variable of a saved
+        # output by a detach: the original's detach is the one to answer (`unpacking`)
+        self._unpacked = holder.tensor if holder.original else None
+        return holder.tensor
+
+    @contextlib.contextmanager
+    def unpacking(self):
+        """While the joint is traced: autograd makes a new variable of what an unpack hook returns, by a
+        dispatched detach, which for a saved original (not a node's own output) autograd without hooks
+        does not make; that detach is answered with a new functional wrapper of the same value, made
+        without dispatch, so the traced backward is the one eager's saved tensors give."""
+        from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+        dispatch = FunctionalTensorMode.__torch_dispatch__
+        lifetimes = self
+
+        def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+            unpacked, lifetimes._unpacked = lifetimes._unpacked, None
+            if func is torch.ops.aten.detach.default and unpacked is not None and args and args[0] is unpacked:
+                return FunctionalTensor(unpacked.elem, mode)
+            return dispatch(mode, func, types, args, kwargs)
+
+        FunctionalTensorMode.__torch_dispatch__ = __torch_dispatch__
+        try:
+            yield
+        finally:
+            FunctionalTensorMode.__torch_dispatch__ = dispatch
+            self._unpacked = None
 
     def _saved_died(self, key: int) -> None:
         if self._open and self._graph is not None:
@@ -155,22 +185,19 @@ class PythonLifetimes:
 
 
 class _SavedHolder:
-    """What a saved-tensor pack hook returns. A tensor a node saves of its own outputs has that node as its
-    grad_fn: holding it would make a cycle (node -> holder -> tensor -> node) that keeps the node, and every
-    node before it, alive past the forward, which eager does not. The holder keeps a new functional
-    wrapper of the same value instead, which has no autograd history (made without dispatch: nothing is
-    traced)."""
-    __slots__ = ("tensor", "__weakref__")
+    """What a saved-tensor pack hook returns, holding what autograd would hold without hooks: a node's own
+    output as `tensor_data()` would (a traced detach, so no node -> holder -> tensor -> node cycle keeps
+    the node, and every node before it, alive past the forward, and the trace has the detach eager's
+    save makes), anything else as it is. An output is told apart by its grad_fn: the node being built
+    is the newest one (its sequence number is the last one handed out)."""
+    __slots__ = ("tensor", "original", "__weakref__")
 
     def __init__(self, tensor):
         from torch._subclasses.functional_tensor import FunctionalTensor
-        if isinstance(tensor, FunctionalTensor) and tensor.grad_fn is not None:
-            tensor = FunctionalTensor(tensor.elem, None)
-        self.tensor = tensor
-
-    @staticmethod
-    def unpack(holder: "_SavedHolder"):
-        return holder.tensor
+        node = tensor.grad_fn
+        self.original = not (isinstance(tensor, FunctionalTensor) and node is not None
+                             and node._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1)
+        self.tensor = tensor if self.original else tensor.detach()
 
 
 def _inner_key(t) -> int | None:
