@@ -92,3 +92,10 @@ def test_a_gather_from_a_table_that_requires_no_grad_saves_nothing():
     that LayerNorm's backward as GatherBackward0's saved input: 524,288 B over the saved bytes and the
     backward peak."""
     _assert_exact("gathered_constant_table.py")
+
+
+def test_an_in_place_op_of_a_backward_formula_writes_into_the_result_it_returns():
+    """xglm: `torch.max(attn_weights, torch.full((), min))`; MaximumBackward0 ends in `masked_fill_` on its
+    `where` result, which the functionalized graph traced as a new tensor: one scores-sized gradient (32,768
+    B) over the backward peak; its full expression holds `self == other` and `grad / 2` until that write."""
+    _assert_exact("clamped_scores_maximum.py")
