@@ -84,3 +84,18 @@ def test_rows_picked_by_a_mask_from_a_floating_point_constant_are_sized_from_it(
     """xmod: `lang_ids = id * torch.ones(b)` then `hidden[lang_ids == i]`: the boolean index's size follows
     from a float constant, which had no shadow values (only int/bool factories had): a RoutingError."""
     _assert_exact("constant_selected_rows.py")
+
+
+def test_a_gather_from_a_table_that_requires_no_grad_saves_nothing():
+    """funnel: `torch.gather(pos_embed, 0, rel_pos)` from a sinusoid table the forward builds: eager makes no
+    autograd node, but the traced gather shared the previous LayerNorm's seq_nr, so the table was kept for
+    that LayerNorm's backward as GatherBackward0's saved input: 524,288 B over the saved bytes and the
+    backward peak."""
+    _assert_exact("gathered_constant_table.py")
+
+
+def test_an_in_place_op_of_a_backward_formula_writes_into_the_result_it_returns():
+    """xglm: `torch.max(attn_weights, torch.full((), min))`; MaximumBackward0 ends in `masked_fill_` on its
+    `where` result, which the functionalized graph traced as a new tensor: one scores-sized gradient (32,768
+    B) over the backward peak; its full expression holds `self == other` and `grad / 2` until that write."""
+    _assert_exact("clamped_scores_maximum.py")

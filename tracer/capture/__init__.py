@@ -299,7 +299,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
             for sid, op_index in extra.items():
                 held = table.get(sid).held_until_op
                 table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
-        _eager_saved_for_shape(part.ops)
+        leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
+        _eager_saved_for_shape(part.ops, _requiring_grad(part.ops, table, leaves))
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
@@ -454,10 +455,27 @@ def _eager_reduced_loss_storages(ops: list[OpDraft], table: StorageTable) -> Non
             table.update(d.outputs[0].storage_id, nbytes=nbytes)
 
 
-def _eager_saved_for_shape(ops: list[OpDraft]) -> None:
+def _requiring_grad(ops: list[OpDraft], table: StorageTable, leaves: frozenset[int]) -> frozenset[int]:
+    """Storage ids whose forward values may require grad: the trainable parameters, the leaves the forward
+    flags requires_grad (`leaves`), and the outputs of every forward op that reads one of them. An
+    over-approximation: a value made under `torch.no_grad()` or by `detach` (a view: its base's storage)
+    counts when what it was made from does."""
+    grad = {sid for sid in range(len(table))
+            if table.get(sid).role is StorageRole.PARAMETER and not table.get(sid).frozen} | set(leaves)
+    for d in ops:
+        if d.phase is Phase.FORWARD and any(v.storage_id in grad for v in input_values(d)):
+            grad.update(v.storage_id for v in d.outputs)
+    return frozenset(grad)
+
+
+def _eager_saved_for_shape(ops: list[OpDraft], requiring_grad: frozenset[int]) -> None:
     """Inputs that eager autograd saves although the traced backward reads only their shape
     (`eager_kernels.SAVED_FOR_SHAPE`): the first op of the forward op's autograd node (same seq_nr) reads
-    them too, as a keyword the formulas ignore, so they live (and count as saved) until that node runs."""
+    them too, as a keyword the formulas ignore, so they live (and count as saved) until that node runs.
+    Only where an input of the op may require grad (`requiring_grad`: storage ids): otherwise eager makes
+    no autograd node for it and saves nothing, and the traced op's seq_nr is that of a neighbouring node
+    (Funnel gathers its position embeddings from a sinusoid table the forward builds, right after a
+    LayerNorm: the table was kept for the LayerNorm's backward)."""
     from tracer.capture.eager_kernels import SAVED_FOR_SHAPE
 
     first_backward: dict[int, int] = {}
@@ -466,7 +484,8 @@ def _eager_saved_for_shape(ops: list[OpDraft]) -> None:
             first_backward.setdefault(d.seq_nr, i)
     for d in ops:
         positions = SAVED_FOR_SHAPE.get(d.target, ())
-        if d.phase is not Phase.FORWARD or not positions or d.seq_nr not in first_backward:
+        if d.phase is not Phase.FORWARD or not positions or d.seq_nr not in first_backward \
+                or not any(v.storage_id in requiring_grad for v in input_values(d)):
             continue
         kept = tuple(d.args[p] for p in positions if p < len(d.args) and isinstance(d.args[p], TensorValue))
         j = first_backward[d.seq_nr]

@@ -80,6 +80,7 @@ class OpDraft:
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
+    writes_in_place: bool = False       # its output is an eager in-place write into a storage made before it
 
     @property
     def rerun(self) -> bool:
@@ -531,7 +532,9 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
             fresh = True
         new_values[id(t)] = TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
     values[node] = _structure(node.meta.get("val"), new_values)
-    return _draft(node, phase, recomputed, values, tuple(new_values.values()), is_view=bool(new_values) and not fresh)
+    draft = _draft(node, phase, recomputed, values, tuple(new_values.values()), is_view=bool(new_values) and not fresh)
+    draft.writes_in_place = written is not None
+    return draft
 
 
 def _planned_node(node, phase, recomputed, table, values, output_sids: list) -> OpDraft:

@@ -17,10 +17,13 @@ Forward ops re-run in backward (checkpointing) are Python-level ops and are left
 nodes of custom autograd Functions (their backward is Python code, e.g. BLOOM's GeLU; the capture records
 their sequence numbers as `Function.apply` creates them), whose temporaries die at their last use.
 
+An in-place op inside a formula (`maximum`'s backward ends in `masked_fill_` on its `where` result;
+capture/inplace.py's `formula_writes_marked`) writes into the storage an earlier op made: that storage is
+the formula's result at the node's last write into it, not where it was allocated, so the temporaries
+made before the write (`self == other`, `grad / 2`) are held until the write.
+
 Not modelled: the order of evaluation inside one expression (the graph's order is the formula's own);
-custom autograd Functions that the trace does not reach through `Function.apply`; and
-in-place ops inside a formula (`maximum`'s backward ends in `masked_fill_`), which the functionalized
-graph records as out-of-place ops with a new output (an over-prediction of one tensor at that op).
+and custom autograd Functions that the trace does not reach through `Function.apply`.
 """
 from __future__ import annotations
 
@@ -44,10 +47,14 @@ def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) 
     for start, end in _backward_nodes(ops):
         if ops[start].seq_nr in python_nodes:
             continue                                     # a custom Function's Python backward
+        last_write: dict[int, int] = {}      # storage id -> the node's last op that makes or writes into it
+        for index in range(start, end):
+            last_write.update((sid, index) for sid in _made_or_written(ops[index]))
         pending: list[int] = []
         for index in range(start, end):
             op = ops[index]
-            made = [] if op.is_view else [v.storage_id for v in op.outputs]
+            # a storage that a later op of the node writes in place is the formula's result only there
+            made = [sid for sid in _made_or_written(op) if last_write[sid] == index]
             if any(_leaves_node(sid, index, start, end, ops, readers) for sid in made):
                 for sid in pending:
                     holds[sid] = max(holds.get(sid, -1), index)
@@ -55,6 +62,11 @@ def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) 
             else:
                 pending += made
     return holds
+
+
+def _made_or_written(op) -> list[int]:
+    """The storages `op` allocates, or (an in-place write: `masked_fill_` in a formula) writes into."""
+    return [v.storage_id for v in op.outputs] if op.writes_in_place or not op.is_view else []
 
 
 def _backward_nodes(ops: Sequence) -> list[tuple[int, int]]:

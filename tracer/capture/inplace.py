@@ -14,7 +14,8 @@ A write counts when its destination's storage nothing reads afterwards except th
 very write back into the same storage, level by level for a write through nested views, and the views of
 that storage those scatters write into (or, for a marked call, the views by which functionalization
 replays the destination's view chain within the call). Its output takes the destination's storage (no allocation), as in
-eager.
+eager. The in-place aten ops of backward formulas (`maximum`'s `masked_fill_`), which no Python call makes,
+are marked while the joint graph is traced (`formula_writes_marked`) and count the same way.
 
 On the export rungs the call is known by the name export records for it (`torch_fn`), so an in-place
 method or operator is found there too, but not `inplace=True`. Not modelled: in-place calls on
@@ -22,6 +23,9 @@ torch.compile's rung (its graphs name no calls): their functional ops allocate; 
 later (eager would refuse the backward, or autograd clones it) keeps its own storage.
 """
 from __future__ import annotations
+
+import contextlib
+import itertools
 
 import torch
 import torch.fx as fx
@@ -33,6 +37,7 @@ _SCATTERS = frozenset({_aten.select_scatter.default, _aten.slice_scatter.default
                        _aten.as_strided_scatter.default})
 _WRITES = _SCATTERS | {_aten.copy.default}
 INPLACE_CALL_KEY = "tracer_inplace_call"      # meta["custom"] key on the nodes of an in-place torch call
+FORMULA_WRITE_KEY = "tracer_formula_write"    # meta["custom"] key: an in-place aten op of a backward formula
 
 # Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
 _NOT_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})
@@ -71,8 +76,10 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
             readers.setdefault(storage_key(arg.meta["val"]), []).append(pos)
     writes = {}
     marked = _marked_call_writes(nodes)
+    formula_writes = _formula_writes(nodes)
     for pos, node in enumerate(nodes):
-        if (node.target not in _WRITES and node not in marked) or not node.args or not _is_tensor_node(node.args[0]):
+        if (node.target not in _WRITES and node not in marked and node not in formula_writes) or not node.args \
+                or not _is_tensor_node(node.args[0]):
             continue
         key = storage_key(node.args[0].meta["val"])
         if _only_put_back(node, [nodes[later] for later in readers.get(key, ()) if later > pos], key,
@@ -185,6 +192,64 @@ def _marked_call_writes(nodes: list[fx.Node]) -> set[fx.Node]:
         if call is not None and node.target not in _SCATTERS and _writes_first_argument(node):
             last_of_call[(call, _inner_call(node))] = node
     return set(last_of_call.values())
+
+
+@contextlib.contextmanager
+def formula_writes_marked():
+    """While the joint graph is traced: the nodes that each in-place aten op run by a backward formula
+    traces are marked with an id of their own (FORMULA_WRITE_KEY in `meta["custom"]`). Eager's C++ formulas
+    write in place (`maximum`'s `at::where(...).masked_fill_(self < other, 0)` writes into the `where`
+    result it returns); below the torch-function level no Python call marks them, and functionalization
+    traces the write as an out-of-place op with a new output. `FunctionalTensorMode.__torch_dispatch__`
+    sees the in-place op before it is made functional; it is wrapped for the trace only. A new `custom`
+    dict each time: the current one may be a forward node's own, which backward's meta starts from."""
+    import torch.fx.traceback as fx_traceback
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    original = FunctionalTensorMode.__dict__["__torch_dispatch__"]
+    ids = itertools.count(1)
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if torch._C._current_autograd_node() is None or not _is_inplace_aten_op(func):
+            return original(self, func, types, args, kwargs)
+        meta = fx_traceback.current_meta
+        had_custom, custom = "custom" in meta, meta.get("custom")
+        meta["custom"] = {**(custom or {}), FORMULA_WRITE_KEY: next(ids)}
+        try:
+            return original(self, func, types, args, kwargs)
+        finally:
+            if had_custom:
+                meta["custom"] = custom
+            else:
+                meta.pop("custom", None)
+
+    FunctionalTensorMode.__torch_dispatch__ = dispatch
+    try:
+        yield
+    finally:
+        FunctionalTensorMode.__torch_dispatch__ = original
+
+
+def _is_inplace_aten_op(func) -> bool:
+    """An aten overload that writes the data of its first argument (`masked_fill_`, `mul_`), not its
+    metadata (`as_strided_`, `transpose_`) and not an out= variant."""
+    if not isinstance(func, torch._ops.OpOverload) or torch.Tag.inplace_view in func.tags:
+        return False
+    schema = func._schema
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    return schema.name.endswith("_") and first is not None and first.is_write
+
+
+def _formula_writes(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The node of each in-place aten op of a backward formula (marked by `formula_writes_marked`) whose
+    result eager writes into the op's first argument: the op's last node that makes a new tensor of its
+    first argument's shape and dtype (not a view-scatter: already a write)."""
+    last_of_op: dict[int, fx.Node] = {}
+    for node in nodes:
+        op_id = (node.meta.get("custom") or {}).get(FORMULA_WRITE_KEY)
+        if op_id is not None and node.target not in _SCATTERS and _writes_first_argument(node):
+            last_of_op[op_id] = node
+    return set(last_of_op.values())
 
 
 def _inner_call(node: fx.Node):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tracer.capture.build import step_module
-from tracer.capture.inplace import INPLACE_CALL_KEY, is_inplace_call
+from tracer.capture.inplace import INPLACE_CALL_KEY, formula_writes_marked, is_inplace_call
 from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
@@ -208,7 +208,8 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
-                kernels_as_in_eager(cpu=not device.is_cuda), unused_forward_ops_kept(), custom, unpacking:
+                kernels_as_in_eager(cpu=not device.is_cuda), unused_forward_ops_kept(), custom, formula_writes_marked(), \
+                unpacking:
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
         jd.python_deaths = resolve_deaths(meta.lifetimes.take_deaths(), jd.graph_module) if source_meta else None
