@@ -361,6 +361,48 @@ def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class BalancedTopk(TorchFunctionMode):
+    """Every router call of a real step chooses as tracer's `balanced` routing assumption, whatever the
+    model's router looks like: a `topk` or `argmax` over the last dim of a floating-point tensor gives
+    token t's j-th choice expert (t * k + j) % experts. The op runs as it is (the same allocations, the
+    same saves for backward); its outputs are then overwritten outside the tracked dispatch and outside
+    autograd's version counters, the values read from the input at the chosen indices, so the gradient
+    flows to the chosen logits. Which token goes to which expert changes no size, only the counts do."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.topk, torch.Tensor.topk):
+            x = args[0]
+            k = args[1] if len(args) > 1 else kwargs["k"]
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+            if _routes_over_last_dim(x, dim):
+                _choose_balanced(x, out.indices, k, values=out.values)
+        elif func in (torch.argmax, torch.Tensor.argmax):
+            x = args[0]
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if dim is not None and _routes_over_last_dim(x, dim):
+                _choose_balanced(x, out, 1)
+        return out
+
+
+def _routes_over_last_dim(x, dim) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1 and dim in (-1, x.dim() - 1)
+
+
+def _choose_balanced(x: torch.Tensor, indices: torch.Tensor, k: int, *, values: torch.Tensor | None = None) -> None:
+    from torch.utils._python_dispatch import _disable_current_modes
+    experts = x.shape[-1]
+    with _disable_current_modes(), torch.no_grad():
+        tokens = indices.numel() // k
+        chosen = ((torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts).reshape(indices.shape)
+        with torch.autograd._unsafe_preserve_version_counter(indices):
+            indices.copy_(chosen)
+        if values is not None:
+            with torch.autograd._unsafe_preserve_version_counter(values):
+                values.copy_(x.gather(-1, chosen))
+
+
 def is_topk_router(module: torch.nn.Module) -> bool:
     """A transformers mixture-of-experts router (MixtralTopKRouter, Qwen2MoeTopKRouter, ...)."""
     return type(module).__name__.endswith("TopKRouter")

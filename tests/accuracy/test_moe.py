@@ -144,3 +144,19 @@ def test_a_router_taking_a_score_correction_bias_routes_balanced_and_is_exact():
     source = dataclasses.replace(plain, build_model=lambda: balanced_routers(plain.build_model()))
     _, predicted = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
     _assert_exact(predicted, _measure(source, 2, 16))
+
+
+def test_a_router_with_no_router_module_is_made_to_route_balanced_at_its_argmax():
+    """A Switch-style gate (argmax over a softmax, then per-expert `nonzero`) with random weights: the real
+    step routes balanced only when its argmax chooses as the assumption does (truth.BalancedTopk, which
+    benchmarks/wild.py uses for a mixture of experts without a transformers router module). Routed as the
+    weights decide, the same step differs."""
+    from truth import BalancedTopk
+    source = load_model_source(os.path.join(FIXTURES, "switch_argmax_router.py"))
+    graph, predicted = _predict(source, batch=2, seq=16, target="cpu", moe_routing="balanced")
+    assert "routing assumed balanced at the router aten.argmax at switch_argmax_router.py:23" in "\n".join(graph.config.notes)
+    with BalancedTopk():
+        _assert_exact(predicted, _measure(source, 2, 16))
+    as_weights_route = _measure(source, 2, 16)
+    assert (as_weights_route.saved_bytes, as_weights_route.phase_peaks) != \
+        (predicted.saved.total_bytes, {p: predicted.phases[p].peak_bytes for p in as_weights_route.phase_peaks})

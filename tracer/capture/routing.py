@@ -304,6 +304,8 @@ class RoutingShadows:
         chosen = assign_experts(counts, tokens, k)                        # (tokens, k)
         moved = list(logits.shape[:dim]) + list(logits.shape[dim + 1:]) + [k]
         real = chosen.view(moved).movedim(-1, dim)
+        if k == 1 and indices.dim() == logits.dim() - 1:
+            real = real.squeeze(dim)                # argmax / max(dim) without keepdim drop the experts' dim
         if tuple(real.shape) != tuple(indices.shape):
             return
         self._set(indices, real.contiguous() if indices.is_contiguous() else real, _ROUTED)
