@@ -149,9 +149,11 @@ def test_a_parameter_clamped_through_data_in_forward_is_written_in_place():
 
 def test_an_assertion_on_activation_values_is_taken_as_passing_and_noted():
     """The assert reads a value fake tensors do not have: read as False it would stop the step; the step
-    that runs passes it, so the read is True (op by op on fake tensors) and the report says so."""
+    that runs passes it, so the read is True, while the joint graph is traced (no fall to the op-by-op
+    rung), and the report says so."""
     model = os.path.join(FIXTURES, "asserts_on_values.py")
     result, measured = predict_and_measure(model, batch=2, seq=16)
+    assert result.graph.config.capture_path == "aot-joint"
     for phase in ("forward", "backward", "optimizer"):
         assert result.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
     assert result.saved.total_bytes == measured.saved_bytes

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_leaves
 from tracer.capture.build import step_module
 from tracer.capture.joint import _where, build_fake
 from tracer.capture.precision import autocast_context, make_grad_scaler
+from tracer.capture.pylocals import assertion_note
 from tracer.capture.model_input import ModelSource
 from tracer.capture.optimizer import (make_standard_optimizer, no_gradient_error, not_an_optimizer_error,
                                       optimizer_notes, simulated_if_bitsandbytes)
@@ -176,8 +177,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
              "memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
-    notes += [f"the assertion at {loc.short()} reads a tensor's value: taken as passing (fake tensors have no "
-              "data; the step predicted is one that runs)" for loc in dict.fromkeys(recorder.asserted_reads)]
+    notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes)
 
 

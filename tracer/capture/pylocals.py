@@ -436,6 +436,12 @@ def is_assertion(file: str, line: int) -> bool:
     return isinstance(_statement_at(file, line)[0], ast.Assert)
 
 
+def assertion_note(line: str) -> str:
+    """The report's note for an `assert` at `line` (`file.py:N`) whose truth value reads a tensor."""
+    return (f"the assertion at {line} reads a tensor's value: taken as passing (fake tensors have no data; the "
+            "step predicted is one that runs)")
+
+
 @functools.lru_cache(maxsize=4096)
 def _statement_at(file: str, line: int) -> tuple[ast.stmt | None, ast.AST | None]:
     """The innermost simple statement covering `line`, and its enclosing function."""

@@ -140,9 +140,11 @@ class RoutingShadows:
         self.answered_origin: dict[tuple[str, str], int] = {}  # (op, line) -> _Origin flags of its inputs
         self.scalar_reads: dict[str, int] = {}                  # line that read a value -> _Origin flags
         self.grouped_mm_lines: dict[str, str] = {}              # line -> dtype
+        self.asserted_lines: dict[str, None] = {}               # lines whose `assert` read a value: True
 
     @property
     def notes(self) -> tuple[str, ...]:
+        from tracer.capture.pylocals import assertion_note
         notes = []
         routed = any(o & _ROUTED for o in (*self.answered_origin.values(), *self.scalar_reads.values()))
         for router in self.routers.values() if routed else ():   # else: no note
@@ -159,6 +161,7 @@ class RoutingShadows:
         for origin, lines in sorted(by_origin.items()):
             notes.append(f"values read from tensors {_ORIGIN_MADE[origin]} (.item(), `if`, a tensor index) at "
                          + _clip(", ".join(lines)) + f": {_origin_text(origin)}")
+        notes += [assertion_note(line) for line in self.asserted_lines]
         for line, dtype in self.grouped_mm_lines.items():
             notes.append(f"grouped matmul (aten._grouped_mm) at {line} in {dtype}: sized as torch's CPU kernel "
                          "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
@@ -178,6 +181,8 @@ class RoutingShadows:
         try:
             out = original(mode, func, types, args, kwargs)
         except (_DynamicOutputShape, _DataDependentOutput) as exc:
+            if not shadowed and isinstance(exc, _DataDependentOutput) and self._asserted(func, tensors):
+                return True                  # `assert (t == 0).all()`: the step predicted is one that runs
             if not shadowed and isinstance(exc, _DataDependentOutput):
                 raise                        # a value read (`if t.sum() > 0`): the capture ladder reports it
             if not shadowed:
@@ -193,6 +198,18 @@ class RoutingShadows:
         elif tensors:
             self._forget_mutated(func, args)
         return out
+
+    def _asserted(self, func, tensors) -> bool:
+        """A bool read by an `assert` statement of the user's code (recorded for the report's note)."""
+        from tracer.capture.pylocals import is_assertion
+        from tracer.capture.source import loc_from_python_stack
+        if func is not aten._local_scalar_dense.default or tensors[0].dtype != torch.bool:
+            return False
+        loc = loc_from_python_stack()
+        if loc is None or not is_assertion(loc.file, loc.line):
+            return False
+        self.asserted_lines.setdefault(loc.short(), None)
+        return True
 
     def _known(self, t: torch.Tensor) -> bool:
         """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`)."""
