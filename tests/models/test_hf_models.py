@@ -230,6 +230,20 @@ def test_a_token_head_that_puts_image_features_before_the_text_gets_images_too()
     assert build_hf_model(gemma3).input_names == ("input_ids", "labels")
 
 
+def test_axial_positions_that_do_not_fit_the_width_or_the_sequence_are_refused_with_values_that_fit():
+    """Reformer's axial position embeddings split the width (64 + 192 = 256) and, in training, fill the
+    sequence (64 x 64 = 4096): tracer changes no key the user did not set, and says which values would fit."""
+    with pytest.raises(ModelInputError, match=r"axial_pos_embds_dim \[64, 192\] must sum to hidden_size 64") as info:
+        build_hf_model(hf_spec("reformer", overrides={"hidden_size": 64}))
+    assert "--hf-config axial_pos_embds_dim=[16, 48]" in info.value.hint
+    spec = hf_spec("reformer", overrides={"hidden_size": 64, "axial_pos_embds_dim": [16, 48]})
+    with pytest.raises(ModelInputError, match="--seq 1024 must be the product of axial_pos_shape") as info:
+        hf_example_batch(spec, 2, 1024)
+    assert "--seq 4096" in info.value.hint and "axial_pos_shape=[32, 32]" in info.value.hint
+    tokens, labels = hf_example_batch(hf_spec("reformer", overrides={"axial_pos_shape": [4, 4]}), 2, 16)
+    assert tuple(tokens.shape) == tuple(labels.shape) == (2, 16)
+
+
 def test_a_composite_models_nested_language_model_keeps_no_kv_cache():
     """GOT-OCR2's text_config has use_cache=True by default: its language model would build a DynamicCache in
     the training step, holding every layer's keys and values until forward returns."""

@@ -24,7 +24,8 @@ else what the model's own feature extractor makes of AUDIO_SECONDS of audio (its
 with an attention mask of ones where the head takes one; a note says so). A training step also needs settings some
 default configs lack (`_training_settings`: no KV cache, also in nested configs; a decoder start and pad
 token; the first of `languages` where a model with per-language adapters has no default language);
-nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
+nothing else of the config is changed: axial position embeddings that do not split the width or fill the
+sequence (`_check_axial_positions`: Reformer) are refused, naming values that fit. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
@@ -164,6 +165,7 @@ def build_hf_model(spec: HFSpec) -> nn.Module:
     config = _make_config(spec)
     model_class = getattr(transformers, spec.model_class)
     config._attn_implementation = _attn_implementation(spec, model_class)
+    _check_axial_positions(spec, config, None)
     model = model_class(config)
     return LossFromLabels(model, _input_names(spec))
 
@@ -181,6 +183,7 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
     task = TASKS[spec.task]
     config = _make_config(spec)
     if task.inputs == "tokens":
+        _check_axial_positions(spec, config, seq)
         inputs = (torch.randint(0, _vocab_size(config, spec), (batch, seq)),)                # (b, s)
         if _images_before_text(spec, config):
             inputs += (_pixel_values(config, spec, batch),)                                   # (b, c, h, w)
@@ -204,6 +207,44 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
     else:
         labels = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
     return (*inputs, labels)
+
+
+def _check_axial_positions(spec: HFSpec, config, seq: int | None) -> None:
+    """Axial position embeddings (`axial_pos_embds`: Reformer) lay the positions out on a grid and split the
+    width over its axes: `axial_pos_embds_dim` must sum to the hidden size and, in training, `axial_pos_shape`
+    multiply to the sequence length. tracer changes no key the user did not set, so a config or --seq that
+    breaks either is refused, naming the keys and values that would fit."""
+    shape, dims = getattr(config, "axial_pos_shape", None), getattr(config, "axial_pos_embds_dim", None)
+    if not getattr(config, "axial_pos_embds", False) or shape is None or dims is None:
+        return
+    width = int(config.hidden_size)
+    if sum(dims) != width:
+        raise ModelInputError(f"hf:{spec.name}: axial_pos_embds_dim {list(dims)} must sum to hidden_size {width} (the "
+                              f"axial position embeddings are concatenated into the width)",
+                              hint=f"pass --hf-config axial_pos_embds_dim={json.dumps(split_width(list(dims), width))}")
+    grid = functools.reduce(lambda a, b: a * b, shape, 1)
+    if seq is not None and seq != grid:
+        raise ModelInputError(f"hf:{spec.name}: --seq {seq} must be the product of axial_pos_shape {list(shape)}, "
+                              f"{grid}: axial positions train only on sequences that fill their grid",
+                              hint=f"use --seq {grid}, or pass --hf-config "
+                                   f"axial_pos_shape={json.dumps(axial_grid(seq, len(shape)))}")
+
+
+def split_width(parts: list[int], width: int) -> list[int]:
+    """`parts` rescaled in proportion to sum to `width` ([64, 192] -> 64: [16, 48]); each part at least 1."""
+    total = sum(parts)
+    scaled = [max(1, part * width // total) for part in parts[:-1]]
+    return [*scaled, max(1, width - sum(scaled))]
+
+
+def axial_grid(positions: int, axes: int) -> list[int]:
+    """`axes` factors of `positions`, as even as its divisors allow, largest first (1024, 2 -> [32, 32]; 16 -> [4, 4])."""
+    factors = []
+    for axis in range(axes, 1, -1):
+        factor = max(d for d in range(1, positions + 1) if positions % d == 0 and d ** axis <= positions)
+        factors.append(factor)
+        positions //= factor
+    return sorted([*factors, positions], reverse=True)
 
 
 def _pixel_values(config, spec: HFSpec, batch: int) -> torch.Tensor:
