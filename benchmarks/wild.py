@@ -8,7 +8,8 @@ seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` 
 `style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
 overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
 vocab 256, image 32, patch 8, dropouts 0, per-layer lists and dicts keyed by layer index cut to the new
-depth, ...), also inside nested sub-configs; where the real model does not
+depth, sizes that sum to a shrunk width rescaled to the new one, a grid of positions made to fill SEQ, ...),
+also inside nested sub-configs; where the real model does not
 run with that config (transformers raises on real tensors: the shrinking broke a constraint between keys),
 gentler shrinks are tried (`SHRINKS`), and the row names the one used.
 
