@@ -8,7 +8,8 @@ seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` 
 `style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
 overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
 vocab 256, image 32, patch 8, dropouts 0, per-layer lists and dicts keyed by layer index cut to the new
-depth, ...), also inside nested sub-configs; where the real model does not
+depth, sizes that sum to a shrunk width rescaled to the new one, a grid of positions made to fill SEQ, ...),
+also inside nested sub-configs; where the real model does not
 run with that config (transformers raises on real tensors: the shrinking broke a constraint between keys),
 gentler shrinks are tried (`SHRINKS`), and the row names the one used.
 
@@ -140,6 +141,8 @@ def tiny_overrides(config: dict, shrink: str = "tiny") -> dict:
         elif _keyed_by_layer(value) and shrink != DEFAULT_LISTS:
             out[key] = {k: v for k, v in value.items() if int(k) < TINY_BY_KEY["num_hidden_layers"]}
     _keep_kv_heads_equal(config, out)
+    _keep_parts_summing_to_width(config, out)
+    _keep_position_grid_filled(config, out)
     _route_to_top_k(config, out)
     if shrink == PROPORTIONAL:
         _keep_head_width_proportional(config, out)
@@ -177,6 +180,31 @@ def _keep_head_width_proportional(config: dict, out: dict) -> None:
         if key.endswith("_groups") and isinstance(groups, int) and not isinstance(groups, bool) and groups > 0 \
                 and config[heads_key] % groups == 0 and heads % groups:
             out[key] = math.gcd(groups, heads)
+
+
+def _int_list(value) -> bool:
+    return (isinstance(value, list) and len(value) > 1
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value))
+
+
+def _keep_parts_summing_to_width(config: dict, out: dict) -> None:
+    """A list of sizes summing to a width the shrink changes (parts concatenated into it: Reformer's axial
+    position embeddings, 64 + 192 = 256) is rescaled in proportion to sum to the new width."""
+    from tracer.models.hf import split_width
+    widths = {config[k]: out[k] for k in TINY[1][1] if k in out and isinstance(config.get(k), int)}
+    for key, value in config.items():
+        if key not in out and _int_list(value) and sum(value) in widths:
+            out[key] = split_width(value, widths[sum(value)])
+
+
+def _keep_position_grid_filled(config: dict, out: dict) -> None:
+    """A list of sizes multiplying to max_position_embeddings (positions laid out on a grid, as axial position
+    embeddings do) is made to multiply to SEQ: such a model trains only on sequences that fill its grid."""
+    from tracer.models.hf import axial_grid
+    positions = config.get("max_position_embeddings")
+    for key, value in config.items():
+        if key not in out and _int_list(value) and all(v > 1 for v in value) and math.prod(value) == positions:
+            out[key] = axial_grid(SEQ, len(value))
 
 
 def _route_to_top_k(config: dict, out: dict) -> None:

@@ -1,5 +1,6 @@
 """The capture ladder's torch.compile rung: when every export rung fails, torch.compile's joint graph (under
 fake tensors) gives the same step as export, and the prediction still matches a real eager step."""
+import dataclasses
 import os
 
 import pytest
@@ -115,6 +116,23 @@ def test_a_data_dependent_branch_ends_at_dispatch_without_trying_the_compile_run
     assert graph.config.capture_path == DISPATCH_PATH
     notes = " ".join(graph.config.notes)
     assert "data_dependent_branch.py:18" in notes and "torch.compile" not in notes
+
+
+def test_a_custom_functions_backward_that_runs_its_own_backward_is_run_op_by_op():
+    """tests/fixtures/reversible_nested_backward.py: a reversible block's backward recomputes it and writes its
+    parameters' .grad by a nested backward(), which the direct trace cannot follow; export would trace the
+    Function's forward as plain ops (saving what its backward never needs), so the ladder goes to dispatch,
+    whose eager autograd runs the Function's own backward: exact."""
+    source, options = load_model_source(os.path.join(FIXTURES, "reversible_nested_backward.py")), \
+        CaptureOptions(batch=2, seq=16)
+    graph = capture_steps(source, options, (PolicySpec(name="eager"),))["eager"]
+    assert graph.config.capture_path == DISPATCH_PATH
+    assert "custom autograd Function Reversible" in " ".join(graph.config.notes)
+    predicted, measured = analyze_graphs({"eager": graph}).policies["eager"], _measure(source, options)
+    _assert_matches(predicted, measured)
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    with pytest.raises(CaptureError, match="custom autograd Function Reversible"):
+        capture_steps(source, dataclasses.replace(options, capture="export"), (PolicySpec(name="eager"),))
 
 
 def test_when_every_graph_rung_fails_the_notes_name_each_one():

@@ -45,6 +45,14 @@ CONFIGS = {
                   '"activation_dropout":0.0,"attention_dropout":0.0}',
                   'decoder_config={"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,'
                   '"num_attention_heads":4,"num_key_value_heads":4,"head_dim":16}'),
+    # NaFlex patchified pixels with pixel_attention_mask and spatial_shapes, as its image processor makes them
+    "hf:siglip2": ('vision_config={"num_hidden_layers":2,"hidden_size":64,"intermediate_size":128,'
+                   '"num_attention_heads":4,"patch_size":8}',),
+    # image features before the text (no image placeholder token): token ids and an image
+    "hf:git": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+               "vocab_size=512", "hidden_dropout_prob=0", "attention_probs_dropout_prob=0",
+               'vision_config={"num_hidden_layers":2,"hidden_size":64,"intermediate_size":128,'
+               '"num_attention_heads":4,"image_size":32,"patch_size":8}'),
 }
 # T5 also with eager attention: it runs dropout on the attention probabilities, which autograd saves twice over;
 # llama also as a sequence classifier (--hf-task): it pools the last non-pad position

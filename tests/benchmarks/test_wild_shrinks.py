@@ -44,3 +44,17 @@ def test_the_proportional_shrink_keeps_a_count_of_some_layers_below_the_new_dept
     assert "num_kv_shared_layers" not in sweep.tiny_overrides(config)
     out = sweep.tiny_overrides(config, sweep.PROPORTIONAL)
     assert (out["num_hidden_layers"], out["num_kv_shared_layers"]) == (2, 1)    # one layer reuses, one makes
+
+
+def test_sizes_summing_to_a_shrunk_width_are_rescaled_to_sum_to_the_new_width():
+    """Reformer's axial position embeddings are concatenated into the width: 64 + 192 = hidden_size 256."""
+    out = wild_sweep().tiny_overrides({"hidden_size": 256, "axial_pos_embds_dim": [64, 192], "other": [3, 5]})
+    assert out["hidden_size"] == 64 and out["axial_pos_embds_dim"] == [16, 48] and "other" not in out
+
+
+def test_a_position_grid_is_made_to_multiply_to_the_sweeps_sequence_length():
+    """Axial positions (64 x 64 = max_position_embeddings 4096) train only on sequences that fill the grid."""
+    sweep = wild_sweep()
+    out = sweep.tiny_overrides({"max_position_embeddings": 4096, "axial_pos_shape": [64, 64], "sizes": [64, 32]})
+    assert out["axial_pos_shape"] == [4, 4] and 4 * 4 == sweep.SEQ and "sizes" not in out
+    assert "axial_pos_shape" not in sweep.tiny_overrides({"axial_pos_shape": [64, 64]})

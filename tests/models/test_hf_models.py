@@ -46,6 +46,10 @@ CONFIGS = {
                "\"num_attention_heads\":2,\"num_key_value_heads\":1,\"head_dim\":16,\"vocab_size\":128}",
                "vision_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
                "\"num_attention_heads\":2,\"image_size\":32,\"patch_size\":8}", "mm_tokens_per_image=4"),
+    "siglip2": ("vision_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
+                "\"num_attention_heads\":2,\"patch_size\":8}",),
+    "git": TINY + ("vision_config={\"num_hidden_layers\":1,\"hidden_size\":32,\"intermediate_size\":64,"
+                   "\"num_attention_heads\":2,\"image_size\":32,\"patch_size\":8}",),
 }
 
 
@@ -194,6 +198,50 @@ def test_a_vision_sub_config_gives_the_image_size_and_the_model_is_built_without
     assert tuple(pixels.shape) == (2, 3, 32, 32)
     resnet = build_hf_model(hf_spec("resnet", overrides=parse_overrides(CONFIGS["resnet"]))).model
     assert resnet.config._attn_implementation == "eager"      # ResNet has no sdpa path; sdpa is not refused
+
+
+def test_a_naflex_vision_model_gets_the_patchified_batch_its_image_processor_makes_and_says_so():
+    """SigLIP2 reads patches (b, patches, c*p*p) with pixel_attention_mask and spatial_shapes, as
+    Siglip2ImageProcessor makes them: at patch 8 its 256-patch budget is a 16 x 16 grid of a 224 x 224 image."""
+    spec = hf_spec("siglip2", overrides=parse_overrides(CONFIGS["siglip2"]))
+    pixels, mask, shapes, labels = hf_example_batch(spec, 2, 16)
+    assert tuple(pixels.shape) == (2, 256, 3 * 8 * 8) and tuple(labels.shape) == (2,)
+    assert mask.dtype == torch.int32 and tuple(mask.shape) == (2, 256) and bool((mask == 1).all())
+    assert shapes.tolist() == [[16, 16], [16, 16]]
+    model = build_hf_model(spec)
+    assert model.input_names == ("pixel_values", "pixel_attention_mask", "spatial_shapes", "labels")
+    model(pixels, mask, shapes, labels).backward()          # the real model runs on it
+    assert any("Siglip2ImageProcessor" in note and "spatial_shapes [16, 16]" in note for note in hf_batch_notes(spec))
+    vit = hf_spec("vit", overrides=parse_overrides(CONFIGS["vit"]))
+    assert build_hf_model(vit).input_names == ("pixel_values", "labels")     # its processor makes pixels only
+
+
+def test_a_token_head_that_puts_image_features_before_the_text_gets_images_too():
+    """GIT's loss skips its image positions (logits[:, image tokens:]): token ids alone leave no logits to
+    score. Gemma3 names an image placeholder token, so it stays text only."""
+    spec = hf_spec("git", overrides=parse_overrides(CONFIGS["git"]))
+    tokens, pixels, labels = hf_example_batch(spec, 2, 16)
+    assert tuple(tokens.shape) == (2, 16) and tuple(pixels.shape) == (2, 3, 32, 32) and tuple(labels.shape) == (2, 16)
+    model = build_hf_model(spec)
+    assert model.input_names == ("input_ids", "pixel_values", "labels")
+    model(tokens, pixels, labels).backward()
+    assert any("before the text" in note for note in hf_batch_notes(spec))
+    gemma3 = hf_spec("gemma3", overrides=parse_overrides(CONFIGS["gemma3"]))
+    assert build_hf_model(gemma3).input_names == ("input_ids", "labels")
+
+
+def test_axial_positions_that_do_not_fit_the_width_or_the_sequence_are_refused_with_values_that_fit():
+    """Reformer's axial position embeddings split the width (64 + 192 = 256) and, in training, fill the
+    sequence (64 x 64 = 4096): tracer changes no key the user did not set, and says which values would fit."""
+    with pytest.raises(ModelInputError, match=r"axial_pos_embds_dim \[64, 192\] must sum to hidden_size 64") as info:
+        build_hf_model(hf_spec("reformer", overrides={"hidden_size": 64}))
+    assert "--hf-config axial_pos_embds_dim=[16, 48]" in info.value.hint
+    spec = hf_spec("reformer", overrides={"hidden_size": 64, "axial_pos_embds_dim": [16, 48]})
+    with pytest.raises(ModelInputError, match="--seq 1024 must be the product of axial_pos_shape") as info:
+        hf_example_batch(spec, 2, 1024)
+    assert "--seq 4096" in info.value.hint and "axial_pos_shape=[32, 32]" in info.value.hint
+    tokens, labels = hf_example_batch(hf_spec("reformer", overrides={"axial_pos_shape": [4, 4]}), 2, 16)
+    assert tuple(tokens.shape) == tuple(labels.shape) == (2, 16)
 
 
 def test_a_composite_models_nested_language_model_keeps_no_kv_cache():

@@ -7,7 +7,9 @@ every policy). The capture ladder: the joint traced from the module directly (`a
 models that run torch.utils.checkpoint skip it) -> torch.export non-strict, then strict, then AOT on the
 exported module (`export-joint`) -> torch.compile's joint graph (`compile-joint`, dynamo_joint.py) ->
 when all fail, the whole step run op by op on fake tensors (`dispatch.py`: eager memory and attribution,
-no recompute policies); the report's capture path and notes say which rung was used and why.
+no recompute policies); a direct trace that fails inside a custom autograd Function's backward goes straight
+to it (export would replace that backward by its forward's: joint.py `_failing_custom_backward`). The
+report's capture path and notes say which rung was used and why.
 """
 from __future__ import annotations
 

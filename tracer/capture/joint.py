@@ -147,6 +147,15 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
         if calls:           # reentrant checkpointing refuses AOT's autograd.grad: the export rungs take it
             raise CaptureError(f"{source.name}: the forward checkpoints: it is exported, which observes the "
                                "forward first", next_rung_may_work=True, quiet=True) from exc
+        function = _failing_custom_backward(exc)
+        if function is not None:
+            # export traces a custom Function's forward as plain ops, and AOT derives a backward of its own:
+            # not the Function's (which may save less, or write .grad itself by a nested backward())
+            raise CaptureError(f"{_where(exc)}: the backward of the custom autograd Function {function} cannot be "
+                               f"traced into a joint graph ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}), and the export rungs would "
+                               f"replace it by the backward of its forward's ops",
+                               hint="--capture auto or dispatch runs the step op by op") from exc
         raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
@@ -156,6 +165,22 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
                            "that requires grad or returns no scalar loss: it is exported, which observes the "
                            "forward first (and lifts the leaf as an input)", next_rung_may_work=True, quiet=True)
     return jd
+
+
+def _failing_custom_backward(exc: BaseException) -> str | None:
+    """The name of the custom autograd Function whose backward `exc` was raised in (a frame whose `ctx` is an
+    autograd node of a Python Function), or None where it was raised elsewhere."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        tb = exc.__traceback__
+        while tb is not None:
+            ctx = tb.tb_frame.f_locals.get("ctx") if tb.tb_frame.f_code.co_name == "backward" else None
+            if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+                return getattr(getattr(ctx, "_forward_cls", None), "__qualname__", type(ctx).__name__)
+            tb = tb.tb_next
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:

@@ -15,13 +15,17 @@ never replaced by another.
 
 The loss comes from the model's own `labels` path; the example batch is what a training step feeds that head
 (`hf_example_batch`): token ids and labels of the same shape (a separate tensor, as a data collator's copy),
-per-sequence class labels, pixel values at the config's image size (`--seq` unused), or speech features:
+per-sequence class labels, pixel values at the config's image size (`--seq` unused; where the head also takes
+inputs its own image processor makes, such as NaFlex's pixel_attention_mask and spatial_shapes, all of them as
+that processor makes them of one image: `_image_layout`), token ids with such images where a token head puts
+image features before the text and has no image placeholder token (`_images_before_text`: GIT), or speech features:
 Whisper-style log-mel features (num_mel_bins x 2*max_source_positions frames) where the config fixes them,
 else what the model's own feature extractor makes of AUDIO_SECONDS of audio (its axis order and frame count,
 with an attention mask of ones where the head takes one; a note says so). A training step also needs settings some
 default configs lack (`_training_settings`: no KV cache, also in nested configs; a decoder start and pad
 token; the first of `languages` where a model with per-language adapters has no default language);
-nothing else of the config is changed. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
+nothing else of the config is changed: axial position embeddings that do not split the width or fill the
+sequence (`_check_axial_positions`: Reformer) are refused, naming values that fit. `attn_implementation` is selectable (sdpa or eager) since it changes what is saved. While
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
@@ -161,6 +165,7 @@ def build_hf_model(spec: HFSpec) -> nn.Module:
     config = _make_config(spec)
     model_class = getattr(transformers, spec.model_class)
     config._attn_implementation = _attn_implementation(spec, model_class)
+    _check_axial_positions(spec, config, None)
     model = model_class(config)
     return LossFromLabels(model, _input_names(spec))
 
@@ -178,22 +183,73 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
     task = TASKS[spec.task]
     config = _make_config(spec)
     if task.inputs == "tokens":
-        inputs = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
+        _check_axial_positions(spec, config, seq)
+        inputs = (torch.randint(0, _vocab_size(config, spec), (batch, seq)),)                # (b, s)
+        if _images_before_text(spec, config):
+            inputs += (_pixel_values(config, spec, batch),)                                   # (b, c, h, w)
     elif task.inputs == "image":
-        height, width = _image_size(config, spec)
-        inputs = torch.randn(batch, _num_channels(config), height, width)                     # (b, c, h, w)
+        layout = _image_layout(config, spec)
+        if layout is None:
+            inputs = (_pixel_values(config, spec, batch),)                                    # (b, c, h, w)
+        else:                   # pixels as the processor lays them out, its other inputs as it makes them
+            inputs = (torch.randn(batch, *layout.pixel_shape),                                # (b, patches, c*p*p)
+                      *(torch.tensor(values).expand(batch, *torch.tensor(values).shape).clone()
+                        for _, values in layout.others))
     else:
         layout = _audio_layout(config, spec, seq)
-        inputs = torch.randn(batch, *layout.features_shape)          # (b, mels, frames) or (b, frames, mels)
+        inputs = (torch.randn(batch, *layout.features_shape),)       # (b, mels, frames) or (b, frames, mels)
         if layout.mask_dtype is not None:                            # every frame is audio: a mask of ones
-            inputs = (inputs, torch.ones(batch, layout.frames, dtype=getattr(torch, layout.mask_dtype)))
+            inputs += (torch.ones(batch, layout.frames, dtype=getattr(torch, layout.mask_dtype)),)
     if task.labels == "sequence":
         labels = torch.randint(0, config.num_labels, (batch,))                              # (b,)
     elif spec.task == "token-classification":
         labels = torch.randint(0, config.num_labels, (batch, seq))                          # (b, s)
     else:
         labels = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
-    return (*inputs, labels) if isinstance(inputs, tuple) else (inputs, labels)
+    return (*inputs, labels)
+
+
+def _check_axial_positions(spec: HFSpec, config, seq: int | None) -> None:
+    """Axial position embeddings (`axial_pos_embds`: Reformer) lay the positions out on a grid and split the
+    width over its axes: `axial_pos_embds_dim` must sum to the hidden size and, in training, `axial_pos_shape`
+    multiply to the sequence length. tracer changes no key the user did not set, so a config or --seq that
+    breaks either is refused, naming the keys and values that would fit."""
+    shape, dims = getattr(config, "axial_pos_shape", None), getattr(config, "axial_pos_embds_dim", None)
+    if not getattr(config, "axial_pos_embds", False) or shape is None or dims is None:
+        return
+    width = int(config.hidden_size)
+    if sum(dims) != width:
+        raise ModelInputError(f"hf:{spec.name}: axial_pos_embds_dim {list(dims)} must sum to hidden_size {width} (the "
+                              f"axial position embeddings are concatenated into the width)",
+                              hint=f"pass --hf-config axial_pos_embds_dim={json.dumps(split_width(list(dims), width))}")
+    grid = functools.reduce(lambda a, b: a * b, shape, 1)
+    if seq is not None and seq != grid:
+        raise ModelInputError(f"hf:{spec.name}: --seq {seq} must be the product of axial_pos_shape {list(shape)}, "
+                              f"{grid}: axial positions train only on sequences that fill their grid",
+                              hint=f"use --seq {grid}, or pass --hf-config "
+                                   f"axial_pos_shape={json.dumps(axial_grid(seq, len(shape)))}")
+
+
+def split_width(parts: list[int], width: int) -> list[int]:
+    """`parts` rescaled in proportion to sum to `width` ([64, 192] -> 64: [16, 48]); each part at least 1."""
+    total = sum(parts)
+    scaled = [max(1, part * width // total) for part in parts[:-1]]
+    return [*scaled, max(1, width - sum(scaled))]
+
+
+def axial_grid(positions: int, axes: int) -> list[int]:
+    """`axes` factors of `positions`, as even as its divisors allow, largest first (1024, 2 -> [32, 32]; 16 -> [4, 4])."""
+    factors = []
+    for axis in range(axes, 1, -1):
+        factor = max(d for d in range(1, positions + 1) if positions % d == 0 and d ** axis <= positions)
+        factors.append(factor)
+        positions //= factor
+    return sorted([*factors, positions], reverse=True)
+
+
+def _pixel_values(config, spec: HFSpec, batch: int) -> torch.Tensor:
+    height, width = _image_size(config, spec)
+    return torch.randn(batch, _num_channels(config), height, width)                         # (b, c, h, w)
 
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -212,8 +268,13 @@ def hf_failure_hint(spec: HFSpec) -> str:
 
 def _input_names(spec: HFSpec) -> tuple[str, ...]:
     inputs = TASKS[spec.task].inputs
-    if inputs == "audio" and _audio_layout(_make_config(spec), spec, None).mask_dtype is not None:
+    config = _make_config(spec)
+    if inputs == "audio" and _audio_layout(config, spec, None).mask_dtype is not None:
         return _INPUT_NAMES[inputs], "attention_mask", "labels"
+    if inputs == "tokens" and _images_before_text(spec, config):
+        return _INPUT_NAMES[inputs], "pixel_values", "labels"
+    if inputs == "image" and (layout := _image_layout(config, spec)) is not None:
+        return _INPUT_NAMES[inputs], *(name for name, _ in layout.others), "labels"
     return _INPUT_NAMES[inputs], "labels"
 
 
@@ -363,6 +424,83 @@ def _vision_field(config, key: str):
     return value
 
 
+def _images_before_text(spec: HFSpec, config) -> bool:
+    """A token head that also reads images and has no image placeholder token (no `*image_token*` key in its
+    config) puts the image features before the text (GIT): its loss skips those positions, so the batch
+    carries images too. A head with placeholders reads images only where the token ids name them: text only."""
+    if getattr(config, "vision_config", None) is None or "pixel_values" not in _forward_parameters(spec):
+        return False
+    return not any("image_token" in key for key in config.to_dict())
+
+
+def _forward_parameters(spec: HFSpec) -> tuple[str, ...]:
+    import inspect
+    return tuple(inspect.signature(getattr(_import_transformers(), spec.model_class).forward).parameters)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageLayout:
+    pixel_shape: tuple[int, ...]            # one example's pixel_values, e.g. (patches, channels*patch*patch)
+    others: tuple                           # (name, one example's values as a numpy array), in forward's order
+    processor: str                          # the image processor the layout was read from
+    image_size: tuple[int, int]             # the (height, width) of the dummy image it was made of
+
+
+def _image_layout(config, spec: HFSpec) -> ImageLayout | None:
+    """How the head reads images where its forward takes inputs its own image processor (transformers'
+    IMAGE_PROCESSOR_MAPPING) makes beside pixel_values (NaFlex: patchified pixels with pixel_attention_mask and
+    spatial_shapes): what that processor, at the config's patch size, makes of one image at the config's size.
+    None where the head takes pixel_values alone: images at the config's size, channels first."""
+    height, width = _image_size(config, spec)
+    patch = _vision_field(config, "patch_size")
+    return _processor_layout(spec.name, spec.model_type, spec.model_class, _forward_parameters(spec),
+                             height, width, None if patch is None else int(patch))
+
+
+@functools.lru_cache(maxsize=None)
+def _processor_layout(spec_name: str, model_type: str, model_class: str, takes: tuple[str, ...], height: int,
+                      width: int, patch: int | None) -> ImageLayout | None:
+    transformers = _import_transformers()
+    processor_class = _image_processor_class(model_type, transformers)
+    names = getattr(processor_class, "model_input_names", None) or ()
+    others = [name for name in takes if name in names and name != "pixel_values"]
+    if processor_class is None or not others:
+        return None
+    try:                                # real arrays, whatever device the model is being built on
+        with torch.device("cpu"):
+            return _probe_processor(processor_class, others, height, width, patch)
+    except Exception as exc:            # transformers' own code (a missing optional package, ...)
+        raise ModelInputError(f"hf:{spec_name}: {model_class} takes {', '.join(others)} beside pixel_values, which "
+                              f"tracer makes as {processor_class.__name__} does, and it failed on a dummy image: "
+                              f"{type(exc).__name__}: {exc}", hint="write a model file with its example batch") from exc
+
+
+def _image_processor_class(model_type: str, transformers):
+    """model_type's image processor class: the PIL one first (it needs no torchvision); None where it has none."""
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    names = IMAGE_PROCESSOR_MAPPING_NAMES.get(model_type)
+    if isinstance(names, dict):
+        names = [names.get("pil"), *names.values()]
+    elif not isinstance(names, (tuple, list)):
+        names = [names]
+    for name in names:
+        try:
+            return getattr(transformers, name)
+        except (TypeError, AttributeError, ImportError):       # None, or a backend that is not installed
+            continue
+    return None
+
+
+def _probe_processor(processor_class, others: list[str], height: int, width: int, patch: int | None) -> ImageLayout:
+    import numpy as np
+    processor = processor_class(**({} if patch is None else {"patch_size": patch}))
+    made = processor(np.zeros((height, width, 3), dtype=np.uint8), return_tensors="np")
+    pixels = np.asarray(made["pixel_values"])
+    return ImageLayout(pixel_shape=tuple(int(n) for n in pixels.shape[1:]),
+                       others=tuple((name, np.asarray(made[name])[0]) for name in others),
+                       processor=processor_class.__name__, image_size=(height, width))
+
+
 def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
     """The assumptions `hf_example_batch` makes for `spec` that the config does not state, for the report."""
     if TASKS[spec.task].inputs == "audio":
@@ -373,9 +511,21 @@ def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
         return (f"hf:{spec.name}: the example batch is {AUDIO_SECONDS} s of audio per example as {layout.extractor} "
                 f"lays it out: features {' x '.join(map(str, layout.features_shape))} ({layout.frames} frames){mask}; "
                 f"for longer audio write a model file with its example batch",)
+    config = _make_config(spec)
+    if TASKS[spec.task].inputs == "tokens" and _images_before_text(spec, config):
+        height, width = _image_size(config, spec)
+        return (f"hf:{spec.name}: {spec.model_class} puts image features before the text (its config names no image "
+                f"placeholder token): the example batch is token ids and one {_num_channels(config)} x {height} x "
+                f"{width} image per example",)
     if TASKS[spec.task].inputs != "image":
         return ()
-    config = _make_config(spec)
+    layout = _image_layout(config, spec)
+    if layout is not None:
+        made = ", ".join(f"{name} {values.tolist()}" if values.size <= 4 else f"{name} {' x '.join(map(str, values.shape))}"
+                         f" ({values.dtype})" for name, values in layout.others)
+        return (f"hf:{spec.name}: the example batch is what {layout.processor} makes of one "
+                f"{layout.image_size[0]} x {layout.image_size[1]} image per example: pixel_values "
+                f"{' x '.join(map(str, layout.pixel_shape))}, {made}",)
     missing = [key for key in ("image_size", "num_channels") if _vision_field(config, key) is None]
     if not missing:
         return ()
