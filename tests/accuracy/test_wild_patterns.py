@@ -3,6 +3,7 @@ model file in tests/fixtures, predicted vs a real eager CPU step (tests/truth.py
 saved bytes exact."""
 import os
 
+import pytest
 import torch
 
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
@@ -99,3 +100,26 @@ def test_an_in_place_op_of_a_backward_formula_writes_into_the_result_it_returns(
     `where` result, which the functionalized graph traced as a new tensor: one scores-sized gradient (32,768
     B) over the backward peak; its full expression holds `self == other` and `grad / 2` until that write."""
     _assert_exact("clamped_scores_maximum.py")
+
+
+def test_a_multi_statement_backward_formula_frees_a_statements_temporaries_at_its_end():
+    """olmo_hybrid: `linalg_solve_triangular_backward` computes `gA_tmp = -gB_tmp.matmul(X.mH());` then
+    `tril(gA_tmp)`; the matmul's result dies at the statement's end, but the one-expression rule held it
+    until `tril` made the matrix's gradient: one matrix-sized tensor (2,048 B here, 983,040 B in the sweep's
+    model) over the backward peak."""
+    predicted = _assert_exact("unit_triangular_solve.py")
+    assert predicted.phases["backward"].peak_bytes > predicted.phases["forward"].peak_bytes
+
+
+@pytest.mark.filterwarnings("ignore:torch.triangular_solve is deprecated")
+def test_the_older_triangular_solve_frees_its_statements_temporaries_alike(tmp_path):
+    """`triangular_solve_backward`: `grad_a = -grad_b.matmul(x.mH());` then `grad_a = grad_a.tril(-1)`, the
+    same statements as linalg's (2,048 B over the backward peak under the one-expression rule)."""
+    with open(os.path.join(FIXTURES, "unit_triangular_solve.py")) as fixture:
+        text = fixture.read()
+    linalg_call = "torch.linalg.solve_triangular(system, value, upper=False, unitriangular=True)"
+    assert linalg_call in text
+    model = tmp_path / "older_triangular_solve.py"
+    model.write_text(text.replace(linalg_call, "torch.triangular_solve(value, system, upper=False, "
+                                               "unitriangular=True).solution"))
+    _assert_exact(str(model))

@@ -22,6 +22,15 @@ capture/inplace.py's `formula_writes_marked`) writes into the storage an earlier
 the formula's result at the node's last write into it, not where it was allocated, so the temporaries
 made before the write (`self == other`, `grad / 2`) are held until the write.
 
+A formula written as several C++ statements (a FunctionsManual.cpp function) frees each statement's
+temporaries at its `;`, and only its named locals live to the function's return. `STATEMENT_ENDS` names,
+per forward op, the ops inside its backward that end a statement: `linalg_solve_triangular_backward`'s
+`gA_tmp = -gB_tmp.matmul(X.mH());` frees the matmul's result once `neg` has made the named `gA_tmp`, so
+it is not live when `tril` makes gA (one A-sized gradient over the peak otherwise: OLMo-Hybrid's gated
+delta rule). At such an op the storages the node made since its previous result (or statement end),
+other than the op's own outputs, are held until that op and no longer; those outputs (the named local)
+are held on, to the next result.
+
 Not modelled: the order of evaluation inside one expression (the graph's order is the formula's own);
 and custom autograd Functions that the trace does not reach through `Function.apply`.
 """
@@ -34,6 +43,14 @@ from tracer.stepgraph import Phase, TensorValue
 
 _REDUCTIONS = ("aten.sum.dim_IntList", "aten.sum.default")   # validate_outputs' sum_to_size
 
+# forward op -> the backward ops that end a statement of its multi-statement C++ formula (FunctionsManual.cpp)
+STATEMENT_ENDS: dict[str, frozenset[str]] = {
+    # linalg_solve_triangular_backward: `const Tensor gA_tmp = left ? -gB_tmp.matmul(X.mH()) : -X.mH().matmul(gB_tmp);`
+    "aten.linalg_solve_triangular.default": frozenset({"aten.neg.default"}),
+    # triangular_solve_backward: `grad_a = transpose ? -x.conj().matmul(grad_b.mT()) : -grad_b.matmul(x.mH());`
+    "aten.triangular_solve.default": frozenset({"aten.neg.default"}),
+}
+
 
 def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) -> dict[int, int]:
     """ops: OpDrafts in execution order; python_nodes: the sequence numbers of autograd nodes whose backward
@@ -43,10 +60,15 @@ def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) 
     for index, op in enumerate(ops):
         for sid in storage_ids((op.args, op.kwargs)):
             readers[sid].append(index)
+    forward_targets: dict[int, set[str]] = defaultdict(set)      # seq_nr -> the forward ops that made the node
+    for op in ops:
+        if op.phase is Phase.FORWARD and op.seq_nr is not None:
+            forward_targets[op.seq_nr].add(op.target)
     holds: dict[int, int] = {}
     for start, end in _backward_nodes(ops):
         if ops[start].seq_nr in python_nodes:
             continue                                     # a custom Function's Python backward
+        statement_ends = frozenset().union(*(STATEMENT_ENDS.get(t, ()) for t in forward_targets[ops[start].seq_nr]))
         last_write: dict[int, int] = {}      # storage id -> the node's last op that makes or writes into it
         for index in range(start, end):
             last_write.update((sid, index) for sid in _made_or_written(ops[index]))
@@ -59,6 +81,10 @@ def expression_holds(ops: Sequence, python_nodes: frozenset[int] = frozenset()) 
                 for sid in pending:
                     holds[sid] = max(holds.get(sid, -1), index)
                 pending = []
+            elif op.target in statement_ends:
+                for sid in pending:                      # the statement's temporaries die at its `;`
+                    holds[sid] = max(holds.get(sid, -1), index)
+                pending = made
             else:
                 pending += made
     return holds
