@@ -140,10 +140,10 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         if steady:
             with StepRecorder(StorageTable(), 0, read_scalars_as_zero=True):   # warm-up: only reads scalars as 0
                 run_step(record=False)
-        _register_preexisting(table, recorder, model, batch, opt)
+        _register_preexisting(recorder, model, batch, opt)
         if scaler is not None and steady:
             for tensor, name in ((scaler._scale, "GradScaler scale"), (scaler._growth_tracker, "GradScaler growth tracker")):
-                table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
+                recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
         loss = run_step(record=True)
         recorder.stop_tracking()
     except ModelRunError:
@@ -187,30 +187,26 @@ def parameter_counts(model) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if not p.requires_grad)
 
 
-def _register_preexisting(table: StorageTable, recorder: StepRecorder, model, batch, opt) -> None:
+def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
     """What lives before the step; persistent unless the recorder sees it released during the step."""
+    table = recorder.table
     for fqn, p in model.named_parameters():
-        table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn, frozen=not p.requires_grad)
+        recorder.add_existing(p, StorageRole.PARAMETER, name=fqn, frozen=not p.requires_grad)
         if p.grad is not None:
-            sid = table.add(p.grad, StorageRole.GRADIENT, preexisting=True, persistent=True, name=f"{fqn}.grad")
-            recorder.track_release(p.grad, sid)
+            recorder.add_existing(p.grad, StorageRole.GRADIENT, name=f"{fqn}.grad")
     for fqn, b in model.named_buffers():
         if b not in table:
-            table.add(b, StorageRole.BUFFER, preexisting=True, persistent=True, name=fqn)
+            recorder.add_existing(b, StorageRole.BUFFER, name=fqn)
     for i, t in enumerate(x for x in batch if isinstance(x, torch.Tensor)):
         if t not in table:
-            table.add(t, StorageRole.INPUT, preexisting=True, persistent=True, name=f"input {i}")
+            recorder.add_existing(t, StorageRole.INPUT, name=f"input {i}")
     if opt is not None:
         for state in opt.state.values():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value not in table:
-                    sid = table.add(value, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True,
-                                    name=str(key))
-                    recorder.track_release(value, sid)
+                    recorder.add_existing(value, StorageRole.OPTIMIZER_STATE, name=str(key))
     for m in model.modules():
         for attr, value in vars(m).items():
             if isinstance(value, torch.Tensor) and attr not in m._parameters and attr not in m._buffers \
                     and value not in table:
-                sid = table.add(value, StorageRole.INTERMEDIATE, preexisting=True, persistent=True,
-                                name=f"module attribute {attr}")
-                recorder.track_release(value, sid)
+                recorder.add_existing(value, StorageRole.INTERMEDIATE, name=f"module attribute {attr}")

@@ -145,20 +145,19 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
     table = StorageTable()
+    recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero)
     param_sids = {}
     for fqn, p in model.named_parameters():
         if p not in table:
-            param_sids[id(p)] = table.add(p, StorageRole.PARAMETER, preexisting=True, persistent=True, name=fqn)
-    recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero)
+            param_sids[id(p)] = recorder.add_existing(p, StorageRole.PARAMETER, name=fqn)
     if grad_scaler is not None:
         for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
                                                                         "GradScaler growth tracker")):
-            table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
+            recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
     for tensor, name in _state_tensors(opt, names):
         if tensor not in table:
-            sid = table.add(tensor, StorageRole.OPTIMIZER_STATE, preexisting=True, persistent=True, name=name)
             # an optimizer that replaces a state tensor (state["m"] = new_m) frees the old one in the step
-            recorder.track_release(tensor, sid)
+            recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
     tensor = None
     grad_sids = {}
     g = None

@@ -2,7 +2,9 @@
 
 `StepRecorder` is a TorchDispatchMode: every aten op becomes an `OpDraft`; every new storage gets a
 `weakref.finalize` that records the op after which it was released (the last reference went away:
-a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last-use guess here.
+a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last-use guess here. Every
+storage in the table is so tracked (`add_existing` for what exists before), or a dead storage's address, which
+a new storage may take, would still name it.
 Phases and source lines come from callables, so the optimizer step and a whole-step fallback share it.
 Values the code reads from tensors (`.item()`, `if t:`) do not exist on fake tensors: with
 `read_scalars_as_zero` they read as 0 / False and each such read is noted with its line, except that a
@@ -41,6 +43,14 @@ class StepRecorder(TorchDispatchMode):
         self.scalar_reads: list[SourceLoc | None] = []
         self.asserted_reads: list[SourceLoc] = []         # truth values an assert statement read: True
         self._finalizers: list[weakref.finalize] = []
+
+    def add_existing(self, t: torch.Tensor, role: StorageRole, **fields) -> int:
+        """A storage that exists before the recorded stretch: persistent unless seen released during it. Its
+        release is tracked like a new storage's: one the stretch frees (a buffer a forward rebinds, `self.x_max =
+        ...`) leaves the table, so a new storage that takes its address is not taken for it."""
+        sid = self.table.add(t, role, preexisting=True, persistent=True, **fields)
+        self.track_release(t, sid)
+        return sid
 
     def track_release(self, t: torch.Tensor, sid: int) -> None:
         storage = t.untyped_storage()

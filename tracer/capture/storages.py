@@ -1,7 +1,8 @@
 """A mutable table of storages used while capturing; frozen into `Storage` records at the end.
 
 Keys are torch StorageImpl addresses (`untyped_storage()._cdata`), valid only while the tensors that
-own them are alive (the capture keeps them alive), so one key never names two storages.
+own them are alive: the capture keeps them alive, or forgets a key when it sees its storage released
+(`StepRecorder`), so one key never names two storages.
 """
 from __future__ import annotations
 
