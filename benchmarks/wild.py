@@ -17,8 +17,8 @@ One row per model: built (the real model builds), traced (the capture rung), pea
 predicted vs measured (tests/truth.py's `measure_step`, AdamW foreach, steady step), seconds. A model is
 `exact` when every phase peak is within 0.1% and saved bytes are equal, `off` otherwise; `fail` names the
 stage (build, trace, measure) and the error's first line; mixtures of experts are compared with their
-transformers routers made to route as the `balanced` assumption (truth.balanced_routers), or reported as
-`not compared (routing)` when routing decides sizes and no router could be fixed. Each model runs in its own
+transformers routers made to route as the `balanced` assumption (truth.balanced_routers), any other router
+at its topk / argmax calls (truth.BalancedTopk). Each model runs in its own
 try/except under a wall-clock limit (SIGALRM), so the sweep never stops early.
 """
 from __future__ import annotations
@@ -318,7 +318,7 @@ class Row:
     name: str
     built: bool = False
     traced: str = ""                       # the capture rung
-    status: str = "fail"                   # exact | off | fail | not compared (routing)
+    status: str = "fail"                   # exact | off | fail | skipped (default config)
     reason: str = ""
     predicted: dict = dataclasses.field(default_factory=dict)    # peak, forward, backward, optimizer, saved
     measured: dict = dataclasses.field(default_factory=dict)
@@ -404,11 +404,11 @@ HEADER = (f"{'model':<34} {'built':<5} {'traced':<14} {'peak KiB p/m':>17} {'for
 
 
 def summary(rows: list[Row]) -> str:
-    statuses = ("exact", "off", "fail", "not compared (routing)", "skipped (default config)")
+    statuses = ("exact", "off", "fail", "skipped (default config)")
     counts = {s: sum(r.status == s for r in rows) for s in statuses}
     tried = len(rows) - counts["skipped (default config)"]
     return (f"{tried} models tried: {counts['exact']} exact ({100 * counts['exact'] / max(tried, 1):.0f}%), "
-            f"{counts['off']} off, {counts['fail']} fail, {counts['not compared (routing)']} not compared (routing); "
+            f"{counts['off']} off, {counts['fail']} fail; "
             f"{counts['skipped (default config)']} skipped (transformers' default config does not build)")
 
 
