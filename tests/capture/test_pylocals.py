@@ -336,3 +336,68 @@ def test_a_local_bound_to_a_call_holds_what_the_call_returned_through_statements
     assert holds[82] == 5                         # held by `out` until encoder returns, past its last read
     assert holds[81] == 2                         # h: until stage returns; not returned
     assert holds[80] == 1
+
+
+_RECORDED_MODEL = '''
+import torch
+
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        doubled = x * 2
+        return doubled
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        h = torch.relu(x)
+        if h.shape[0] > 100:
+            h = None
+        return Double.apply(h)
+
+
+def outside(x):
+    y = x + 1
+    return y
+'''
+
+
+def test_executed_lines_are_the_forwards_own_and_its_custom_functions(tmp_path):
+    """With a root module, the lines that run are recorded while its forward runs (a custom Function's
+    forward is the model's code too), not the branch it skips, and not model-file code run outside it;
+    torch's own frames under each torch call are not traced (the trace is paused there)."""
+    import importlib.util
+    import sys
+
+    import torch
+
+    from tracer.capture.pylocals import record_executed_lines
+
+    path = tmp_path / "recorded_model.py"
+    path.write_text(_RECORDED_MODEL)
+    spec = importlib.util.spec_from_file_location("recorded_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Model()
+    lines_of = {text.strip(): n for n, text in enumerate(_RECORDED_MODEL.splitlines(), start=1)}
+    traced_inside: list = []
+
+    class Probe(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            traced_inside.append((getattr(func, "__name__", func), sys.gettrace()))
+            return func(*args, **(kwargs or {}))
+
+    with Probe(), record_executed_lines(lambda f: f == str(path), model) as executed:
+        model(torch.ones(3))
+        module.outside(torch.ones(3))
+    ran = {line for file, line in executed.lines if file == str(path)}
+    assert executed.complete
+    assert {lines_of["h = torch.relu(x)"], lines_of["doubled = x * 2"], lines_of["return Double.apply(h)"]} <= ran
+    assert lines_of["h = None"] not in ran
+    assert lines_of["y = x + 1"] not in ran
+    assert "relu" in dict(traced_inside) and all(trace is None for _, trace in traced_inside)
