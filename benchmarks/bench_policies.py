@@ -10,11 +10,13 @@ before the first import of the model to the answer:
                 FakeTensorMode; `step s` is the tracked step alone, the wall column includes building the
                 model and the warm-up
   tracer eager  tracer.analyze(policies=("eager",))
-  tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full"))
+  tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full")) with the CLI's workers
+                (one per core: a deep model's two cut captures run at once)
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
   tracer levers tracer.levers.run_levers: the what-if table (`--levers --world-size 8`), whose goal
                 (issue 18) is about the time of `tracer all`
-With `--repeat N` each row is the run with the median wall time of N. The ratios are against
+With `--repeat N` each row is the run with the median wall time of N. RSS is the process's peak plus
+its largest child's (a spawned capture process runs beside it). The ratios are against
 `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
 be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
 at seq 4096, all four policies, under 60 s and 3 GiB RSS; llama-88m end to end no slower than
@@ -39,7 +41,8 @@ if mode == "tracer-eager":
     extra["peak_bytes"] = tracer.analyze(model, batch=batch, seq=seq).policies["eager"].peak_bytes
 elif mode == "tracer-all":
     import tracer
-    analysis = tracer.analyze(model, batch=batch, seq=seq, policies=POLICIES)
+    from tracer.pipeline import default_workers
+    analysis = tracer.analyze(model, batch=batch, seq=seq, policies=POLICIES, workers=default_workers())
     extra["peak_bytes"] = analysis.policies["eager"].peak_bytes
 elif mode == "depth-all":
     from tracer.planning import analyze_by_depth
@@ -48,7 +51,7 @@ elif mode == "depth-all":
 elif mode == "tracer-levers":
     from tracer.levers import run_levers
     from tracer.pipeline import AnalysisOptions
-    from tracer.levers import default_workers
+    from tracer.pipeline import default_workers
     table = run_levers(model, AnalysisOptions(batch=batch, seq=seq), world_size=8, workers=default_workers())
     extra["peak_bytes"] = table.baseline.peak_bytes
     extra["captures"] = table.captures
@@ -84,7 +87,8 @@ elif mode == "memtracker":
         peak = tracker.get_tracker_snapshot("peak")
         extra["peak_bytes"] = max(v["Total"] for v in peak.values())
 wall = time.perf_counter() - t0
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# a spawned capture process's peak is added: the two run at once
+rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
 print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 """
 

@@ -161,3 +161,42 @@ def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ
     assert agree.note is None and any(op.module.startswith("blocks.11.") for op in graph.ops)
     assert graph.config.notes[-1] == ("depth: captured 4 of 12 blocks of blocks, the 12-block step is synthesized; "
                                       "the synthesis was checked op for op against a 6-block capture of elsewhere")
+
+
+def test_two_processes_give_the_answer_of_one():
+    """workers=2: the CHECK_DEPTH-block capture runs in a spawned process while this one captures
+    BASE_DEPTH blocks and prepares the synthesis; the analysis is that of the one-process run."""
+    keywords = dict(batch=1, seq=16, policies=("eager", "full"), target="cpu")
+    one, two = tracer.analyze(LLAMA12, **keywords), tracer.analyze(LLAMA12, workers=2, **keywords)
+    for label in one.policies:
+        assert NOTE in two.policies[label].graph.config.notes
+        assert first_difference(two.policies[label], one.policies[label]) is None, label
+    assert report_json(two) == report_json(one)
+
+
+def test_a_pool_that_cannot_start_captures_the_check_here(monkeypatch):
+    """A script without `if __name__ == "__main__":` cannot spawn: the check's capture is made in this
+    process, with the same answer."""
+    import concurrent.futures
+    from concurrent.futures.process import BrokenProcessPool
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, *args):
+            future = concurrent.futures.Future()
+            future.set_exception(BrokenProcessPool("no process"))
+            return future
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Broken)
+    keywords = dict(batch=1, seq=16, policies=("eager",), target="cpu")
+    analysis = tracer.analyze(LLAMA12, workers=2, **keywords)
+    assert NOTE in analysis.graph.config.notes
+    assert report_json(analysis) == report_json(tracer.analyze(LLAMA12, **keywords))

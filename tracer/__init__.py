@@ -5,25 +5,27 @@ Public API:
             zero_grad="none", policies=("eager",), memory_budget=None, blocks=None,
             checkpoint_every=1, save_policy=None, save_ops=(), hf_config=(), config_json=None,
             hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",
-            cublas_workspace_config=None, device_memory_bytes=None) -> Analysis
+            cublas_workspace_config=None, device_memory_bytes=None, workers=1) -> Analysis
 `model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (README, "Model files"), or
 `hf:<model_type>` (a transformers model built from its config: hf_config, config_json, hf_attn, hf_task); `policies` names any of eager, compiled, selective, full (`analysis.policies[name]`; a
 compiled policy with a memory budget is keyed `compiled@<budget>`). The default target is a CUDA step on
 the default GPU (h100): each policy then carries `.device` (requested, allocated and reserved peaks);
 `target="cpu"` predicts a CPU step. `moe_routing` (balanced, worst or a JSON file of per-expert token counts)
 sizes what mixture-of-experts routing decides at run time (tracer/capture/routing.py). Every keyword is a field of `tracer.pipeline.AnalysisOptions`,
-except `zero_grad` ("none": set_to_none=True, or "zeros"; spelled as `--zero-grad`), the field zero_grad_set_to_none.
+except `zero_grad` ("none": set_to_none=True, or "zeros"; spelled as `--zero-grad`), the field zero_grad_set_to_none,
+and `workers`: with 2 or more (the CLI passes one per CPU core), a deep model's two cut captures run at once,
+one in a spawned process (the answer is the same).
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
 
-def analyze(model, *, memory_budget: float | None = None, **options):
+def analyze(model, *, memory_budget: float | None = None, workers: int = 1, **options):
     from tracer.pipeline import options_from_keywords, run_analysis
 
     if "zero_grad_set_to_none" in options:
         import warnings
         warnings.warn("tracer.analyze(zero_grad_set_to_none=...) is deprecated: use zero_grad='none' or 'zeros', "
                       "as --zero-grad", DeprecationWarning, stacklevel=2)
-    return run_analysis(model, options_from_keywords(memory_budget=memory_budget, **options))
+    return run_analysis(model, options_from_keywords(memory_budget=memory_budget, **options), workers=workers)

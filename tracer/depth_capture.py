@@ -54,6 +54,7 @@ class CutSteps:
     check: tuple[StepGraph, ...] | None
     error: TracerError | None = None
     checked_on: str | None = None
+    prepared: "PreparedSynthesis | None" = None     # prepare_synthesis(base), made while `check` was captured
 
 
 def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
@@ -106,12 +107,40 @@ def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
     return check_synthesis(cut, analyze, count=count)
 
 
-def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], *, count: int) -> DeepCapture:
-    """The full-depth graphs synthesized from `cut.base`, each where its `CHECK_DEPTH`-block synthesis
-    equals `cut.check` op for op (`analyze(i, graph)`: the PolicyAnalysis of the i-th graph)."""
+@dataclasses.dataclass(frozen=True)
+class PreparedSynthesis:
+    """What `check_synthesis` computes from the `BASE_DEPTH`-block graphs alone, per graph: the analysis of
+    its `CHECK_DEPTH`-block synthesis and its full-depth synthesis, or the DepthError text that refuses
+    them. Made while the `CHECK_DEPTH`-block capture is still under way (tracer/pipeline.py)."""
+    synthesized_check: tuple            # PolicyAnalysis | None per graph (None: refused)
+    full: tuple                         # StepGraph | None per graph
+    refused: tuple                      # str | None per graph
+
+
+def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepGraph], object],
+                      depth: int) -> PreparedSynthesis:
+    """The synthesized side of the check of `base` and its synthesis at `depth` blocks."""
     from tracer.passes.depth import DepthError
     from tracer.passes.depth_graph import synthesize_depth
 
+    checks, fulls, refused = [], [], []
+    for i, graph in enumerate(base):
+        try:
+            checks.append(analyze(i, synthesize_depth(graph, CHECK_DEPTH)))
+            fulls.append(synthesize_depth(graph, depth))
+            refused.append(None)
+        except DepthError as exc:
+            checks.append(None)
+            fulls.append(None)
+            refused.append(str(exc).splitlines()[0])
+    return PreparedSynthesis(tuple(checks), tuple(fulls), tuple(refused))
+
+
+def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], *, count: int,
+                    prepared: PreparedSynthesis | None = None) -> DeepCapture:
+    """The full-depth graphs synthesized from `cut.base`, each where its `CHECK_DEPTH`-block synthesis
+    equals `cut.check` op for op (`analyze(i, graph)`: the PolicyAnalysis of the i-th graph; `prepared`:
+    `prepare_synthesis` of `cut.base`, when already made)."""
     depth, path = cut.blocks.depth, cut.blocks.path
     fallback = f"depth: captured all {depth} blocks of {path}"
     if cut.error is not None:
@@ -120,17 +149,15 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
     if cut.checked_on is not None and cut.check is None:
         return _synthesized_unchecked(cut, count)
     base, check = cut.base, cut.check
+    prepared = prepared or cut.prepared or prepare_synthesis(base, analyze, depth)
     differences = {}
     for i, (graph, captured) in enumerate(zip(base, check)):
-        try:
-            difference = first_difference(analyze(i, synthesize_depth(graph, CHECK_DEPTH)), analyze(i, captured))
-        except DepthError as exc:
-            difference = str(exc).splitlines()[0]
+        difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))
         if difference:
             differences[i] = f"{graph.config.policy}: {difference}"
     note = (f"{_CHECKED}{depth} blocks of {path}; the {CHECK_DEPTH}-block "
             f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
-    graphs = tuple(None if i in differences else _with_note(synthesize_depth(g, depth), note) for i, g in enumerate(base))
+    graphs = tuple(None if i in differences else _with_note(prepared.full[i], note) for i in range(len(base)))
     return DeepCapture(graphs, None if not differences else
                        f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
                        f"capture ({'; '.join(differences.values())})")

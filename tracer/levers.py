@@ -128,12 +128,6 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
     return LeverTable(baseline=ordered[0], rows=ordered, captures=len(groups))
 
 
-def default_workers() -> int:
-    """One lever-group process per CPU core this process may use."""
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
     """Each job's rows: in this process, or with `workers` spawned processes (each loads the model by its
     name). A deep model's group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut`

@@ -211,11 +211,21 @@ class AnalysisOptions:
                            capacity_bytes=capacity)
 
 
-def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None):
-    """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`."""
+def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
+                 workers: int = 1):
+    """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`.
+    `workers` > 1 (the CLI passes one per CPU core): a deep model named by a string has its two cut
+    captures made at once, one in a spawned process; the answer is the same."""
     source = load_source(model, options)
-    return analyze_captured(capture_graphs(source, options, on_progress=on_progress), options,
-                            on_progress=on_progress)
+    return analyze_captured(capture_graphs(source, options, on_progress=on_progress,
+                                           model=model if isinstance(model, str) and workers > 1 else None),
+                            options, on_progress=on_progress)
+
+
+def default_workers() -> int:
+    """One capture process per CPU core this process may use."""
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def load_source(model, options: AnalysisOptions):
@@ -227,21 +237,86 @@ def load_source(model, options: AnalysisOptions):
                              hf_attn=options.hf_attn, hf_task=options.hf_task)
 
 
-def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None) -> dict:
+def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
+                   model: str | None = None) -> dict:
     """One StepGraph per policy spec of `options`, from one capture (`capture_steps`); a deep model's
-    synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`."""
-    from tracer.capture import capture_steps
-
+    synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`. `model`: the
+    string `source` was loaded from, given when a spawned process may make the `CHECK_DEPTH`-block
+    capture while this one makes the `BASE_DEPTH` one (`_cut_in_two_processes`)."""
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
+    capture = _policies_capture(options, specs, say)
+    cut, probed = None, False
+    if model is not None and not options.full_capture:
+        blocks, probed = block_list(source, options), True
+        if blocks is not None:
+            cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
+    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut, has_blocks=cut is not None or not probed)
+    return {spec.label: graph for spec, graph in zip(specs, graphs)}
+
+
+def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
+    """capture(src, indices): the graphs of `specs[i]` for each index, from one capture of `src`."""
+    from tracer.capture import capture_steps
 
     def capture(src, indices) -> tuple:
         graphs = capture_steps(src, options.capture_options(), tuple(specs[i] for i in indices),
                                on_policy=lambda label: say(f"simulating {label} ..."), on_stage=say)
         return tuple(graphs[specs[i].label] for i in indices)
 
-    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say)
-    return {spec.label: graph for spec, graph in zip(specs, graphs)}
+    return capture
+
+
+def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say):
+    """The two cut captures of `capture_cut` (tracer/depth_capture.py), the `CHECK_DEPTH` one in a spawned
+    process (which loads the model by its name) while this one makes the `BASE_DEPTH` one: the same
+    `CutSteps`, a TracerError of either kept as `capture_cut` keeps it."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps, prepare_synthesis
+    from tracer.errors import TracerError
+    from tracer.planning import cut_source
+
+    everything = tuple(range(len(options.policy_specs(model_save_policy=source.save_policy))))
+    say(f"capturing {source.name} cut to {BASE_DEPTH} and (in a second process) {CHECK_DEPTH} of its "
+        f"{blocks.depth} blocks under fake tensors ...")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        check = pool.submit(_cut_capture, model, options, CHECK_DEPTH)
+        try:
+            with running_user_code(source.name):
+                base = capture(cut_source(source, BASE_DEPTH, {}), everything)
+        except TracerError as exc:
+            check.cancel()
+            return CutSteps(blocks, None, None, exc)
+        # the synthesized side of the check needs only `base`: made while the other process captures
+        prepared = prepare_synthesis(base, lambda i, graph: analyze_one(graph, options), blocks.depth)
+        try:
+            return CutSteps(blocks, base, check.result(), prepared=prepared)
+        except TracerError as exc:
+            return CutSteps(blocks, base, None, exc)
+        except BrokenProcessPool:
+            pass              # no process could start (a script without `if __name__ == "__main__":`)
+    say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks in this process ...")
+    try:
+        with running_user_code(source.name):
+            return CutSteps(blocks, base, capture(cut_source(source, CHECK_DEPTH, {}), everything), prepared=prepared)
+    except TracerError as exc:
+        return CutSteps(blocks, base, None, exc)
+
+
+def _cut_capture(model: str, options: AnalysisOptions, depth: int) -> tuple:
+    """A spawned process's job: every policy's graph of `model` cut to `depth` blocks."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.planning import cut_source
+
+    source = load_source(model, options)
+    specs = options.policy_specs(model_save_policy=source.save_policy)
+    with running_user_code(source.name):
+        return _policies_capture(options, specs, lambda message: None)(cut_source(source, depth, {}),
+                                                                        tuple(range(len(specs))))
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -288,16 +363,18 @@ def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Call
         on_stage=say)
 
 
-def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None) -> tuple:
+def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None,
+                      has_blocks: bool = True) -> tuple:
     """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
     depth: synthesized from the model cut to a few blocks where that is checked exact
     (tracer/depth_capture.py; `cut`: those cut captures, when already made), the others captured in full,
-    with a note when the synthesis was refused."""
+    with a note when the synthesis was refused. `has_blocks` False: the model has no block list to cut (already
+    looked for)."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
     def analyze(i: int, graph):
-        return analyze_captured({"policy": graph}, options[i]).policies["policy"]
+        return analyze_one(graph, options[i])
 
     def captured(src, indices):
         with running_user_code(source.name):     # the model's print(), sys.exit() and KeyboardInterrupt
@@ -305,7 +382,7 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
 
     first, everything = options[0], tuple(range(len(options)))
     deep = DeepCapture((None,) * len(options), None)
-    if not first.full_capture:
+    if has_blocks and not first.full_capture:
         with running_user_code(source.name):
             deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
                                 precision=first.precision, seq=first.seq, say=say, cut=cut)
@@ -315,6 +392,11 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
     full = dict(zip(missing, captured(source, missing)))
     return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
+
+
+def analyze_one(graph, options: AnalysisOptions):
+    """The PolicyAnalysis of one captured graph with `options` (what the depth synthesis is checked on)."""
+    return analyze_captured({"policy": graph}, options).policies["policy"]
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,

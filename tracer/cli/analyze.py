@@ -85,7 +85,8 @@ def _plan(args, options) -> int:
 def _levers(args) -> int:
     """--levers (with --fit: the largest batch per lever). --world-size alone sets the sharding levers' ranks."""
     from tracer.errors import UsageError
-    from tracer.levers import default_workers, fit_levers, run_levers
+    from tracer.levers import fit_levers, run_levers
+    from tracer.pipeline import default_workers
     from tracer.reports.levers_text import levers_json, render_lever_fits, render_levers
 
     if args.by_depth:
@@ -178,7 +179,7 @@ def _run(args) -> int:
     import torch
 
     import tracer
-    from tracer.pipeline import run_analysis
+    from tracer.pipeline import default_workers, run_analysis
     from tracer.cli.compare import run_target_outputs
     from tracer.reports.json_report import report_json
     from tracer.reports.text import render_text
@@ -189,7 +190,7 @@ def _run(args) -> int:
     if args.fit or args.by_depth:
         return _plan(args, options)
     progress = Progress.from_args(args)
-    analysis = run_analysis(args.model, options, on_progress=progress)
+    analysis = run_analysis(args.model, options, on_progress=progress, workers=default_workers())
     specs = options.policy_specs()
     shown = None if args.policy == "all" or len(specs) > 1 else specs[0].label
     if args.shard:                          # what one rank holds is the answer asked for: it comes first

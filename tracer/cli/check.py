@@ -63,7 +63,7 @@ def check_main(argv: list[str] | None = None) -> int:
 def _run_check(args) -> int:
     from tracer.checks.baseline import (compare_to_baseline, load_baseline, options_from_baseline, parse_tolerance,
                                         save_baseline)
-    from tracer.pipeline import run_analysis
+    from tracer.pipeline import default_workers, run_analysis
     from tracer.reports.check_text import render_check
     from tracer.reports.units import format_bytes
 
@@ -78,7 +78,7 @@ def _run_check(args) -> int:
     else:
         baseline = load_baseline(args.baseline)
         options, overridden = options_from_baseline(baseline, given)
-    analysis = run_analysis(args.model, options)
+    analysis = run_analysis(args.model, options, workers=default_workers())
     if args.update_baseline:
         save_baseline(analysis, args.baseline)
         peaks = ", ".join(f"{name} peak {format_bytes(p.peak_bytes)}" for name, p in analysis.policies.items())
