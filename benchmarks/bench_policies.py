@@ -15,8 +15,9 @@ before the first import of the model to the answer:
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
   tracer levers tracer.levers.run_levers: the what-if table (`--levers --world-size 8`), whose goal
                 (issue 18) is about the time of `tracer all`
-With `--repeat N` each row is the run with the median wall time of N. RSS is the process's peak plus
-its largest child's (a spawned capture process runs beside it). The ratios are against
+With `--repeat N` each row is the run with the median wall time of N. `child GiB` is the largest peak
+RSS of its child processes (a spawned capture process, which runs beside it, or a process forked for a
+compiler probe, which starts with a copy of the parent's pages). The ratios are against
 `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
 be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
 at seq 4096, all four policies, under 60 s and 3 GiB RSS; llama-88m end to end no slower than
@@ -87,8 +88,8 @@ elif mode == "memtracker":
         peak = tracker.get_tracker_snapshot("peak")
         extra["peak_bytes"] = max(v["Total"] for v in peak.values())
 wall = time.perf_counter() - t0
-# a spawned capture process's peak is added: the two run at once
-rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+extra["child_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 """
 
@@ -114,7 +115,7 @@ def render(model: str, batch: int, seq: int, rows: dict[str, dict]) -> str:
     gib = 2**30
     base = rows.get("memtracker", {})
     out = [f"{model}  batch {batch}  seq {seq}",
-           f"  {'':14s} {'wall s':>8s} {'RSS GiB':>8s} {'x time':>7s} {'x RSS':>6s} {'step s':>7s} {'eager peak GiB':>15s}"]
+           f"  {'':14s} {'wall s':>8s} {'RSS GiB':>8s} {'x time':>7s} {'x RSS':>6s} {'step s':>7s} {'eager peak GiB':>15s} {'child GiB':>10s}"]
     for mode in MODES:
         r = rows[mode]
         if "error" in r:
@@ -124,7 +125,8 @@ def render(model: str, batch: int, seq: int, rows: dict[str, dict]) -> str:
         x_rss = f"{r['rss_bytes'] / base['rss_bytes']:.2f}" if "rss_bytes" in base else "-"
         step = f"{r['step_s']:.1f}" if "step_s" in r else ""
         peak = f"{r['peak_bytes'] / gib:,.2f}" if "peak_bytes" in r else ""
-        out.append(f"  {mode:14s} {r['wall_s']:8.1f} {r['rss_bytes'] / gib:8.2f} {x_time:>7s} {x_rss:>6s} {step:>7s} {peak:>15s}")
+        child = f"{r['child_rss_bytes'] / gib:.2f}" if "child_rss_bytes" in r else ""
+        out.append(f"  {mode:14s} {r['wall_s']:8.1f} {r['rss_bytes'] / gib:8.2f} {x_time:>7s} {x_rss:>6s} {step:>7s} {peak:>15s} {child:>10s}")
     return "\n".join(out)
 
 
