@@ -200,3 +200,14 @@ def test_a_pool_that_cannot_start_captures_the_check_here(monkeypatch):
     analysis = tracer.analyze(LLAMA12, workers=2, **keywords)
     assert NOTE in analysis.graph.config.notes
     assert report_json(analysis) == report_json(tracer.analyze(LLAMA12, **keywords))
+
+
+@pytest.mark.slow
+def test_a_shallow_models_compiled_policy_is_captured_beside_the_others():
+    """workers=2 on a model captured in full: the compiled policy here, the others in a spawned process;
+    the analysis is that of the one-process run."""
+    keywords = dict(batch=1, seq=16, policies=("eager", "compiled", "full"), target="cpu")
+    one, two = tracer.analyze(LLAMA6, **keywords), tracer.analyze(LLAMA6, workers=2, **keywords)
+    for label in one.policies:
+        assert first_difference(two.policies[label], one.policies[label]) is None, label
+    assert report_json(two) == report_json(one)

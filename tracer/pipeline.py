@@ -251,8 +251,50 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
         blocks, probed = block_list(source, options), True
         if blocks is not None:
             cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
-    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut, has_blocks=cut is not None or not probed)
+    capture_full = None if model is None else (lambda indices: _compiled_apart(model, source, options, specs, indices,
+                                                                              capture, say))
+    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut,
+                               has_blocks=cut is not None or not probed, capture_full=capture_full)
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
+
+
+def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, indices: tuple, capture: Callable,
+                    say) -> tuple:
+    """`capture(source, indices)`'s graphs, the compiled policies' (Inductor's plan is most of a capture's
+    time) captured here while a spawned process captures the others, when there are both; the same graphs
+    (each capture is independent), made here when no process can start."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from tracer.capture.model_input import running_user_code
+
+    here = tuple(i for i in indices if specs[i].name == "compiled")
+    apart = tuple(i for i in indices if i not in here)
+    if not apart or not here:
+        with running_user_code(source.name):
+            return capture(source, indices)
+    say(f"capturing {', '.join(specs[i].label for i in apart)} in a second process ...")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        future = pool.submit(_full_capture, model, options, apart)
+        with running_user_code(source.name):
+            graphs = dict(zip(here, capture(source, here)))
+        try:
+            graphs.update(zip(apart, future.result()))
+        except BrokenProcessPool:          # no process could start (a script without `if __name__ == "__main__":`)
+            with running_user_code(source.name):
+                graphs.update(zip(apart, capture(source, apart)))
+    return tuple(graphs[i] for i in indices)
+
+
+def _full_capture(model: str, options: AnalysisOptions, indices: tuple) -> tuple:
+    """A spawned process's job: the graphs of `model`'s policy specs at `indices`, captured in full."""
+    from tracer.capture.model_input import running_user_code
+
+    source = load_source(model, options)
+    specs = options.policy_specs(model_save_policy=source.save_policy)
+    with running_user_code(source.name):
+        return _policies_capture(options, specs, lambda message: None)(source, indices)
 
 
 def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
@@ -364,12 +406,12 @@ def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Call
 
 
 def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None,
-                      has_blocks: bool = True) -> tuple:
+                      has_blocks: bool = True, capture_full: Callable | None = None) -> tuple:
     """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
     depth: synthesized from the model cut to a few blocks where that is checked exact
     (tracer/depth_capture.py; `cut`: those cut captures, when already made), the others captured in full,
     with a note when the synthesis was refused. `has_blocks` False: the model has no block list to cut (already
-    looked for)."""
+    looked for). `capture_full(indices)`: how the full capture is made, when not by `capture(source, indices)`."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
@@ -390,7 +432,7 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     if not missing:
         return deep.graphs
     say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
-    full = dict(zip(missing, captured(source, missing)))
+    full = dict(zip(missing, capture_full(missing) if capture_full else captured(source, missing)))
     return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
 
 
