@@ -13,6 +13,7 @@ def _count(name):
 @pytest.mark.parametrize("name,expected", [
     ("llama-88m", 88_096_512),
     ("llama-7b", 6_738_415_616),
+    ("llama-405b", 405_853_388_800),           # Llama 3.1 405B's published count
     ("gpt2-124m", 124_439_808),
     ("gpt2-355m", 354_823_168),
     ("gpt2-774m", 774_030_080),

@@ -43,6 +43,9 @@ LLAMA_SIZES = {
                       d_ff=11_008, tie_embeddings=False),
     "70b": LlamaConfig(vocab_size=128_256, d_model=8_192, n_layers=80, n_heads=64, n_kv_heads=8,
                        d_ff=28_672, rope_theta=500_000.0, tie_embeddings=False, max_seq_len=8_192),
+    # Llama 3.1 405B's shape: 405,853,388,800 parameters, as published
+    "405b": LlamaConfig(vocab_size=128_256, d_model=16_384, n_layers=126, n_heads=128, n_kv_heads=8,
+                        d_ff=53_248, rope_theta=500_000.0, tie_embeddings=False, max_seq_len=8_192),
 }
 
 
