@@ -98,11 +98,11 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     traced = step_module(built, source, precision)
     stack = contextlib.ExitStack()
     if direct:
-        with record_executed_lines(_is_user_file, traced) as executed:
+        with record_executed_lines(_is_user_file) as executed:
             jd = _trace_directly(stack, traced, args, precision, device, source)
         seen, leaves = _NOTHING_SEEN, ()
     else:
-        with record_executed_lines(_is_user_file, traced) as executed:
+        with record_executed_lines(_is_user_file) as executed:
             seen = _observe_forward(traced, args, fake_mode, source)
         module, leaves = _export_module(traced, args, source, strict, tag_checkpoints=bool(seen.checkpoint_calls),
                                         fake_mode=fake_mode)

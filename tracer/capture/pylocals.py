@@ -63,13 +63,10 @@ class _Invocation:
 
 
 @contextlib.contextmanager
-def record_executed_lines(is_model_file: Callable[[str], bool], root=None):
-    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the
-    context is open and, with `root` (an nn.Module), while its forward runs. Inside each torch function
-    call the trace is paused (`_UntracedTorchCalls`): the model's lines run between its torch calls, and
-    every Python frame of torch's own machinery under a call (fake tensors, functionalization, proxies)
-    would cost a trace event. Under another trace function (a debugger, coverage) nothing is recorded
-    (`complete` stays False) and every rebinding line counts as passed, as before."""
+def record_executed_lines(is_model_file: Callable[[str], bool]):
+    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the context is open.
+    Under another trace function (a debugger, coverage) nothing is recorded (`complete` stays False) and
+    every rebinding line counts as passed, as before."""
     recorded = ExecutedLines()
     if sys.gettrace() is not None:
         yield recorded
@@ -84,62 +81,12 @@ def record_executed_lines(is_model_file: Callable[[str], bool], root=None):
     def on_call(frame, event, arg):
         return in_model_file if is_model_file(frame.f_code.co_filename) else None
 
-    hooks = []
-    if root is None:
-        sys.settrace(on_call)
-    else:
-        hooks = [root.register_forward_pre_hook(lambda *_: sys.settrace(on_call)),
-                 root.register_forward_hook(lambda *_: sys.settrace(None), always_call=True)]
+    sys.settrace(on_call)
     try:
-        with _UntracedTorchCalls():
-            yield recorded
+        yield recorded
     finally:
         sys.settrace(None)
-        for hook in hooks:
-            hook.remove()
     recorded.complete = True
-
-
-def _untraced_torch_calls():
-    """A TorchFunctionMode that runs every torch function call with the trace function off (restored
-    after it), except calls that may run user code inside them (higher-order operators such as
-    torch.cond, functions from outside torch)."""
-    import torch
-
-    class UntracedTorchCalls(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            trace = sys.gettrace()
-            if trace is None or not _runs_no_user_code(func):
-                return func(*args, **(kwargs or {}))
-            sys.settrace(None)
-            try:
-                return func(*args, **(kwargs or {}))
-            finally:
-                sys.settrace(trace)
-
-    return UntracedTorchCalls()
-
-
-def _runs_no_user_code(func) -> bool:
-    import torch
-    if isinstance(func, torch._ops.HigherOrderOperator):
-        return False
-    module = getattr(func, "__module__", None) or ""
-    owner = getattr(func, "__self__", None)
-    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
-        return False                          # a custom Function's forward is the model's code
-    return module == "torch" or module.startswith(("torch.", "torch._")) or module == ""
-
-
-class _UntracedTorchCalls:
-    """The `_untraced_torch_calls` mode, built when entered (so importing this module needs no torch)."""
-
-    def __enter__(self):
-        self._mode = _untraced_torch_calls()
-        return self._mode.__enter__()
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
 
 
 @dataclasses.dataclass
