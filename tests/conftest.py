@@ -32,7 +32,7 @@ def analysis_of():
     from tracer.pipeline import run_analysis
     analyses = {}
 
-    def analyze(model, options, on_progress=None):
+    def analyze(model, options, on_progress=None, workers=1):
         key = (_model_key(model), options)
         if key not in analyses:
             analyses[key] = run_analysis(model, options)
