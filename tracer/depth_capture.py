@@ -136,10 +136,9 @@ def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepG
     return PreparedSynthesis(tuple(checks), tuple(fulls), tuple(refused))
 
 
-def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], *, count: int,
-                    prepared: PreparedSynthesis | None = None) -> DeepCapture:
+def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], *, count: int) -> DeepCapture:
     """The full-depth graphs synthesized from `cut.base`, each where its `CHECK_DEPTH`-block synthesis
-    equals `cut.check` op for op (`analyze(i, graph)`: the PolicyAnalysis of the i-th graph; `prepared`:
+    equals `cut.check` op for op (`analyze(i, graph)`: the PolicyAnalysis of the i-th graph; `cut.prepared`:
     `prepare_synthesis` of `cut.base`, when already made)."""
     depth, path = cut.blocks.depth, cut.blocks.path
     fallback = f"depth: captured all {depth} blocks of {path}"
@@ -149,7 +148,7 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
     if cut.checked_on is not None and cut.check is None:
         return _synthesized_unchecked(cut, count)
     base, check = cut.base, cut.check
-    prepared = prepared or cut.prepared or prepare_synthesis(base, analyze, depth)
+    prepared = cut.prepared or prepare_synthesis(base, analyze, depth)
     differences = {}
     for i, (graph, captured) in enumerate(zip(base, check)):
         difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))

@@ -215,7 +215,8 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
                  workers: int = 1):
     """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`.
     `workers` > 1 (the CLI passes one per CPU core): a deep model named by a string has its two cut
-    captures made at once, one in a spawned process; the answer is the same."""
+    captures made at once, one in a spawned process, and a model captured in full has its policies other
+    than compiled captured there; the answer is the same."""
     source = load_source(model, options)
     return analyze_captured(capture_graphs(source, options, on_progress=on_progress,
                                            model=model if isinstance(model, str) and workers > 1 else None),
@@ -276,7 +277,7 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
             return capture(source, indices)
     say(f"capturing {', '.join(specs[i].label for i in apart)} in a second process ...")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        future = pool.submit(_full_capture, model, options, apart)
+        future = pool.submit(_capture_in_worker, model, options, apart)
         with running_user_code(source.name):
             graphs = dict(zip(here, capture(source, here)))
         try:
@@ -287,14 +288,18 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     return tuple(graphs[i] for i in indices)
 
 
-def _full_capture(model: str, options: AnalysisOptions, indices: tuple) -> tuple:
-    """A spawned process's job: the graphs of `model`'s policy specs at `indices`, captured in full."""
+def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
+    """A spawned process's job: the graphs of `model`'s policy specs at `indices` (None: all), of the model
+    cut to `depth` blocks (None: in full)."""
     from tracer.capture.model_input import running_user_code
+    from tracer.planning import cut_source
 
     source = load_source(model, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
+    src = source if depth is None else cut_source(source, depth, {})
     with running_user_code(source.name):
-        return _policies_capture(options, specs, lambda message: None)(source, indices)
+        return _policies_capture(options, specs, lambda message: None)(
+            src, tuple(range(len(specs))) if indices is None else indices)
 
 
 def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
@@ -326,7 +331,7 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     say(f"capturing {source.name} cut to {BASE_DEPTH} and (in a second process) {CHECK_DEPTH} of its "
         f"{blocks.depth} blocks under fake tensors ...")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        check = pool.submit(_cut_capture, model, options, CHECK_DEPTH)
+        check = pool.submit(_capture_in_worker, model, options, None, CHECK_DEPTH)
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, BASE_DEPTH, {}), everything)
@@ -347,18 +352,6 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
             return CutSteps(blocks, base, capture(cut_source(source, CHECK_DEPTH, {}), everything), prepared=prepared)
     except TracerError as exc:
         return CutSteps(blocks, base, None, exc)
-
-
-def _cut_capture(model: str, options: AnalysisOptions, depth: int) -> tuple:
-    """A spawned process's job: every policy's graph of `model` cut to `depth` blocks."""
-    from tracer.capture.model_input import running_user_code
-    from tracer.planning import cut_source
-
-    source = load_source(model, options)
-    specs = options.policy_specs(model_save_policy=source.save_policy)
-    with running_user_code(source.name):
-        return _policies_capture(options, specs, lambda message: None)(cut_source(source, depth, {}),
-                                                                        tuple(range(len(specs))))
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
