@@ -39,7 +39,8 @@ def test_a_data_dependent_branch_falls_back_to_the_dispatch_path():
 def test_the_dispatch_path_reproduces_a_llama_step_exactly():
     predicted = _compare("llama-debug", CaptureOptions(batch=2, seq=64, capture="dispatch"))
     lines = {r.label.rsplit("/", 1)[-1]: r.bytes_at_peak for r in predicted.at_peak.lines}
-    assert lines["llama.py:138"] > 0          # backward memory attributed to the forward line (cross-entropy)
+    loss_line = _line_of("return F.cross_entropy(")
+    assert lines[f"llama.py:{loss_line}"] > 0          # backward memory attributed to the forward line (cross-entropy)
 
 
 def test_policies_need_a_graph():
@@ -71,3 +72,10 @@ def test_an_unknown_capture_path_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown capture path 'bogus'"):
         capture_steps(load_model_source("llama-debug"), CaptureOptions(batch=2, seq=8, capture="bogus"),
                       (PolicySpec(name="eager"),))
+
+
+def _line_of(code: str) -> int:
+    """The line of tracer/models/llama.py that starts with `code` (the zoo model's source moves)."""
+    import tracer.models.llama as llama
+    with open(llama.__file__) as f:
+        return next(n for n, text in enumerate(f, start=1) if text.strip().startswith(code))
