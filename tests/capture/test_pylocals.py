@@ -336,3 +336,114 @@ def test_a_local_bound_to_a_call_holds_what_the_call_returned_through_statements
     assert holds[82] == 5                         # held by `out` until encoder returns, past its last read
     assert holds[81] == 2                         # h: until stage returns; not returned
     assert holds[80] == 1
+
+
+_RECORDED_MODEL = '''
+import torch
+import torch.nn.functional as F
+
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        doubled = x * 2
+        return doubled
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        h = torch.relu(x)
+        if h.shape[0] > 100:
+            h = None
+        h = F.softmax(h, -1)
+        return Double.apply(h)
+
+
+def outside(x):
+    y = x + 1
+    return y
+'''
+
+
+def _recorded_model(tmp_path):
+    import importlib.util
+
+    path = tmp_path / "recorded_model.py"
+    path.write_text(_RECORDED_MODEL)
+    spec = importlib.util.spec_from_file_location("recorded_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, str(path), {text.strip(): n for n, text in enumerate(_RECORDED_MODEL.splitlines(), start=1)}
+
+
+def test_executed_lines_are_the_root_forwards_own_and_its_custom_functions(tmp_path):
+    """With a root module, the lines that run are recorded while its forward runs (a custom Function's
+    forward is the model's code too), not the branch it skips, and not model-file code run outside it."""
+    import torch
+
+    from tracer.capture.pylocals import record_executed_lines
+
+    module, path, lines_of = _recorded_model(tmp_path)
+    model = module.Model()
+    with record_executed_lines(lambda f: f == path, model) as executed:
+        model(torch.ones(3))
+        module.outside(torch.ones(3))
+    ran = {line for file, line in executed.lines if file == path}
+    assert executed.complete
+    assert {lines_of["h = torch.relu(x)"], lines_of["doubled = x * 2"], lines_of["return Double.apply(h)"]} <= ran
+    assert lines_of["h = None"] not in ran
+    assert lines_of["y = x + 1"] not in ran
+
+
+def test_a_c_torch_call_runs_untraced_and_a_python_one_traced(tmp_path):
+    """UntracedCall (what the direct trace's torch function mode runs each call in): the executed-lines
+    trace is off while a C function (relu, mul) runs, on for a Python torch function (F.softmax, which
+    could call model code), and the lines around the calls are still recorded."""
+    import sys
+
+    import torch
+
+    from tracer.capture.pylocals import UntracedCall, record_executed_lines
+
+    module, path, lines_of = _recorded_model(tmp_path)
+    trace_inside: dict = {}
+
+    class Probe(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            with UntracedCall(func):
+                trace_inside.setdefault(getattr(func, "__name__", str(func)), sys.gettrace())
+                return func(*args, **(kwargs or {}))
+
+    model = module.Model()
+    with record_executed_lines(lambda f: f == path, model) as executed, Probe():
+        model(torch.ones(3))
+    ran = {line for file, line in executed.lines if file == path}
+    assert trace_inside["relu"] is None and trace_inside["mul"] is None
+    assert trace_inside["softmax"] is not None
+    assert {lines_of["h = F.softmax(h, -1)"], lines_of["doubled = x * 2"], lines_of["return doubled"],
+            lines_of["return Double.apply(h)"]} <= ran
+
+
+def test_untraced_call_leaves_another_trace_function_running():
+    """A debugger's or coverage's trace function is not paused by UntracedCall."""
+    import sys
+
+    import torch
+
+    from tracer.capture.pylocals import UntracedCall
+
+    def other(frame, event, arg):
+        return None
+
+    previous = sys.gettrace()
+    sys.settrace(other)
+    try:
+        with UntracedCall(torch.relu):
+            inside = sys.gettrace()
+    finally:
+        sys.settrace(previous)
+    assert inside is other

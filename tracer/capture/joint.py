@@ -28,7 +28,7 @@ from tracer.capture.inplace import INPLACE_CALL_KEY, formula_writes_marked, is_i
 from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
-from tracer.capture.pylocals import ExecutedLines, record_executed_lines
+from tracer.capture.pylocals import ExecutedLines, UntracedCall, record_executed_lines
 from tracer.capture.source import loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
@@ -98,7 +98,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     traced = step_module(built, source, precision)
     stack = contextlib.ExitStack()
     if direct:
-        with record_executed_lines(_is_user_file) as executed:
+        with record_executed_lines(_is_user_file, traced) as executed:
             jd = _trace_directly(stack, traced, args, precision, device, source)
         seen, leaves = _NOTHING_SEEN, ()
     else:
@@ -358,26 +358,29 @@ class _SourceMetaMode(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         import torch.fx.traceback as fx_traceback
-        meta = fx_traceback.current_meta
-        saved = {key: meta[key] for key in _SOURCE_META if key in meta}
-        meta["stack_trace"] = _user_stack_trace()
-        self._calls += 1             # which aten ops one call ran (a C++ composite's locals: capture/calls.py)
-        meta["torch_fn"] = (f"{getattr(func, '__name__', 'call')}_{self._calls}", _qualified_name(func))
-        inplace = is_inplace_call(func, kwargs)
-        if args and inplace and torch.is_grad_enabled():
-            _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
-        meta["nn_module_stack"] = dict(self._modules)
-        try:
-            # capture/inplace.py: the nodes of an in-place call are marked (fx copies `custom` onto them)
-            with fx_traceback.annotate({INPLACE_CALL_KEY: True}) if inplace else contextlib.nullcontext(), \
-                    self.lifetimes.saving():
-                out = func(*args, **(kwargs or {}))
-            self.lifetimes.watch(args, out, inplace)
-            return out
-        finally:
-            for key in _SOURCE_META:
-                meta.pop(key, None)
-            meta.update(saved)
+        # the executed-lines trace is paused for the whole handling of a C function (tracer's own bookkeeping
+        # and torch's dispatch under it), so only model code and Python torch functions pay trace events
+        with UntracedCall(func):
+            meta = fx_traceback.current_meta
+            saved = {key: meta[key] for key in _SOURCE_META if key in meta}
+            meta["stack_trace"] = _user_stack_trace()
+            self._calls += 1             # which aten ops one call ran (a C++ composite's locals: capture/calls.py)
+            meta["torch_fn"] = (f"{getattr(func, '__name__', 'call')}_{self._calls}", _qualified_name(func))
+            inplace = is_inplace_call(func, kwargs)
+            if args and inplace and torch.is_grad_enabled():
+                _refuse_inplace_on_parameter(self._root, func, args[0], meta["stack_trace"])
+            meta["nn_module_stack"] = dict(self._modules)
+            try:
+                # capture/inplace.py: the nodes of an in-place call are marked (fx copies `custom` onto them)
+                with fx_traceback.annotate({INPLACE_CALL_KEY: True}) if inplace else contextlib.nullcontext(), \
+                        self.lifetimes.saving():
+                    out = func(*args, **(kwargs or {}))
+                self.lifetimes.watch(args, out, inplace)
+                return out
+            finally:
+                for key in _SOURCE_META:
+                    meta.pop(key, None)
+                meta.update(saved)
 
 
 _SOURCE_META = ("stack_trace", "nn_module_stack", "torch_fn")

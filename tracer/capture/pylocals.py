@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import types
 from typing import Callable, Sequence
 
 Frame = tuple[str, int, str]          # (file, line, function)
@@ -63,10 +64,12 @@ class _Invocation:
 
 
 @contextlib.contextmanager
-def record_executed_lines(is_model_file: Callable[[str], bool]):
-    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the context is open.
-    Under another trace function (a debugger, coverage) nothing is recorded (`complete` stays False) and
-    every rebinding line counts as passed, as before."""
+def record_executed_lines(is_model_file: Callable[[str], bool], root=None):
+    """Yields an ExecutedLines that collects (file, line) for every line run in a model file while the
+    context is open and, with `root` (an nn.Module), only while its forward runs: the lines are read for
+    forward ops' locals alone, and every Python frame entered costs a trace event (the backward's
+    fake-tensor machinery would double them). Under another trace function (a debugger, coverage) nothing
+    is recorded (`complete` stays False) and every rebinding line counts as passed, as before."""
     recorded = ExecutedLines()
     if sys.gettrace() is not None:
         yield recorded
@@ -81,12 +84,49 @@ def record_executed_lines(is_model_file: Callable[[str], bool]):
     def on_call(frame, event, arg):
         return in_model_file if is_model_file(frame.f_code.co_filename) else None
 
-    sys.settrace(on_call)
+    _RECORDERS.add(on_call)
+    hooks = []
+    if root is None:
+        sys.settrace(on_call)
+    else:
+        # a nested or repeated call of the root (a re-traced forward) traces as the outermost one does
+        hooks = [root.register_forward_pre_hook(lambda *_: sys.settrace(on_call)),
+                 root.register_forward_hook(lambda *_: sys.settrace(None), always_call=True)]
     try:
         yield recorded
     finally:
         sys.settrace(None)
+        _RECORDERS.discard(on_call)
+        for hook in hooks:
+            hook.remove()
     recorded.complete = True
+
+
+_RECORDERS: set = set()            # the trace functions of the open record_executed_lines contexts
+# C functions: no Python frame of the model runs inside one, only torch's own dispatch machinery
+_C_FUNCTION_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+                     types.MethodWrapperType)
+
+
+class UntracedCall:
+    """The context a torch function call runs in (a TorchFunctionMode's `func(*args)`): while a C function
+    runs, the executed-lines trace is paused, so the Python frames of fake tensors, functionalization and
+    proxies under it cost no trace event; a Python function (`F.softmax`, a custom op) may call model code
+    and stays traced. Another trace function (a debugger, coverage) is left running."""
+
+    __slots__ = ("_paused",)
+
+    def __init__(self, func):
+        trace = sys.gettrace() if isinstance(func, _C_FUNCTION_TYPES) else None
+        self._paused = trace if trace in _RECORDERS else None
+
+    def __enter__(self):
+        if self._paused is not None:
+            sys.settrace(None)
+
+    def __exit__(self, *exc):
+        if self._paused is not None:
+            sys.settrace(self._paused)
 
 
 @dataclasses.dataclass
