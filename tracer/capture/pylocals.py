@@ -89,7 +89,7 @@ def record_executed_lines(is_model_file: Callable[[str], bool], root=None):
     if root is None:
         sys.settrace(on_call)
     else:
-        # a nested or repeated call of the root (a re-traced forward) traces as the outermost one does
+        # AOT runs the root's forward twice (its metadata pass, then the joint trace): each call is traced
         hooks = [root.register_forward_pre_hook(lambda *_: sys.settrace(on_call)),
                  root.register_forward_hook(lambda *_: sys.settrace(None), always_call=True)]
     try:
@@ -112,7 +112,9 @@ class UntracedCall:
     """The context a torch function call runs in (a TorchFunctionMode's `func(*args)`): while a C function
     runs, the executed-lines trace is paused, so the Python frames of fake tensors, functionalization and
     proxies under it cost no trace event; a Python function (`F.softmax`, a custom op) may call model code
-    and stays traced. Another trace function (a debugger, coverage) is left running."""
+    and stays traced. Another trace function (a debugger, coverage) is left running. Not traced: a model
+    file's own tensor subclass (`__torch_function__` / `__torch_dispatch__`) run under a C function; its
+    lines hold no forward local of the model."""
 
     __slots__ = ("_paused",)
 
