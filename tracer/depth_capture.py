@@ -147,19 +147,27 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
                                             f"({str(cut.error).splitlines()[0]})")
     if cut.checked_on is not None and cut.check is None:
         return _synthesized_unchecked(cut, count)
-    base, check = cut.base, cut.check
+    base = cut.base
     prepared = cut.prepared or prepare_synthesis(base, analyze, depth)
-    differences = {}
-    for i, (graph, captured) in enumerate(zip(base, check)):
-        difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))
-        if difference:
-            differences[i] = f"{graph.config.policy}: {difference}"
+    differences = synthesis_differences(prepared, cut.check, analyze)
     note = (f"{_CHECKED}{depth} blocks of {path}; the {CHECK_DEPTH}-block "
             f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
     graphs = tuple(None if i in differences else _with_note(prepared.full[i], note) for i in range(len(base)))
     return DeepCapture(graphs, None if not differences else
                        f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
                        f"capture ({'; '.join(differences.values())})")
+
+
+def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, ...],
+                          analyze: Callable[[int, StepGraph], object]) -> dict[int, str]:
+    """Graph index -> "<policy>: why" for each graph whose `CHECK_DEPTH`-block synthesis (`prepared`) is
+    refused or differs from its capture in `check`; empty when every synthesis is checked."""
+    differences = {}
+    for i, captured in enumerate(check):
+        difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))
+        if difference:
+            differences[i] = f"{captured.config.policy}: {difference}"
+    return differences
 
 
 def _synthesized_unchecked(cut: CutSteps, count: int) -> DeepCapture:

@@ -6,9 +6,10 @@ row is a full analysis through the same pipeline as the main command, never a fo
 Combinations are levers too. `run_levers` captures the joint forward and backward once per distinct
 setting of it (policies, optimizers, accumulation's steps and offload are scheduled on one capture;
 sharding and the device view are passes over it; the CLI spreads these captures over one process per
-CPU core: a deep model's groups as their captures cut to 4 and to 6 blocks, checked and synthesized in
-the calling process; a group that changes every block alike, pure bf16, the micro-batch, LoRA, is cut to 4
-blocks only and synthesized on the baseline group's 6-block check, noted) and returns one `LeverRow` per lever;
+CPU core: a deep model's baseline group cut to 4 blocks, synthesized and its rows analysed in a worker while
+the calling process captures it cut to 6 blocks and checks the synthesis; a group that changes every block
+alike, pure bf16, the micro-batch, LoRA, is cut to 4 blocks only and synthesized on the baseline group's
+6-block check, noted) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -22,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps, synthesis_checked
+from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
 from tracer.errors import UsageError
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
-from tracer.pipeline import (AnalysisOptions, analyze_captured, block_list, capture_cut_variants, capture_variants,
-                             load_source)
+from tracer.pipeline import (AnalysisOptions, analyze_captured, analyze_one, block_list, capture_cut_variants,
+                             capture_variants, load_source)
 
 ACCUMULATE_STEPS = 4
 LORA_RANK = 16
@@ -131,12 +132,14 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
     """Each job's rows: in this process, or with `workers` spawned processes (each loads the model by its
     name). A deep model's group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut`
-    steps, one process per depth) while this process checks and synthesizes the groups already captured;
-    a capture is independent of the others, so the rows are the same either way. The first group (the
-    baseline's) is checked against its `CHECK_DEPTH`-block capture; a group that differs from it only in
-    what every block's code sees the same way (`_UNIFORM_FIELDS`) is captured at `BASE_DEPTH` alone,
-    synthesized and analysed in its worker while the check runs here, and kept on the check's verdict
-    (captured again with a check of its own when the baseline's failed)."""
+    steps); a capture is independent of the others, so the rows are the same either way. The first group
+    (the baseline's) is captured at `BASE_DEPTH`, synthesized and its rows analysed in a worker while this
+    process captures its `CHECK_DEPTH` step and checks the synthesis on it (`synthesis_differences`); a
+    group that differs from it only in what every block's code sees the same way (`_UNIFORM_FIELDS`) is
+    captured at `BASE_DEPTH` alone, synthesized and analysed in its worker. Rows made before the verdict are
+    kept on it; a failed check captures the group again here as `capture_deep` does (its note says why),
+    and the uniform groups with a check of their own. Any other group: both depths in workers, checked and
+    synthesized here."""
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
@@ -174,12 +177,13 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         blocks = blocks_by[probe]
         if blocks is None:
             pending[j] = (None, pool.submit(_group_rows, model, base, jobs[j]))
-            continue
-        if reuses[j]:                   # its rows made where it is captured, on the check's verdict to come
+        elif reuses[j]:                 # its rows made where it is captured, on the check's verdict to come
             pending[j] = (blocks, pool.submit(_synthesized_rows, model, base, jobs[j], blocks, checked_on))
-            continue
-        pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
-                               for depth in (CHECK_DEPTH, BASE_DEPTH)})
+        elif j == 0:                    # its rows made where it is captured at BASE_DEPTH, the check made here
+            pending[j] = (blocks, pool.submit(_unchecked_rows, model, base, jobs[j], blocks))
+        else:
+            pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
+                                   for depth in (CHECK_DEPTH, BASE_DEPTH)})
     out: dict[int, dict] = {}
     checked = False
     for j in order:
@@ -189,11 +193,54 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         elif reuses[j]:
             # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
             out[j] = futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)[0]
+        elif j == 0:
+            say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its "
+                f"{blocks.depth} ...")
+            rows = _checked_rows(source, base, jobs[j], futures)
+            checked = rows is not None
+            # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
+            out[j] = rows if checked else _group_rows(source, base, jobs[j], on_progress)[0]
         else:
             say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
-            out[j], graphs = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
-            checked = checked or (j == 0 and all(synthesis_checked(graph) for graph in graphs))
+            out[j], _ = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
     return [out[j] for j in range(len(jobs))]
+
+
+def _unchecked_rows(model, base: AnalysisOptions, job: tuple, blocks) -> tuple:
+    """A worker's job for the baseline's group: its captures cut to `BASE_DEPTH` blocks, the synthesized side
+    of their depth check (`prepare_synthesis`, without the full-depth graphs) and, where every synthesis
+    succeeds, its rows from the full-depth synthesis, made before the check's verdict: (rows or None,
+    prepared). A TracerError is raised."""
+    from tracer.depth_capture import prepare_synthesis
+
+    source = load_source(model, base)
+    variants = _variants(job)
+    options = tuple(variants.values())
+    prepared = prepare_synthesis(_capture_cut(source, base, options, BASE_DEPTH),
+                                 lambda i, graph: analyze_one(graph, options[i]), blocks.depth)
+    rows = None
+    if not any(prepared.refused):
+        graph_of = dict(zip(variants, prepared.full))
+        rows = {i: _row(name, row_options, "", graph_of) for i, name, row_options in job}
+    return rows, dataclasses.replace(prepared, full=())
+
+
+def _checked_rows(source, base: AnalysisOptions, job: tuple, unchecked) -> dict[int, LeverRow] | None:
+    """`unchecked`'s rows (the Future of `_unchecked_rows`) when the group's `CHECK_DEPTH`-block capture,
+    made here, equals its synthesis op for op for every variant; None when it differs, is refused or a
+    capture fails (the caller then captures the group as `capture_deep` does, with its note)."""
+    from tracer.depth_capture import synthesis_differences
+    from tracer.errors import TracerError
+
+    options = tuple(_variants(job).values())
+    try:
+        check = _capture_cut(source, base, options, CHECK_DEPTH)
+        rows, prepared = unchecked.result()
+    except TracerError:
+        return None
+    if rows is None or synthesis_differences(prepared, check, lambda i, graph: analyze_one(graph, options[i])):
+        return None
+    return rows
 
 
 def _synthesized_rows(model, base: AnalysisOptions, job: tuple, blocks, checked_on: str) -> dict[int, LeverRow]:

@@ -260,6 +260,26 @@ def _storage_shape(s: Storage) -> tuple:
 
 # ---------------------------------------------------------------------------------------------- building
 
+class _ValueMap:
+    """An op's arguments as copy `copy` of an element of block `tag` refers to them: each TensorValue on
+    the storage that copy refers to, made once per value (a value is read by many ops)."""
+
+    def __init__(self, builder: "_Builder", copy: int, tag: int):
+        self.builder, self.copy, self.tag = builder, copy, tag
+        self.made = builder.values.setdefault((copy, tag), {})        # id(TensorValue) -> its counterpart
+
+    def __call__(self, obj):
+        if isinstance(obj, TensorValue):
+            new = self.made.get(id(obj))
+            if new is None:
+                new = self.made[id(obj)] = TensorValue(
+                    self.builder._storage_ref(self.copy, self.tag, obj.storage_id), obj.shape, obj.dtype)
+            return new
+        if isinstance(obj, tuple):
+            return tuple([self(item) for item in obj])
+        return obj
+
+
 class _Builder:
     """The deeper graph: elements are (copy, original index), copy 0 being the captured element."""
 
@@ -267,6 +287,7 @@ class _Builder:
         self.graph, self.blocks, self.tags, self.align, self.copies = graph, blocks, tags, align, copies
         self.prefix = blocks[0].rsplit(".", 1)[0]
         self.refs: dict[tuple, int] = {}
+        self.values: dict[tuple, dict] = {}          # (copy, tag) -> _ValueMap's values made so far
         self.counters = self._name_counters()
 
     def build(self) -> StepGraph:
@@ -349,23 +370,15 @@ class _Builder:
             kwargs = tuple((k, self._global_arg(v, op)) for k, v in op.kwargs)
             outputs = self._global_list(op.outputs, op)
         else:
-            fix = lambda obj: self._block_arg(copy, tag, obj)            # noqa: E731
+            fix = _ValueMap(self, copy, tag)
             args, kwargs, outputs = fix(op.args), tuple((k, fix(v)) for k, v in op.kwargs), fix(op.outputs)
-        return dataclasses.replace(
-            op, index=new_index, name=op.name if not copy else f"{op.name}_copy{copy}", args=args, kwargs=kwargs,
-            outputs=outputs, module=self._rename(op.module, copy, tag),
-            autograd_node=self.nodes.get((copy, op.autograd_node), op.autograd_node))
-
-    def _block_arg(self, copy: int, tag: int, obj):
-        if isinstance(obj, TensorValue):
-            return TensorValue(self._storage_ref(copy, tag, obj.storage_id), obj.shape, obj.dtype)
-        if isinstance(obj, tuple):
-            return tuple([self._block_arg(copy, tag, item) for item in obj])
-        return obj
+        return _changed(op, index=new_index, name=op.name if not copy else f"{op.name}_copy{copy}", args=args,
+                        kwargs=kwargs, outputs=outputs, module=self._rename(op.module, copy, tag),
+                        autograd_node=self.nodes.get((copy, op.autograd_node), op.autograd_node))
 
     def _global_arg(self, obj, op: OpNode):
         if isinstance(obj, TensorValue):
-            return dataclasses.replace(obj, storage_id=self._storage_ref(0, None, obj.storage_id))
+            return _changed(obj, storage_id=self._storage_ref(0, None, obj.storage_id))
         if isinstance(obj, tuple) and obj and all(isinstance(item, TensorValue) for item in obj):
             return self._global_list(obj, op)
         if isinstance(obj, tuple):
@@ -380,16 +393,15 @@ class _Builder:
                    if tags[i] == _BASE and self.align.storage.get(v.storage_id) in position}
         out = []
         for copy, i in _stretch(list(range(len(items))), tags, partner, self.copies):
-            out.append(dataclasses.replace(items[i], storage_id=self.storage_id[(copy, items[i].storage_id)]))
+            out.append(_changed(items[i], storage_id=self.storage_id[(copy, items[i].storage_id)]))
         return tuple(out)
 
     def _storage(self, copy: int, sid: int, new_id: int) -> Storage:
         s = self.graph.storages[sid]
         tag = self.tags.storage[sid]
-        return dataclasses.replace(
-            s, storage_id=new_id, name=self._rename_storage(s.name, copy, tag) if tag is not None else s.name,
-            released_after_op=self._op_ref(copy, s, "released_after_op"),
-            held_until_op=self._op_ref(copy, s, "held_until_op"))
+        return _changed(s, storage_id=new_id, name=self._rename_storage(s.name, copy, tag) if tag is not None else s.name,
+                        released_after_op=self._op_ref(copy, s, "released_after_op"),
+                        held_until_op=self._op_ref(copy, s, "held_until_op"))
 
     def _rename(self, path: str, copy: int, tag: int | None) -> str:
         """`blocks.1.x` of copy c -> `blocks.{1+c}.x`; `blocks.j.x` (j >= 2) -> `blocks.{j+copies}.x`."""
@@ -447,6 +459,14 @@ class _Builder:
                   if tag == _BASE and s.role is StorageRole.PARAMETER]
         params = list({s.name.split(" (", 1)[0]: s for s in reversed(params)}.values())   # one per parameter
         return (sum(math.prod(s.shape) for s in params), sum(math.prod(s.shape) for s in params if s.frozen))
+
+
+def _changed(element, **changes):
+    """`dataclasses.replace(element, **changes)` without its per-call field walk (a deep model's synthesis
+    makes ~10^5 elements): every field is carried, none of these frozen classes has a `__post_init__`."""
+    new = object.__new__(type(element))
+    new.__dict__.update(element.__dict__, **changes)
+    return new
 
 
 def _stretch(items: list[int], tags: list, partner: dict[int, int], copies: int) -> list[tuple[int, int]]:
