@@ -171,8 +171,10 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     pending, blocks_by = {}, {}
     for j in order:
         variants = tuple(_variants(jobs[j]).values())
-        probe = (variants[0].precision, variants[0].seq, variants[0].full_capture)
-        if probe not in blocks_by:                       # the block list a group's capture_deep would find
+        # the block list a group's capture_deep would find: the model's modules, which its dtype does not change
+        # (a model that cannot be built in a group's precision fails its cut capture, then its full one)
+        probe = (variants[0].seq, variants[0].full_capture)
+        if probe not in blocks_by:
             blocks_by[probe] = block_list(source, variants[0])
         blocks = blocks_by[probe]
         if blocks is None:
