@@ -165,3 +165,29 @@ def test_groups_that_change_every_block_alike_reuse_the_baselines_depth_check(mo
     captured = run_levers(DEEP, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
     assert [dataclasses.replace(r, options=None) for r in synthesized.rows] == \
         [dataclasses.replace(r, options=None) for r in captured.rows]
+
+
+@pytest.mark.slow
+def test_a_failed_baseline_check_captures_every_group_as_the_full_capture_does(monkeypatch):
+    """The baseline group's rows are made before its depth check's verdict; when the check fails, they are
+    dropped: every group is captured again as capture_deep does it, in full with the note saying why, and
+    every row equals the full capture's."""
+    import tracer.depth_capture
+    import tracer.levers
+
+    in_full = []
+    honest = tracer.levers.capture_variants
+
+    def recording(source, variants, **keywords):
+        graphs = honest(source, variants, **keywords)
+        in_full.extend((v.precision, v.batch, v.lora_rank) for v, graph in zip(variants, graphs)
+                       if any(note.startswith("depth: captured all") for note in graph.config.notes))
+        return graphs
+
+    monkeypatch.setattr(tracer.levers, "capture_variants", recording)
+    monkeypatch.setattr(tracer.depth_capture, "first_difference", lambda synthesized, captured: "forced to differ")
+    failed = run_levers(DEEP, BASE, levers=UNIFORM)
+    assert set(in_full) == {("fp32", 4, None), ("bf16-pure", 4, None), ("fp32", 1, None), ("fp32", 4, 16)}
+    captured = run_levers(DEEP, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
+    assert [dataclasses.replace(r, options=None) for r in failed.rows] == \
+        [dataclasses.replace(r, options=None) for r in captured.rows]
