@@ -19,7 +19,9 @@ With `--repeat N` each row is the run with the median wall time of N. `child GiB
 RSS of its child processes (a spawned capture process, which runs beside it, or a process forked for a
 compiler probe, which starts with a copy of the parent's pages). The ratios are against
 `memtracker` (time, RSS); `peak` is each tool's eager step peak, so the rows can
-be checked against each other (MemTracker's equals tracer's for these models). Goals (issue 8): llama-70b
+be checked against each other (MemTracker runs CPU kernels, the tracer its default CUDA target: they
+agree where the kernels' memory does, llama-70b, and differ by the CUDA kernels' bytes where it does not,
+llama-88m; with --target cpu the tracer equals a real CPU step). Goals (issue 8): llama-70b
 at seq 4096, all four policies, under 60 s and 3 GiB RSS; llama-88m end to end no slower than
 MemTracker's fake-tensor run.
 """
