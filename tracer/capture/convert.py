@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.inplace import in_place_writes, input_copies_written_back
-from tracer.capture.joint import PARTIAL_HELD_KEY, JointCapture
+from tracer.capture.joint import FRAME_HELD_KEY, PARTIAL_HELD_KEY, JointCapture
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
@@ -78,6 +78,7 @@ class OpDraft:
     rerun_of: str | None = None         # a reentrant checkpoint's forward op run again inside backward: its name
     held_to_region_end: tuple[TensorValue, ...] = ()   # its outputs the region's backward holds until it ends
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
+    frame_held: tuple = ()              # (region, shape, dtype) of its outputs a non-reentrant region's frame holds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
     writes_in_place: bool = False       # its output is an eager in-place write into a storage made before it
@@ -579,6 +580,8 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         checkpoint_region=node.meta.get("ac_graph_id", node.meta.get(REGION_KEY)),
         held_to_region_end=outputs if node.meta.get(HELD_KEY) else (),
         partial_held=phase is Phase.FORWARD and bool((node.meta.get("custom") or {}).get(PARTIAL_HELD_KEY)),
+        frame_held=tuple((node.meta.get("custom") or {}).get(FRAME_HELD_KEY, ())) if phase is Phase.FORWARD
+        and not recomputed else (),
         rerun_of=node.meta.get(RERUN_KEY),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
     )

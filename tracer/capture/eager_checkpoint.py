@@ -9,7 +9,8 @@ and a recomputed value freed when the backward node that unpacked it returns (be
 `sum_to`). `recompute_local_holds(ops, table, holds)` holds recomputed values (a non-reentrant recompute's
 or a reentrant rerun's) as the forward's Python locals held their twins. The recompute's place (at the
 region's first unpacking backward node) is set when the backward graph is made (tracer/capture/policies.py).
-Not modelled: tensors a non-reentrant checkpointed callable receives but never reads.
+A non-reentrant region's frame holds what its callable binds and receives until the region's backward
+has run, read by the region or not.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
                 held = table.get(value.storage_id).held_until_op
                 table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
+    _hold_frame_values(ops, table, {region: max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
+                                    for region in first_forward})
     _release_unpacked_recomputes(ops, table)
     _remade_leaves(ops, table, remade_leaves or {}, recompute_end)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
@@ -87,6 +90,21 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
         table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
         if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
             table.update(sid, persistent=True)
+
+
+def _hold_frame_values(ops: list[OpDraft], table: StorageTable, frame_end: dict[int, int]) -> None:
+    """A non-reentrant region's checkpoint frame holds its callable (the tensors its functools.partial
+    binds) and the arguments it was called with until the frame dies, when the region's recompute and
+    backward have run (`frame_end`), whether or not the region reads them (capture/joint.py tags their
+    nodes `frame_held`)."""
+    for d in ops:
+        for value in d.outputs if d.frame_held else ():
+            ends = [frame_end[region] for region, shape, dtype in d.frame_held
+                    if region in frame_end and (shape, dtype) == (value.shape, value.dtype)]
+            storage = table.get(value.storage_id)
+            if ends and storage.role is StorageRole.INTERMEDIATE:
+                held = storage.held_until_op
+                table.update(value.storage_id, held_until_op=max(max(ends), held if held is not None else -1))
 
 
 def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],

@@ -630,7 +630,9 @@ def _tag_checkpoint_regions():
     counter = iter(range(1 << 30))
 
     def generator(fn, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *a, **k):
-        with fx_traceback.annotate({CHECKPOINT_KEY: next(counter)}):
+        region = next(counter)
+        _mark_frame_held(region, (fn, a, k))
+        with fx_traceback.annotate({CHECKPOINT_KEY: region}):
             yield
 
     class Reentrant:
@@ -652,6 +654,35 @@ def _tag_checkpoint_regions():
 
 
 PARTIAL_HELD_KEY = "tracer_partial_held"    # a view of a tensor a reentrant region's functools.partial binds
+FRAME_HELD_KEY = "tracer_frame_held"        # (region, shape, dtype) of a tensor of this node a non-reentrant frame holds
+
+
+def _mark_frame_held(region: int, call) -> None:
+    """Tag the nodes that made the tensors a non-reentrant region's checkpoint frame holds (`call`: its
+    callable, whose functools.partial layers bind tensors, and the arguments it is called with) with
+    `meta["custom"][FRAME_HELD_KEY]` += ((region, shape, dtype),): eager keeps them until the region's backward has run,
+    also those the region never reads (transformers binds `position_ids` for layers that ignore it)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+    from torch.utils._pytree import tree_leaves
+
+    from tracer.capture.storages import dtype_name
+    mode = get_proxy_mode()
+    if mode is None:
+        return
+    fn, *rest = call
+    bound = []
+    while isinstance(fn, functools.partial):
+        bound += [fn.args, fn.keywords]
+        fn = fn.func
+    for t in tree_leaves((bound, rest)):
+        slot = get_proxy_slot(t, mode.tracer, None) if isinstance(t, torch.Tensor) else None
+        node = getattr(getattr(slot, "proxy", None), "node", None)
+        if node is not None:
+            # the tensor's shape and dtype name it among the outputs of the ops the node becomes (a layer
+            # norm's mean and rstd are not held)
+            held = (region, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+            custom = node.meta.get("custom") or {}          # a new dict: annotate shares one among its nodes
+            node.meta["custom"] = {**custom, FRAME_HELD_KEY: tuple(custom.get(FRAME_HELD_KEY, ())) + (held,)}
 
 
 def _partial_held_marked(function):
