@@ -78,7 +78,7 @@ class OpDraft:
     rerun_of: str | None = None         # a reentrant checkpoint's forward op run again inside backward: its name
     held_to_region_end: tuple[TensorValue, ...] = ()   # its outputs the region's backward holds until it ends
     partial_held: bool = False          # a forward view of a tensor a reentrant region's partial binds
-    frame_held: tuple = ()              # (region, shape, dtype) of its outputs a non-reentrant region's frame holds
+    frame_held: tuple = ()              # (region, shape, dtype, origin node) a non-reentrant region's frame holds
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
     writes_in_place: bool = False       # its output is an eager in-place write into a storage made before it

@@ -95,16 +95,23 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
 def _hold_frame_values(ops: list[OpDraft], table: StorageTable, frame_end: dict[int, int]) -> None:
     """A non-reentrant region's checkpoint frame holds its callable (the tensors its functools.partial
     binds) and the arguments it was called with until the frame dies, when the region's recompute and
-    backward have run (`frame_end`), whether or not the region reads them (capture/joint.py tags their
-    nodes `frame_held`)."""
-    for d in ops:
-        for value in d.outputs if d.frame_held else ():
-            ends = [frame_end[region] for region, shape, dtype in d.frame_held
-                    if region in frame_end and (shape, dtype) == (value.shape, value.dtype)]
-            storage = table.get(value.storage_id)
-            if ends and storage.role is StorageRole.INTERMEDIATE:
-                held = storage.held_until_op
-                table.update(value.storage_id, held_until_op=max(max(ends), held if held is not None else -1))
+    backward have run (`frame_end`), whether or not the region reads them. capture/joint.py tags every op
+    made from the node of such a tensor `frame_held`; the last of them makes the tensor, its output of the
+    tensor's shape and dtype."""
+    last: dict[str, int] = {}                   # origin node -> the last forward op made from it
+    for i, d in enumerate(ops):
+        for *_, origin in d.frame_held:
+            last[origin] = i
+    for origin, i in last.items():
+        for region, shape, dtype, _ in (entry for entry in ops[i].frame_held if entry[3] == origin):
+            if region not in frame_end:
+                continue
+            for value in ops[i].outputs:
+                storage = table.get(value.storage_id)
+                if (value.shape, value.dtype) == (shape, dtype) and storage.role is StorageRole.INTERMEDIATE:
+                    held = storage.held_until_op
+                    table.update(value.storage_id,
+                                 held_until_op=max(frame_end[region], held if held is not None else -1))
 
 
 def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],

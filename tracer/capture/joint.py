@@ -654,13 +654,13 @@ def _tag_checkpoint_regions():
 
 
 PARTIAL_HELD_KEY = "tracer_partial_held"    # a view of a tensor a reentrant region's functools.partial binds
-FRAME_HELD_KEY = "tracer_frame_held"        # (region, shape, dtype) of a tensor of this node a non-reentrant frame holds
+FRAME_HELD_KEY = "tracer_frame_held"        # (region, shape, dtype, node) of a tensor a non-reentrant frame holds
 
 
 def _mark_frame_held(region: int, call) -> None:
     """Tag the nodes that made the tensors a non-reentrant region's checkpoint frame holds (`call`: its
     callable, whose functools.partial layers bind tensors, and the arguments it is called with) with
-    `meta["custom"][FRAME_HELD_KEY]` += ((region, shape, dtype),): eager keeps them until the region's backward has run,
+    `meta["custom"][FRAME_HELD_KEY]` += ((region, shape, dtype, node name),): eager keeps them until the region's backward has run,
     also those the region never reads (transformers binds `position_ids` for layers that ignore it)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
     from torch.utils._pytree import tree_leaves
@@ -678,9 +678,10 @@ def _mark_frame_held(region: int, call) -> None:
         slot = get_proxy_slot(t, mode.tracer, None) if isinstance(t, torch.Tensor) else None
         node = getattr(getattr(slot, "proxy", None), "node", None)
         if node is not None:
-            # the tensor's shape and dtype name it among the outputs of the ops the node becomes (a layer
-            # norm's mean and rstd are not held)
-            held = (region, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+            # the node becomes one or more aten ops (dropout: bernoulli, div, mul): the last one made from it
+            # (`node.name`) makes the tensor, its output of the tensor's shape and dtype (a layer norm's mean
+            # and rstd are not held)
+            held = (region, tuple(int(d) for d in t.shape), dtype_name(t.dtype), node.name)
             custom = node.meta.get("custom") or {}          # a new dict: annotate shares one among its nodes
             node.meta["custom"] = {**custom, FRAME_HELD_KEY: tuple(custom.get(FRAME_HELD_KEY, ())) + (held,)}
 
