@@ -191,20 +191,20 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     for j in order:
         blocks, futures = pending[j]
         if blocks is None:
-            out[j] = futures.result()[0]
+            out[j] = futures.result()
         elif reuses[j]:
             # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
-            out[j] = futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)[0]
+            out[j] = futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)
         elif j == 0:
             say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its "
                 f"{blocks.depth} ...")
             rows = _checked_rows(source, base, jobs[j], futures)
             checked = rows is not None
             # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
-            out[j] = rows if checked else _group_rows(source, base, jobs[j], on_progress)[0]
+            out[j] = rows if checked else _group_rows(source, base, jobs[j], on_progress)
         else:
             say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
-            out[j], _ = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
+            out[j] = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
     return [out[j] for j in range(len(jobs))]
 
 
@@ -257,7 +257,7 @@ def _synthesized_rows(model, base: AnalysisOptions, job: tuple, blocks, checked_
                        checked_on=checked_on)
     except TracerError as exc:
         cut = CutSteps(blocks, None, None, exc)
-    return _group_rows(source, base, job, cut=cut)[0]
+    return _group_rows(source, base, job, cut=cut)
 
 
 def _differs_only_in(options, reference, fields: frozenset) -> bool:
@@ -310,15 +310,15 @@ def _variants(job: tuple) -> dict:
     return variants
 
 
-def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> tuple[dict[int, LeverRow], tuple]:
-    """The rows of one capture group (row index, lever name, options) and its step graphs: its distinct
-    step graphs captured together (`cut`: its cut captures, when already made), each row analysed with its
-    own options."""
+def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> dict[int, LeverRow]:
+    """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
+    together (`cut`: its cut captures, when already made), each row analysed with its own options (only
+    the rows travel back from a worker)."""
     source = load_source(model, base)
     variants = _variants(job)
     graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
                                                  cut=cut)))
-    return {i: _row(name, options, "", graphs) for i, name, options in job}, tuple(graphs.values())
+    return {i: _row(name, options, "", graphs) for i, name, options in job}
 
 
 def _step_key(options: AnalysisOptions) -> tuple:

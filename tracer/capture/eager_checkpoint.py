@@ -68,8 +68,10 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
                 held = table.get(value.storage_id).held_until_op
                 table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
     _hold_reentrant_values(ops, table, backward_end)
-    _hold_frame_values(ops, table, {region: max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
-                                    for region in first_forward})
+    # the frame dies when the region's recompute and backward have run
+    frame_end = {region: max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
+                 for region in first_forward}
+    _hold_frame_values(ops, table, frame_end)
     _release_unpacked_recomputes(ops, table)
     _remade_leaves(ops, table, remade_leaves or {}, recompute_end)
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
@@ -87,7 +89,7 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
         if region in recompute_start:        # the recompute restores it: saved for backward
             rerun = ops[recompute_start[region]]
             rerun.kwargs = tuple(rerun.kwargs) + (("checkpoint_rng_state", state),)
-        table.update(sid, held_until_op=max(recompute_end.get(region, first_backward), backward_end.get(region, -1)))
+        table.update(sid, held_until_op=frame_end[region])
         if region in reentrant:    # on CheckpointFunction's ctx: the autograd graph, which `loss` keeps alive
             table.update(sid, persistent=True)
 
@@ -103,15 +105,15 @@ def _hold_frame_values(ops: list[OpDraft], table: StorageTable, frame_end: dict[
         for *_, origin in d.frame_held:
             last[origin] = i
     for origin, i in last.items():
-        for region, shape, dtype, _ in (entry for entry in ops[i].frame_held if entry[3] == origin):
-            if region not in frame_end:
-                continue
-            for value in ops[i].outputs:
-                storage = table.get(value.storage_id)
-                if (value.shape, value.dtype) == (shape, dtype) and storage.role is StorageRole.INTERMEDIATE:
-                    held = storage.held_until_op
-                    table.update(value.storage_id,
-                                 held_until_op=max(frame_end[region], held if held is not None else -1))
+        ends: dict[tuple, int] = {}              # (shape, dtype) -> the last end of the frames holding it
+        for region, shape, dtype, entry_origin in ops[i].frame_held:
+            if entry_origin == origin and region in frame_end:
+                ends[(shape, dtype)] = max(ends.get((shape, dtype), -1), frame_end[region])
+        for value in ops[i].outputs:
+            end, storage = ends.get((value.shape, value.dtype)), table.get(value.storage_id)
+            if end is not None and storage.role is StorageRole.INTERMEDIATE:
+                held = storage.held_until_op
+                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
 
 
 def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],
