@@ -183,8 +183,13 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     args = p.parse_args()
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
+    # Inductor's caches off for the run, put back after by torch's own config.patch
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compare_all(args)
+
+
+def compare_all(args) -> None:
     worst: list[tuple[float, str]] = []
     for name in args.models.split(","):
         for style in args.styles.split(","):

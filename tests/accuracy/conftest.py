@@ -19,9 +19,10 @@ def compiled_vs_profiler():
 
 
 @pytest.fixture
-def no_compile_caches(monkeypatch):
-    """Every compile runs the partitioner (a cached one would skip it)."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    yield
+def no_compile_caches():
+    """Every compile runs the partitioner (a cached one would skip it). torch's own `config.patch` sets the
+    entries and puts them back (a monkeypatch undo would delete them: torch then hides the entry)."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
     torch._dynamo.reset()

@@ -42,6 +42,7 @@ import threading
 import traceback
 from typing import Callable
 
+from tracer.capture.process_state import process_state_kept
 from tracer.errors import ModelInputError, ModelRunError
 from tracer.models import ZOO, zoo_entry
 
@@ -177,7 +178,7 @@ def running_user_code(name: str):
     exits = sys.exit, getattr(builtins, "exit", None), getattr(builtins, "quit", None)
     sys.exit = builtins.exit = builtins.quit = _exit_as_exception
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with contextlib.redirect_stdout(sys.stderr), process_state_kept():
             yield
     except ModelCalledExit as exc:
         raise ModelRunError(f"{name}: {exc}", hint="a model file must not exit; the step was not analysed") from exc
@@ -189,6 +190,13 @@ def running_user_code(name: str):
             raise
         raise ModelRunError(f"{name} raised KeyboardInterrupt while being traced",
                             hint="the model's own KeyboardInterrupt is its failure; the step was not analysed") from exc
+    except Exception:
+        raise
+    except BaseException as exc:             # GeneratorExit, a model's own BaseException subclass
+        raise ModelRunError(f"{name} raised {type(exc).__name__}: {exc}" if str(exc) else
+                            f"{name} raised {type(exc).__name__}",
+                            hint="an exception outside Exception's tree is the model's failure; "
+                                 "the step was not analysed") from exc
     finally:
         sys.exit, builtins.exit, builtins.quit = exits
         if installed:
