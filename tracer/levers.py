@@ -108,6 +108,11 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return None, str(exc).splitlines()[0]
 
 
+def _check_world_size(world_size) -> None:
+    if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+        raise UsageError(f"--world-size {world_size!r} is not valid", hint="a positive integer")
+
+
 def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, levers: tuple[Lever, ...] = LEVERS,
                on_progress: Callable[[str], None] | None = None, workers: int = 1) -> LeverTable:
     """One row per lever. Levers that change only the policy or the step around forward and backward
@@ -115,6 +120,7 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
     passes one per CPU core) runs the capture groups of a model named by a string in that many processes."""
     from tracer.capture import joint_key
 
+    _check_world_size(world_size)
     planned = [(lever, *lever_options(lever, base, world_size)) for lever in levers]
     groups: dict = {}
     for i, (_, options, _) in enumerate(planned):
@@ -189,23 +195,34 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     out: dict[int, dict] = {}
     checked = False
     for j in order:
-        blocks, futures = pending[j]
-        if blocks is None:
-            out[j] = futures.result()
-        elif reuses[j]:
-            # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
-            out[j] = futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)
-        elif j == 0:
-            say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its "
-                f"{blocks.depth} ...")
-            rows = _checked_rows(source, base, jobs[j], futures)
-            checked = rows is not None
-            # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
-            out[j] = rows if checked else _group_rows(source, base, jobs[j], on_progress)
-        else:
-            say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
-            out[j] = _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures))
+        try:
+            rows, checked = _rows_of_group(j, jobs, pending[j], reuses[j], checked, source, base, say, on_progress)
+        except UsageError as exc:
+            if j == 0:
+                raise                   # the baseline: without it no row means anything
+            # a lever the model refuses (LoRA on a model with no linear layer): its rows say why
+            rows = {i: LeverRow(lever=name, options=None, reason=str(exc).splitlines()[0]) for i, name, _ in jobs[j]}
+        out[j] = rows
     return [out[j] for j in range(len(jobs))]
+
+
+def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: bool, checked: bool, source, base: AnalysisOptions,
+                   say, on_progress) -> tuple[dict, bool]:
+    """Group `j`'s rows from what `_group_results` started for it (`pending`: its block list and futures),
+    and whether the baseline's depth check has passed (group 0 decides it; later groups read it)."""
+    blocks, futures = pending
+    if blocks is None:
+        return futures.result(), checked
+    if reuses:
+        # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
+        return (futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)), checked
+    if j == 0:
+        say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its {blocks.depth} ...")
+        rows = _checked_rows(source, base, jobs[j], futures)
+        # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
+        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress)), rows is not None
+    say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
+    return _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures)), checked
 
 
 def _unchecked_rows(model, base: AnalysisOptions, job: tuple, blocks) -> tuple:
@@ -356,6 +373,7 @@ def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | N
     """`--fit SIZE --levers`: the largest batch at --seq whose peak fits, per lever (accumulation: the
     largest micro-batch; sharding: per rank)."""
     from tracer.planning import fit_budget
+    _check_world_size(world_size)
     out = []
     for lever in levers:
         options, reason = lever_options(lever, dataclasses.replace(base, batch=max(base.batch, ACCUMULATE_STEPS)),
@@ -366,8 +384,15 @@ def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | N
         keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
                     if f.name not in ("batch", "seq", "policies", "memory_budgets")}
         say = on_progress or (lambda message: None)
-        report = fit_budget(model, budget, seq=options.seq, policies=options.policies,
-                            on_progress=lambda message, lever=lever.name: say(f"{lever}: {message}"), **keywords)
+        try:
+            report = fit_budget(model, budget, seq=options.seq, policies=options.policies,
+                                on_progress=lambda message, lever=lever.name: say(f"{lever}: {message}"), **keywords)
+        except UsageError as exc:
+            if lever is levers[0]:
+                raise                   # the baseline: without it no row means anything
+            out.append(LeverFit(lever=lever.name, largest_batch=None, peak_bytes=None,
+                                reason=str(exc).splitlines()[0]))
+            continue
         result = report.results[options.policy_specs()[0].label]
         out.append(LeverFit(lever=lever.name, largest_batch=result.largest, peak_bytes=result.peak_bytes))
     return out

@@ -40,6 +40,7 @@ class AnalysisOptions:
                                            # matmul-attention
     save_ops: tuple[str, ...] = ()
     hf_config: tuple[str, ...] = ()
+    model_args: tuple[str, ...] = ()       # "KEY=VALUE" keywords of a model file's build_model (or named factory)
     config_json: str | None = None
     hf_attn: str = "sdpa"
     hf_task: str | None = None             # hf: the head (tracer.models.hf.TASKS); None: the architecture's default
@@ -96,6 +97,12 @@ class AnalysisOptions:
         if self.world_size is not None and not _positive_int(self.world_size):
             raise UsageError(f"--world-size {self.world_size!r} is not valid", hint="a positive integer")
         _check_save_ops(self.save_ops)
+        from tracer.capture.accumulation import MAX_STEP_OPS
+        if self.accumulate > MAX_STEP_OPS // 2:      # a micro-batch is at least one forward and one backward op
+            raise UsageError(f"--accumulate {self.accumulate:,} is more micro-batches than one simulated step holds "
+                             f"({MAX_STEP_OPS:,} ops)", hint="pass the accumulation steps of a real run")
+        if not all(isinstance(arg, str) for arg in self.model_args):
+            raise UsageError(f"model_args={self.model_args!r} is not valid", hint='strings "KEY=VALUE"')
         from tracer.capture.offload import check_offload
         check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
                       shard=self.shard)
@@ -144,6 +151,9 @@ class AnalysisOptions:
         if self.shard is not None and self.accumulate > 1:
             raise UsageError("--accumulate with --shard is not modelled (DDP's no_sync and FSDP's gradient "
                              "synchronisation between micro-batches)", hint="drop one of them")
+        if not self.reshard_after_forward and self.shard not in ("zero3", "fsdp"):
+            raise UsageError("--no-reshard-after-forward is FSDP's reshard_after_forward=False: it needs "
+                             "--shard fsdp (or zero3)", hint="add --shard fsdp --world-size N, or drop the flag")
         if self.shard is None:
             if self.fsdp_mixed_precision:
                 raise UsageError("--fsdp-mixed-precision needs --shard fsdp --world-size N")
@@ -178,6 +188,7 @@ class AnalysisOptions:
                 "policies": list(self.policies), "memory_budgets": list(self.memory_budgets),
                 "blocks": self.blocks, "checkpoint_every": self.checkpoint_every, "save_policy": self.save_policy,
                 "save_ops": list(self.save_ops), "hf_config": list(self.hf_config), "config_json": self.config_json,
+                "model_args": list(self.model_args),
                 "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
                 "cublas_workspace_config": self.cublas_workspace_config,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
@@ -185,6 +196,12 @@ class AnalysisOptions:
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
                 "tp": self.tp, "sp": self.sp}
+
+    def plain(self) -> dict:
+        """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`
+        replays the step as it was made, whatever the model file defines (its own optimizer, loss, ...)."""
+        return {field.name: list(value) if isinstance(value, tuple) else value
+                for field in dataclasses.fields(self) for value in (getattr(self, field.name),)}
 
     def capture_options(self):
         """FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
@@ -235,7 +252,7 @@ def load_source(model, options: AnalysisOptions):
     if not isinstance(model, str):
         return model
     return load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
-                             hf_attn=options.hf_attn, hf_task=options.hf_task)
+                             hf_attn=options.hf_attn, hf_task=options.hf_task, model_args=tuple(options.model_args))
 
 
 def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
@@ -442,7 +459,8 @@ def analyze_captured(graphs: dict, options: AnalysisOptions, *,
 
     (on_progress or (lambda message: None))("analysing ...")
     return analyze_graphs(graphs, device=options.device_setup(), sharding=options.sharding_setup(),
-                          settings=options.settings(), tensor_parallel=options.tensor_parallel_setup())
+                          settings=options.settings(), tensor_parallel=options.tensor_parallel_setup(),
+                          options=options.plain())
 
 
 def _positive_int(value) -> bool:

@@ -27,7 +27,7 @@ from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitti
 from tracer.policies import ALL_POLICIES
 
 # `tracer.analyze`'s options that choose how an hf: model is built (load_model_source's keywords)
-HF_OPTIONS = ("hf_config", "config_json", "hf_attn", "hf_task")
+HF_OPTIONS = ("hf_config", "config_json", "hf_attn", "hf_task", "model_args")   # what loading the model reads
 
 MAX_CORRECTIONS = 24
 

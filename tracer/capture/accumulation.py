@@ -31,7 +31,12 @@ import dataclasses
 from tracer.capture.convert import GraphPart, OpDraft
 from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
+from tracer.errors import UsageError
 from tracer.stepgraph import Phase, StorageRole
+
+# Ops one simulated step may hold: every micro-batch is simulated op by op (about a minute and a half per
+# million ops through the passes on a 2-core machine), so the work stays bounded whatever --accumulate says.
+MAX_STEP_OPS = 1_000_000
 
 KeptPairs = tuple[tuple[int | None, int], ...]   # per kept module attribute: (previous step's storage, new one)
 
@@ -47,7 +52,14 @@ class MicroBatch:
 def chain_micro_batches(first: MicroBatch, later: MicroBatch, count: int, shared: dict[int, int]) -> tuple[list[OpDraft], tuple[str, ...]]:
     """The ops of `count` micro-batches over `first.table`: `first`, then `later` (converted with the
     gradients resident) copied `count - 1` times. `shared` maps `later.table`'s parameter, buffer and
-    gradient storages to `first.table`'s. Returns the ops and the notes for the report."""
+    gradient storages to `first.table`'s. Returns the ops and the notes for the report. Raises UsageError
+    when the step would hold more than `MAX_STEP_OPS` ops."""
+    step_ops = len(first.part.ops) + (count - 1) * len(later.part.ops)
+    if step_ops > MAX_STEP_OPS:
+        raise UsageError(f"--accumulate {count} repeats the captured forward and backward ({len(later.part.ops):,} "
+                         f"ops) {count:,} times: {step_ops:,} ops, over the {MAX_STEP_OPS:,} one simulated step may "
+                         "hold", hint=f"pass --accumulate {max(2, MAX_STEP_OPS // max(1, len(later.part.ops)))} "
+                                      "or fewer")
     table = first.table
     ops = [dataclasses.replace(d, micro_batch=1) for d in first.part.ops]
     loss_sid = first.part.loss_sid

@@ -67,7 +67,7 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     values = _BuildValues(fake_mode)
     try:
         with fake_mode, values, _deep_copies_share_the_fake_mode(), _swappable_fakes(), \
-                warnings.catch_warnings():
+                _bounded_module_count(source.name), warnings.catch_warnings():
             # deepcopy asks a fake tensor for its data pointer, which warns
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if precision == "bf16-pure":
@@ -103,6 +103,35 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     model.train()
     _tensor_attributes_as_buffers(model)
     return FakeBuild(model=model, batch=args, batch_keys=keys, notes=values.notes())
+
+
+# Submodules a build may register. The largest models people train register tens of thousands (DeepSeek-V3:
+# 61 layers x 256 experts x 3 linears, about 48k); a build past this is a size that no GPU trains (a layer
+# count of 10**9), which would run for days before any answer. Reaching the bound costs about a minute and
+# a half of building on a 2-core machine.
+MAX_BUILD_MODULES = 100_000
+
+
+@contextlib.contextmanager
+def _bounded_module_count(name: str):
+    """Refuse the build once it has registered `MAX_BUILD_MODULES` submodules (torch's global module
+    registration hook counts every `self.x = module`, `add_module` and container append)."""
+    registered = [0]
+
+    def count(parent, child_name, child):
+        registered[0] += 1
+        if registered[0] > MAX_BUILD_MODULES:
+            raise UsageError(f"building {name} registered over {MAX_BUILD_MODULES:,} submodules (at "
+                             f"{type(parent).__name__}.{child_name}): the build was stopped",
+                             hint="check the model's sizes (a layer count in its config); tracer builds "
+                                  f"models of up to {MAX_BUILD_MODULES:,} modules")
+        return None
+
+    handle = nn.modules.module.register_module_module_registration_hook(count)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _tensor_attributes_as_buffers(model: nn.Module) -> None:

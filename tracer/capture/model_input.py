@@ -32,10 +32,15 @@ to file descriptor 1 directly (C extensions, os.write) is not redirected.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import functools
+import importlib
 import importlib.util
+import inspect
 import os
+import re
 import signal
 import sys
 import threading
@@ -43,7 +48,7 @@ import traceback
 from typing import Callable
 
 from tracer.capture.process_state import process_state_kept
-from tracer.errors import ModelInputError, ModelRunError
+from tracer.errors import ModelInputError, ModelRunError, UsageError
 from tracer.models import ZOO, zoo_entry
 
 
@@ -66,9 +71,22 @@ class ModelSource:
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
-                      hf_attn: str = "sdpa", hf_task: str | None = None) -> ModelSource:
+                      hf_attn: str = "sdpa", hf_task: str | None = None,
+                      model_args: tuple[str, ...] = ()) -> ModelSource:
     """A zoo name, `hf:<name>` (a transformers model built from a config; `hf_task` picks its head, None: the
-    architecture's default, see tracer/models/hf.py), or a model file path."""
+    architecture's default, see tracer/models/hf.py), a model file path, or a module (`pkg.module`, or
+    `pkg.module:factory` whose factory replaces the module's build_model). `model_args` ("KEY=VALUE", the
+    value read as a Python literal, else as text) are passed to build_model (or the factory) as keywords."""
+    if model_args and (model.startswith("hf:") or model in ZOO):
+        raise UsageError(f"--model-arg applies to a model file or module, not to {model}",
+                         hint="hf: models take --hf-config KEY=VALUE; a zoo model takes no arguments")
+    keywords = parse_model_args(model_args)
+    hf_flags = [flag for flag, given in (("--hf-config", hf_config), ("--config-json", config_json),
+                                         ("--hf-task", hf_task), ("--hf-attn", hf_attn != "sdpa")) if given]
+    if hf_flags and not model.startswith("hf:"):
+        raise UsageError(f"{', '.join(hf_flags)} applies to hf:<model_type> models, not to {model}",
+                         hint="drop the flag" + (", or pass --model-arg KEY=VALUE to a model file's build_model"
+                                                  if "--hf-config" in hf_flags else ""))
     if model.startswith("hf:"):
         from tracer.models.hf import (build_hf_model, hf_batch_notes, hf_example_batch, hf_failure_hint, hf_spec,
                                       parse_overrides)
@@ -80,24 +98,57 @@ def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_jso
     if model in ZOO:
         entry = zoo_entry(model)
         return ModelSource(name=model, path=None, build_model=entry.build_model, example_batch=entry.example_batch)
-    if not (model.endswith(".py") or os.sep in model):
-        raise ModelInputError(f"unknown model {model!r}: not a file and not a zoo name",
-                              hint=f"valid zoo names: {', '.join(sorted(ZOO))}")
-    return _load_file(model)
+    if model.endswith(".py") or os.sep in model or (os.altsep or os.sep) in model or os.path.isfile(model):
+        return _load_file(model, keywords)
+    if MODULE_NAME.fullmatch(model):
+        return _load_module(model, keywords)
+    raise ModelInputError(f"unknown model {model!r}: not a file, not a zoo name and not a module name",
+                          hint=f"valid zoo names: {', '.join(sorted(ZOO))}; a module is named pkg.module "
+                               "or pkg.module:factory")
 
 
-def _load_file(path: str) -> ModelSource:
+# `pkg.module` or `pkg.module:factory`: the module:attribute convention of uvicorn and gunicorn
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*)?")
+
+
+def parse_model_args(model_args: tuple[str, ...]) -> dict:
+    """("layers=4", "name=gpt", "dropout=0.1") -> {"layers": 4, "name": "gpt", "dropout": 0.1}: a value that
+    reads as a Python literal is that literal, anything else is text. Raises UsageError naming a bad one."""
+    keywords = {}
+    for text in model_args:
+        key, sep, value = text.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise UsageError(f"--model-arg {text!r} is not KEY=VALUE", hint="e.g. --model-arg n_layers=4")
+        if key in keywords:
+            raise UsageError(f"--model-arg {key} is given twice")
+        try:
+            keywords[key] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, RecursionError, MemoryError):
+            keywords[key] = value
+    return keywords
+
+
+def _load_file(path: str, keywords: dict) -> ModelSource:
     abspath = os.path.abspath(path)
     if not os.path.isfile(abspath):
         raise ModelInputError(f"model file not found: {path}", hint="pass a path to a .py file or a zoo name")
-    module_name = "_tracer_user_model_" + os.path.splitext(os.path.basename(abspath))[0].replace("-", "_")
+    package, root = _package_of(abspath)
+    stem = os.path.splitext(os.path.basename(abspath))[0]
+    module_name = "_tracer_user_model_" + re.sub(r"\W", "_", stem) if package is None else f"{package}.{stem}"
+    if root not in sys.path:
+        # the folder above the top package, or the file's own folder: where `python -m pkg.model` and
+        # `python model.py` look for the file's imports (pytest's prepend mode does the same)
+        sys.path.insert(0, root)
     spec = importlib.util.spec_from_file_location(module_name, abspath)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     argv = sys.argv
     try:
         with running_user_code(f"{path} (at import)"):
             sys.argv = [abspath]
+            if package is not None:
+                importlib.import_module(package)        # its __init__ runs, as it does for `import pkg.model`
+            sys.modules[module_name] = module           # a fresh module each load: the file may have changed
             spec.loader.exec_module(module)
     except ModelRunError:
         raise
@@ -106,18 +157,76 @@ def _load_file(path: str) -> ModelSource:
                             f"{type(exc).__name__}: {exc}", hint="fix the model file") from exc
     finally:
         sys.argv = argv
-    build = getattr(module, "build_model", None)
+    return _module_source(module, path, abspath, None, keywords)
+
+
+def _package_of(abspath: str) -> tuple[str | None, str]:
+    """(the dotted package holding the file, the folder above its top package): a file whose folder has an
+    `__init__.py` is imported as part of its package, so its relative imports work. (None, folder) for a
+    file outside any package, or in folders whose names are not importable."""
+    parts, folder = [], os.path.dirname(abspath)
+    while os.path.isfile(os.path.join(folder, "__init__.py")) and os.path.basename(folder).isidentifier():
+        parts.insert(0, os.path.basename(folder))
+        folder = os.path.dirname(folder)
+    return (".".join(parts) or None), folder
+
+
+def _load_module(name: str, keywords: dict) -> ModelSource:
+    """`pkg.module[:factory]`: imported from the installed packages or the current directory."""
+    module_name, _, factory = name.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())          # as uvicorn's --app-dir default and `python -m` do
+    try:
+        with running_user_code(f"{module_name} (at import)"):
+            module = importlib.import_module(module_name)
+    except ModelRunError:
+        raise
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name) and module_name[len(exc.name):][:1] in ("", "."):
+            raise ModelInputError(f"model {name!r}: no module named {exc.name!r}",
+                                  hint="name an installed module or one under the current directory, "
+                                       "or pass a path to a .py file") from exc
+        raise ModelRunError(f"{_user_location(exc, '')}: importing {module_name} raised "
+                            f"{type(exc).__name__}: {exc}", hint="fix the module") from exc
+    except Exception as exc:
+        path = os.path.abspath(getattr(sys.modules.get(module_name), "__file__", None) or module_name)
+        raise ModelRunError(f"{_user_location(exc, path)}: importing {module_name} raised "
+                            f"{type(exc).__name__}: {exc}", hint="fix the module") from exc
+    path = getattr(module, "__file__", None)
+    return _module_source(module, name, os.path.abspath(path) if path else None, factory or None, keywords)
+
+
+def _module_source(module, name: str, abspath: str | None, factory: str | None, keywords: dict) -> ModelSource:
+    """The ModelSource of an imported model file or module: its build_model (or `factory`) with the
+    `keywords`, example_batch, and the optional names the module docstring lists."""
+    build_name = factory or "build_model"
+    build = getattr(module, build_name, None)
     if not callable(build):
-        raise ModelInputError(f"{path} defines no build_model()",
-                              hint="define build_model() returning an nn.Module whose forward returns the loss")
+        raise ModelInputError(f"{name} defines no {build_name}()",
+                              hint="define build_model() returning an nn.Module whose forward returns the loss"
+                              if factory is None else f"name a function of {module.__name__} that returns an nn.Module")
     batch = getattr(module, "example_batch", None)
     if not callable(batch):
-        raise ModelInputError(f"{path} defines no example_batch(batch, seq)",
+        raise ModelInputError(f"{name} defines no example_batch(batch, seq)",
                               hint="define example_batch(batch, seq) returning the tuple of forward's arguments")
-    return ModelSource(name=path, path=abspath, build_model=build, example_batch=batch,
+    if keywords:
+        _check_keywords(build, keywords, name, build_name)
+        build = functools.partial(build, **keywords)
+    return ModelSource(name=name, path=abspath, build_model=build, example_batch=batch,
                        loss_fn=getattr(module, "loss_fn", None), make_optimizer=getattr(module, "make_optimizer", None),
-                       loss_index=getattr(module, "loss_index", None), save_policy=_save_policy(module, path),
-                       **_caller_held(module, path))
+                       loss_index=getattr(module, "loss_index", None), save_policy=_save_policy(module, name),
+                       **_caller_held(module, name))
+
+
+def _check_keywords(build: Callable, keywords: dict, name: str, build_name: str) -> None:
+    """UsageError when `build` cannot take the --model-arg keywords (its signature, where it has one)."""
+    try:
+        inspect.signature(build).bind(**keywords)
+    except TypeError as exc:
+        raise UsageError(f"--model-arg: {name}'s {build_name}() does not take {', '.join(keywords)}: {exc}",
+                         hint=f"give {build_name}() keyword parameters for them") from exc
+    except ValueError:
+        pass                                    # no signature to read (a builtin): the call will say
 
 
 def _caller_held(module, path: str) -> dict:
@@ -193,8 +302,8 @@ def running_user_code(name: str):
     except Exception:
         raise
     except BaseException as exc:             # GeneratorExit, a model's own BaseException subclass
-        raise ModelRunError(f"{name} raised {type(exc).__name__}: {exc}" if str(exc) else
-                            f"{name} raised {type(exc).__name__}",
+        raise ModelRunError(f"{_user_location(exc, '')}: {name} raised {type(exc).__name__}"
+                            + (f": {exc}" if str(exc) else ""),
                             hint="an exception outside Exception's tree is the model's failure; "
                                  "the step was not analysed") from exc
     finally:
@@ -204,7 +313,10 @@ def running_user_code(name: str):
 
 
 def _user_location(exc: BaseException, path: str) -> str:
-    """'file:line' of the innermost frame of `exc` inside `path`, else the innermost frame at all."""
+    """'file:line' of the innermost frame of `exc` inside `path`, else the innermost frame at all; a
+    SyntaxError's own file and line (its traceback ends in importlib, not in the file)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
     frames = traceback.extract_tb(exc.__traceback__)
     inside = [f for f in frames if os.path.abspath(f.filename) == path]
     frame = (inside or frames or [None])[-1]

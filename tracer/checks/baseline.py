@@ -8,7 +8,7 @@
 
 A baseline file is the JSON report (schema 1, `tracer.reports.json_report`, with the tracer and torch
 versions) plus a `baseline` section:
-    baseline: {format_version: 1, policies: {<policy>: {
+    baseline: {format_version: 1, options: {<AnalysisOptions field>: value}, policies: {<policy>: {
         numbers: {peak_bytes, phases.<phase>.peak_bytes, saved_bytes, saved_activation_bytes, end_bytes,
                   recompute_flops (only when the policy has one)},
         by_category_at_peak: {<category>: bytes},
@@ -19,8 +19,9 @@ Comparison contract:
   * `load_baseline` checks the whole file: schema_version, format_version, every number a count, every row
     shaped as above, at least one policy with numbers; anything else is a UsageError naming what is wrong.
     A comparison that gates no number (no policy of the baseline was analysed) is a UsageError too: a
-    check that compares nothing could only pass. `tracer check` analyses with the settings the baseline
-    records (`options_from_baseline`: model options, target, policies, budgets, hf and sharding options);
+    check that compares nothing could only pass. `tracer check` analyses with the options the baseline
+    records (`baseline.options`: every AnalysisOptions field the step was made with, so a model file's
+    own optimizer, loss or config replays as it was; older baselines without it are read from `config`);
     a flag given replaces one, and the comparison reports it instead of refusing it.
   * The config (model, batch, seq, precision, optimizer, step, zero_grad_set_to_none, capture_path) must
     match; otherwise UsageError naming each setting that differs. Capture paths that build the joint
@@ -143,7 +144,7 @@ def baseline_json(analysis: Analysis, *, top: int = 10) -> dict:
     versions = {"tracer_version": tracer.__version__, "torch_version": torch.__version__}
     data = report_json(analysis, top=top, versions=versions)
     model_dir = _model_dir(analysis.graph)
-    data["baseline"] = {"format_version": FORMAT_VERSION,
+    data["baseline"] = {"format_version": FORMAT_VERSION, "options": analysis.options,
                         "policies": {name: _policy_record(p, model_dir) for name, p in analysis.policies.items()}}
     return data
 
@@ -203,6 +204,8 @@ def _baseline_problem(data) -> str | None:
         return "no baseline section"
     if section.get("format_version") != FORMAT_VERSION:
         return f"baseline.format_version {section.get('format_version')!r} (this tracer reads {FORMAT_VERSION})"
+    if "options" in section and not isinstance(section["options"], dict):
+        return "baseline.options is not an object"
     policies = section.get("policies")
     if not isinstance(policies, dict):
         return "baseline.policies is not an object"
@@ -375,12 +378,18 @@ def options_from_baseline(baseline: dict, given: dict):
     fields replacing its values. Returns (options, the config keys `given` changed)."""
     from tracer.pipeline import AnalysisOptions
 
-    config = baseline.get("config", {})
     fields = {f.name for f in dataclasses.fields(AnalysisOptions)}
-    recorded = {key: value for key, value in config.items() if key in fields and value is not None}
-    for key in ("policies", "memory_budgets", "save_ops", "hf_config", "lora_targets"):
-        if isinstance(recorded.get(key), list):
-            recorded[key] = tuple(recorded[key])
+    options = baseline.get("baseline", {}).get("options")
+    if isinstance(options, dict) and options:
+        recorded = {key: value for key, value in options.items() if key in fields}
+    else:                                                # a baseline from before the options were recorded
+        recorded = {key: value for key, value in baseline.get("config", {}).items()
+                    if key in fields and value is not None}
+        if recorded.get("optimizer") == CUSTOM_OPTIMIZER:
+            del recorded["optimizer"]                    # the model file's make_optimizer: the option is unused
+    for key, value in list(recorded.items()):
+        if isinstance(value, list):
+            recorded[key] = tuple(value)
     if "policies" not in recorded:                       # a baseline from before settings were recorded
         labels = list(baseline.get("baseline", {}).get("policies", {}))
         recorded["policies"] = tuple(dict.fromkeys(label.split("@")[0] for label in labels)) or ("eager",)
@@ -396,6 +405,7 @@ def options_from_baseline(baseline: dict, given: dict):
 
 
 _MISSING = object()
+CUSTOM_OPTIMIZER = "custom"       # the captured config's optimizer when the model file defines make_optimizer
 _CONFIG_KEYS = {"gpu": ("target",), "capture": ("capture", "capture_path"),   # option -> the config keys it changes
                 "policies": ("policies", "memory_budgets"), "memory_budgets": ("memory_budgets",)}
 

@@ -165,6 +165,7 @@ def analysis_options(args):
         step=args.step, zero_grad_set_to_none=args.zero_grad == "none", policies=names, memory_budgets=budgets,
         blocks=args.blocks, checkpoint_every=args.checkpoint_every, save_policy=args.save_policy,
         save_ops=tuple(args.save_ops.split(",")) if args.save_ops else (), hf_config=tuple(args.hf_config),
+        model_args=tuple(args.model_args),
         config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, moe_routing=args.moe_routing,
         target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,

@@ -39,6 +39,11 @@ def add_model_group(parser: argparse.ArgumentParser, *, only_given: bool = False
     group.add_argument("--hf-config", action="append", default=argparse.SUPPRESS if only_given else [],
                        metavar="KEY=VALUE",
                        help="hf: models: override a config field (repeatable), e.g. --hf-config num_hidden_layers=2")
+    group.add_argument("--model-arg", dest="model_args", action="append",
+                       default=argparse.SUPPRESS if only_given else [], metavar="KEY=VALUE",
+                       help="a model file or module: a keyword argument of its build_model (or of the factory "
+                            "named as pkg.module:factory), read as a Python literal, else as text (repeatable), "
+                            "e.g. --model-arg n_layers=4")
     group.add_argument("--config-json", metavar="PATH", default=default,
                        help="hf: models: build from this local config.json (no download)")
     group.add_argument("--hf-task", choices=tuple(TASKS), metavar="TASK", default=default,

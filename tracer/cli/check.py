@@ -99,7 +99,7 @@ def given_options(args) -> dict:
     if "policy" in values:
         from tracer.policies import ALL_POLICIES
         given["policies"] = ALL_POLICIES if values["policy"] == "all" else (values["policy"],)
-    for name in ("hf_config", "config_json", "hf_task", "shard", "world_size"):
+    for name in ("hf_config", "model_args", "config_json", "hf_task", "shard", "world_size"):
         if name in values:
-            given[name] = tuple(values[name]) if name == "hf_config" else values[name]
+            given[name] = tuple(values[name]) if name in ("hf_config", "model_args") else values[name]
     return given

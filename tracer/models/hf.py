@@ -42,6 +42,7 @@ import difflib
 import functools
 import json
 import os
+import re
 
 import torch
 from torch import nn
@@ -156,8 +157,28 @@ def hf_spec(name: str, *, overrides: dict | None = None, config_json: str | None
                                   f"{model_type!r}", hint="name the config's architecture, or pass its hub name")
     chosen_task, model_class = _choose_head(name, model_type, task, architecture)
     config = {**config, **(overrides or {})}
+    _check_layer_counts(config, config_json or f"hf:{name}")
     return HFSpec(name=name, model_type=model_type, task=chosen_task, model_class=model_class, config=config,
                   attn_implementation=attn_implementation)
+
+
+# Layers a config may ask for: the deepest transformers trained have about a thousand (DeepNet's 1,000-layer
+# post-LN stack); building more only delays the refusal that MAX_BUILD_MODULES gives a model file.
+MAX_CONFIG_LAYERS = 4096
+_LAYER_COUNT_KEY = re.compile(r"(^|_)layers?$")     # num_hidden_layers, n_layer, num_layers, decoder_layers ...
+
+
+def _check_layer_counts(config: dict, where: str) -> None:
+    """ModelInputError when a layer count of the config (or of a nested config: text_config, ...) is past
+    MAX_CONFIG_LAYERS, before anything is built."""
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _check_layer_counts(value, where)
+        elif (_LAYER_COUNT_KEY.search(key) and isinstance(value, int) and not isinstance(value, bool)
+              and value > MAX_CONFIG_LAYERS):
+            raise ModelInputError(f"{where}: {key} = {value:,} is more layers than tracer builds "
+                                  f"(up to {MAX_CONFIG_LAYERS:,})",
+                                  hint="check the config; a real model has at most a few hundred layers")
 
 
 def build_hf_model(spec: HFSpec) -> nn.Module:

@@ -63,6 +63,8 @@ class PolicyAnalysis:
 class Analysis:
     policies: dict[str, PolicyAnalysis]
     settings: dict = dataclasses.field(default_factory=dict)   # every setting that changes the answer
+    options: dict = dataclasses.field(default_factory=dict)    # the options that made it, as plain values: a
+                                                               # baseline records them and `tracer check` replays them
     @property
     def graph(self) -> StepGraph:
         """The eager step graph (or the first policy's, when eager was not simulated)."""
@@ -75,7 +77,7 @@ def analyze_graph(graph: StepGraph) -> Analysis:
 
 def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None, *,
                    sharding: ShardingSetup | None = None, settings: dict | None = None,
-                   tensor_parallel: "TensorParallelSetup | None" = None) -> Analysis:
+                   tensor_parallel: "TensorParallelSetup | None" = None, options: dict | None = None) -> Analysis:
     """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py); with
     `sharding`, its per-rank memory and (with `device`) rank 0's device view, which alone is checked
     against the device's memory. With `tensor_parallel`, every graph is first replaced by the step of one
@@ -88,7 +90,7 @@ def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = No
         policies = {label: with_device_view(result, whole) for label, result in policies.items()}
     if sharding is not None:
         policies = {label: with_sharding(result, sharding, device) for label, result in policies.items()}
-    return Analysis(policies=policies, settings=dict(settings or {}))
+    return Analysis(policies=policies, settings=dict(settings or {}), options=dict(options or {}))
 
 
 @dataclasses.dataclass(frozen=True)
