@@ -1,5 +1,3 @@
-import sys
+from tracer.cli import console_main
 
-from tracer.cli import main
-
-sys.exit(main())
+console_main()

@@ -136,12 +136,9 @@ def test_the_whole_step_is_smaller_per_rank_and_one_rank_is_the_step(gpt_step):
         plan_tensor_parallel(graph, 0)
 
 
-def test_a_split_that_does_not_divide_is_rounded_up_and_named(gpt_step):
+def test_a_split_that_does_not_divide_a_linear_is_refused_as_megatron_refuses_it(gpt_step):
     graph, _, _ = gpt_step
-    plan = plan_tensor_parallel(graph, 3)              # 64 output features over 3 ranks: 22 rows each
+    plan = plan_tensor_parallel(graph, 3)              # 64 output features over 3 ranks
     assert "blocks.0.attn.q_proj.weight" in plan.uneven
-    rank = rank_step(graph, 3).graph
-    q = next(s for s in rank.storages if s.name == "blocks.0.attn.q_proj.weight")
-    assert q.shape == (22, 64) and q.nbytes == 22 * 64 * 2
-    assert any("rounded up" in n for n in rank.config.notes)
-    assert math.prod(q.shape) * 2 == q.nbytes
+    with pytest.raises(UsageError, match=r"--tp 3: blocks\.0\.attn\.q_proj\.weight \(64, 64\) does not split"):
+        rank_step(graph, 3)

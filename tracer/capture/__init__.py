@@ -157,6 +157,7 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
     try:
+        _refuse_overwritten_saved_values(cap)
         out, recordings, schedules = [], {}, {}
         for request_options, spec in requests:
             if on_policy is not None:
@@ -169,6 +170,29 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         return tuple(out)
     finally:
         cap.exit_stack.close()
+
+
+def _refuse_overwritten_saved_values(cap) -> None:
+    """ModelRunError, as eager's backward raises it, when an in-place call of the forward writes into a
+    tensor that backward reads (capture/inplace.py `overwritten_backward_reads`), naming the call's line."""
+    from tracer.capture.inplace import overwritten_backward_reads
+    from tracer.capture.source import loc_from_stack_trace
+    from tracer.errors import ModelRunError
+
+    for write, reader in overwritten_backward_reads(cap.joint):
+        loc = loc_from_stack_trace(write.meta.get("stack_trace"))
+        where = f"{loc.file}:{loc.line}: {loc.code.strip()!r}" if loc is not None else f"the op {write.target}"
+        saver = next((n for n in cap.joint.graph.nodes if n.meta.get("partitioner_tag") == "is_forward"
+                      and n.meta.get("seq_nr") == reader.meta.get("seq_nr")
+                      and not getattr(n.target, "is_view", True)), None)
+        saved_by = "an earlier op"
+        if saver is not None:
+            saver_loc = loc_from_stack_trace(saver.meta.get("stack_trace"))
+            saved_by = str(saver.target).rsplit(".", 1)[0] + (f" (line {saver_loc.line})" if saver_loc else "")
+        raise ModelRunError(f"{where} writes in place into a tensor that {saved_by} saved for backward; eager "
+                            "PyTorch refuses the backward: one of the variables needed for gradient computation "
+                            "has been modified by an inplace operation",
+                            hint="write it out of place (y = y * 2), or clone the tensor before the in-place op")
 
 
 def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGraph, ...]:

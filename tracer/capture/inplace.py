@@ -88,6 +88,33 @@ def in_place_writes(gm: fx.GraphModule) -> dict[fx.Node, fx.Node]:
     return writes
 
 
+def overwritten_backward_reads(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(write, backward reader) for each in-place torch call of the forward (`_marked_call_writes`) whose
+    destination an earlier forward op saved for backward: a backward op of an op that ran before the write
+    (a smaller `seq_nr`) reads the destination's storage, before or after the write (functionalization
+    hands the saved tensor's new value to that backward). Eager, which writes the storage itself, refuses
+    that backward ("one of the variables needed for gradient computation has been modified by an inplace
+    operation"); a trace alone would go on and predict a step that cannot run. The write's own backward and
+    those of later ops read its result legitimately. A destination in a graph input's storage (a parameter
+    written through `.data`, which autograd's version counter does not see) is left alone."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    inputs = {storage_key(n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder" and _is_tensor_node(n)}
+    backward = [n for n in nodes if n.meta.get("partitioner_tag") == "is_backward" and n.meta.get("seq_nr") is not None]
+    found = []
+    for write in _marked_call_writes(nodes):
+        seq_nr = write.meta.get("seq_nr")
+        if seq_nr is None or not write.args or not _is_tensor_node(write.args[0]) or not _is_tensor_node(write):
+            continue
+        keys = {storage_key(write.args[0].meta["val"]), storage_key(write.meta["val"])}
+        if keys & inputs:
+            continue
+        reader = next((n for n in backward if n.meta["seq_nr"] < seq_nr
+                       and any(storage_key(arg.meta["val"]) in keys for arg in _tensor_inputs(n))), None)
+        if reader is not None:
+            found.append((write, reader))
+    return found
+
+
 def input_copies_written_back(gm: fx.GraphModule, writes: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
     """`clone(input)` node -> the input's placeholder, where the graph's new value of a mutated input (an
     `InputMutationAOTOutput` of `gm`'s outputs) is that clone written in place (`writes`) or viewed, and the

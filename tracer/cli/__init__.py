@@ -15,6 +15,7 @@ unexpected error), 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {name: f"tracer.cli.{name}" for name in ("analyze", "check", "snapshot", "models")}
@@ -32,6 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     from tracer.cli.entry import run_entry_point
     return run_entry_point(lambda: command.run(args), prog="tracer" if name == DEFAULT_SUBCOMMAND else f"tracer {name}",
                            verbose=args.verbose)
+
+
+def console_main() -> None:
+    """`python -m tracer` and the `tracer` script: run `main`, then end the process with its exit code. A
+    thread the model's code started and left running (not a daemon) would keep the interpreter alive after
+    the report; the process then ends without waiting for it, its output flushed first."""
+    code = main()
+    import threading
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    sys.exit(code)
 
 
 def epilog() -> str:

@@ -33,8 +33,9 @@ of its shape, so --shard composes: FSDP/ZeRO then shard the rank's parameters); 
 after this one describes that rank.
 
 Not modelled: communication buffers (the all-gathered sequence-parallel input of each column-parallel
-linear, all-reduce and reduce-scatter scratch), uneven splits (a split storage whose size does not divide
-is rounded up to whole elements, and the report's note names it), vocab-parallel cross-entropy's own
+linear, all-reduce and reduce-scatter scratch), uneven splits of a vocabulary or an activation (rounded up
+to whole elements, as Megatron pads the vocabulary, and the report's note names them; a --tp that does not
+divide a split linear or the attention heads is refused, as Megatron refuses it), vocab-parallel cross-entropy's own
 buffers, per-rank FLOPs (the FLOP counts stay the whole step's), pipeline parallelism, and modules
 Megatron keeps replicated that are linears here (an MoE router becomes column-parallel); LoRA adapters get
 roles by the same rule (lora_A of a column-parallel layer column-parallel, lora_B row-parallel), which
@@ -78,12 +79,37 @@ class TensorParallelPlan:
 
 
 def tensor_parallel_graph(graph: StepGraph, setup: TensorParallelSetup) -> StepGraph:
-    """`graph` as one tensor-parallel rank runs it: every split storage holds 1/tp of its bytes."""
+    """`graph` as one tensor-parallel rank runs it: every split storage holds 1/tp of its bytes. Raises
+    UsageError when `setup.tp` does not divide a split linear's weight or the attention heads."""
     plan = plan_tensor_parallel(graph, setup.tp, setup.sp)
+    check_even_split(plan, graph)
     storages = tuple(_split_storage(s, plan) if s.storage_id in plan.split_storage_ids else s
                      for s in graph.storages)
     config = dataclasses.replace(graph.config, notes=graph.config.notes + (describe_plan(plan, graph),))
     return dataclasses.replace(graph, storages=storages, config=config)
+
+
+_ATTENTION = ("aten._scaled_dot_product", "aten.scaled_dot_product")
+
+
+def check_even_split(plan: TensorParallelPlan, graph: StepGraph) -> None:
+    """Megatron asserts that the tensor-parallel size divides every split linear's output (column) or input
+    (row) features and the attention heads (it pads only the vocabulary): a split that does not divide is
+    refused with what does not divide, not rounded."""
+    for storage in graph.storages:
+        dim = plan.split_dims.get(storage.storage_id, 0)
+        if (storage.storage_id in plan.split_storage_ids and storage.role is StorageRole.PARAMETER
+                and plan.roles.get(storage.name) in (COLUMN, ROW) and (dim is None or storage.shape[dim] % plan.tp)):
+            raise UsageError(f"--tp {plan.tp}: {storage.name} {tuple(storage.shape)} does not split into {plan.tp} "
+                             f"equal parts", hint="Megatron needs the tensor-parallel size to divide every "
+                                                  "split linear and the attention heads: pick a --tp that does")
+    for op in graph.ops:
+        if op.phase is Phase.FORWARD and op.target.startswith(_ATTENTION):
+            query = op.input_values()[0]
+            if len(query.shape) == 4 and query.shape[1] % plan.tp:
+                raise UsageError(f"--tp {plan.tp}: the attention at {op.module or 'the root'} has {query.shape[1]} "
+                                 f"heads, which do not split into {plan.tp} equal parts",
+                                 hint="pick a --tp that divides the number of attention heads")
 
 
 def describe_plan(plan: TensorParallelPlan, graph: StepGraph) -> str:

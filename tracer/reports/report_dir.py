@@ -11,7 +11,8 @@ Contract:
                                `dot` is installed (the HTML then inlines the same SVG)
         predicted_snapshot.pickle   the memory_viz export of `policy` (tracer.reports.memviz)
     Existing files of those names are overwritten; nothing else in `out_dir` is touched. Every file is
-    made in memory first (a failing graphviz writes nothing) and then written whole (tracer.outputs).
+    made in memory first (a failing graphviz writes nothing), then the folder is written whole or not at
+    all (tracer.outputs.write_output_dir: a full disk leaves it as it was).
 Raises UsageError when the directory cannot be created or written.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tracer.passes.analysis import Analysis
 from tracer.reports.html_report import render_html
 from tracer.reports.layer_graph import dot_to_svg, render_layer_graph
 from tracer.reports.line_table import build_line_table, line_table_json, render_line_table
-from tracer.outputs import write_output
+from tracer.outputs import write_output_dir
 from tracer.reports.memviz import predicted_snapshot
 from tracer.reports.timeline import timeline_image
 
@@ -33,10 +34,8 @@ from tracer.reports.timeline import timeline_image
 def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", layer: str | None = None,
                      device_memory_bytes: int | None = None, top: int | None = None) -> dict[str, Path]:
     out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"cannot create the report directory {out}: {exc.strerror}") from exc
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"the report directory {out} is a file", hint="name a folder for --report")
     paths = {kind: out / name for kind, name in (
         ("html", "report.html"), ("timeline_png", "timeline.png"), ("timeline_svg", "timeline.svg"),
         ("lines_txt", "lines.txt"), ("lines_json", "lines.json"), ("layer_dot", "layer.dot"),
@@ -56,6 +55,6 @@ def write_report_dir(analysis: Analysis, out_dir, *, policy: str = "eager", laye
     texts["html"] = render_html(analysis, policy=policy, layer=layer, device_memory_bytes=device_memory_bytes,
                                 top=top, graph_svg=svg)
     images["snapshot"] = pickle.dumps(predicted_snapshot(analysis, policy), protocol=pickle.HIGHEST_PROTOCOL)
-    for kind, data in {**texts, **images}.items():
-        write_output(paths[kind], data, what="the report file")
+    write_output_dir(out, {paths[kind].name: data for kind, data in {**texts, **images}.items()},
+                     what="the report directory")
     return paths
