@@ -217,3 +217,24 @@ def test_fuzzer_finds_no_traceback(tmp_path, name):
             pytest.fail(f"round {rounds}: {type(exc).__name__}: {exc}")
     assert rounds > 5, (rounds, refused)
     print(f"fuzzer: {rounds} rounds, {refused} refused")
+
+
+def test_a_small_file_of_shared_references_is_refused_before_its_expansion_costs_memory(tmp_path):
+    """Two lists referenced 10**5 times each reach 2 * 10**10 blocks from under 2 MB of pickle: refused while
+    the reader's memory stays within a few times the file's size (nothing is kept per entry reached)."""
+    import tracemalloc
+    block = {"size": 512, "requested_size": 512, "address": 0, "state": "active_allocated",
+             "frames": [{"filename": "model.py", "line": 1, "name": "forward"}]}
+    segment = {"address": 0, "total_size": 1 << 20, "device": 0, "blocks": [block] * 100_000}
+    raw = pickle.dumps({"segments": [segment] * 200_000, "device_traces": []})
+    assert len(raw) < 2_000_000
+    path = tmp_path / "shared.pickle"
+    path.write_bytes(raw)
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotError, match="shared references expand"):
+            read_snapshot(path)
+        peak_bytes = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak_bytes < 10 * len(raw)

@@ -105,33 +105,36 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     return FakeBuild(model=model, batch=args, batch_keys=keys, notes=values.notes())
 
 
-# Submodules a build may register. The largest models people train register tens of thousands (DeepSeek-V3:
-# 61 layers x 256 experts x 3 linears, about 48k); a build past this is a size that no GPU trains (a layer
-# count of 10**9), which would run for days before any answer. Reaching the bound costs about a minute and
-# a half of building on a 2-core machine.
-MAX_BUILD_MODULES = 100_000
+# Submodules and parameters a build may register. The largest models people train register about a
+# hundred thousand (DeepSeek-V3: 61 layers x 256 experts x 3 linears, about 48k modules and as many
+# weights); a build past this is a size that no GPU trains (a layer count of 10**9), which would run for
+# days before any answer. Reaching the bound costs two to three minutes of building on a 2-core machine.
+MAX_BUILD_REGISTRATIONS = 200_000
 
 
 @contextlib.contextmanager
 def _bounded_module_count(name: str):
-    """Refuse the build once it has registered `MAX_BUILD_MODULES` submodules (torch's global module
-    registration hook counts every `self.x = module`, `add_module` and container append)."""
+    """Refuse the build once it has registered `MAX_BUILD_REGISTRATIONS` submodules and parameters
+    (torch's global registration hooks see every `self.x = module`, `add_module`, container append and
+    `nn.Parameter` assignment, including those of modules not yet attached to the model)."""
     registered = [0]
 
-    def count(parent, child_name, child):
+    def count(owner, attribute, value):
         registered[0] += 1
-        if registered[0] > MAX_BUILD_MODULES:
-            raise UsageError(f"building {name} registered over {MAX_BUILD_MODULES:,} submodules (at "
-                             f"{type(parent).__name__}.{child_name}): the build was stopped",
+        if registered[0] > MAX_BUILD_REGISTRATIONS:
+            raise UsageError(f"building {name} registered over {MAX_BUILD_REGISTRATIONS:,} submodules and "
+                             f"parameters (at {type(owner).__name__}.{attribute}): the build was stopped",
                              hint="check the model's sizes (a layer count in its config); tracer builds "
-                                  f"models of up to {MAX_BUILD_MODULES:,} modules")
+                                  f"models of up to {MAX_BUILD_REGISTRATIONS:,} modules and parameters")
         return None
 
-    handle = nn.modules.module.register_module_module_registration_hook(count)
+    handles = (nn.modules.module.register_module_module_registration_hook(count),
+               nn.modules.module.register_module_parameter_registration_hook(count))
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 def _tensor_attributes_as_buffers(model: nn.Module) -> None:

@@ -25,8 +25,10 @@ tracer.pipeline): its `print()` output goes to stderr, so the tool's report on s
 `sys.exit(...)` or a `KeyboardInterrupt` the code raises itself becomes a `ModelRunError` (the model's
 failure, exit 3): it can never end the process with the model's exit code. `sys.exit`, `exit` and `quit`
 raise `ModelCalledExit` (an ordinary exception) meanwhile, so every capture path unwinds as for any
-error; a bare `raise SystemExit` or a model's own KeyboardInterrupt is still caught here, but may leave
-torch tracing state behind in the process (the CLI exits right after). A real Ctrl-C (SIGINT, seen by
+error; a bare `raise SystemExit`, a model's own KeyboardInterrupt or any other exception outside
+Exception's tree (GeneratorExit, a class of its own) is still caught here and becomes a ModelRunError
+naming the line that raised it, but may leave torch tracing state behind in the process (torch's tracing
+cleans up after an Exception only; the CLI exits right after). A real Ctrl-C (SIGINT, seen by
 a handler installed for the duration when on the main thread) stays a KeyboardInterrupt. Output written
 to file descriptor 1 directly (C extensions, os.write) is not redirected.
 """
@@ -302,7 +304,7 @@ def running_user_code(name: str):
     except Exception:
         raise
     except BaseException as exc:             # GeneratorExit, a model's own BaseException subclass
-        raise ModelRunError(f"{_user_location(exc, '')}: {name} raised {type(exc).__name__}"
+        raise ModelRunError(f"{_user_location(exc, '')}: the model raised {type(exc).__name__}"
                             + (f": {exc}" if str(exc) else ""),
                             hint="an exception outside Exception's tree is the model's failure; "
                                  "the step was not analysed") from exc

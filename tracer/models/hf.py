@@ -163,7 +163,7 @@ def hf_spec(name: str, *, overrides: dict | None = None, config_json: str | None
 
 
 # Layers a config may ask for: the deepest transformers trained have about a thousand (DeepNet's 1,000-layer
-# post-LN stack); building more only delays the refusal that MAX_BUILD_MODULES gives a model file.
+# post-LN stack); building more only delays the refusal that capture.build.MAX_BUILD_REGISTRATIONS gives a model file.
 MAX_CONFIG_LAYERS = 4096
 _LAYER_COUNT_KEY = re.compile(r"(^|_)layers?$")     # num_hidden_layers, n_layer, num_layers, decoder_layers ...
 

@@ -241,7 +241,8 @@ def check_snapshot_structure(data: dict, *, source: str = "<snapshot>", file_byt
     or, with `file_bytes`, more entries than `EXPANSION_PER_BYTE` per byte of the file (plus
     `EXPANSION_FLOOR`) once shared references are counted as often as they are reached: the work of
     reading it is bounded by the file's size. Walks only the keys the reader uses, level by level, counting
-    each level's size before it walks the next; distinct frame lists are checked once each."""
+    each list's length before it walks it, and keeps nothing per entry; distinct frame lists are checked
+    once each."""
     if "segments" not in data and "device_traces" not in data:
         keys = ", ".join(repr(k) for k in list(data)[:5]) or "none"
         raise SnapshotError(f"{source}: not a CUDA memory snapshot (no segments and no device_traces; keys: {keys})",
@@ -252,7 +253,6 @@ def check_snapshot_structure(data: dict, *, source: str = "<snapshot>", file_byt
     traces = walk.seq(data.get("device_traces"), "device_traces")
     traces = [walk.seq(t, f"device_traces[{d}]") for d, t in enumerate(traces)]
     walk.spend(len(segments) + sum(len(t) for t in traces))
-    blocks = []
     for i, seg in enumerate(segments):
         where = f"segments[{i}]"
         walk.mapping(seg, where)
@@ -265,21 +265,8 @@ def check_snapshot_structure(data: dict, *, source: str = "<snapshot>", file_byt
             raise SnapshotError(f"{source}: {where}.segment_type is {_show(seg.get('segment_type'))}, not text")
         seg_blocks = walk.seq(seg.get("blocks"), f"{where}.blocks")
         walk.spend(len(seg_blocks))
-        blocks += [(f"{where}.blocks[{j}]", b) for j, b in enumerate(seg_blocks)]
-    for where, blk in blocks:
-        walk.mapping(blk, where)
-        walk.count(blk.get("size"), f"{where}.size", required=True)
-        for key in ("address", "requested_size"):
-            walk.count(blk.get(key), f"{where}.{key}")
-        if not isinstance(blk.get("state", ""), str):
-            raise SnapshotError(f"{source}: {where}.state is {_show(blk.get('state'))}, not text")
-        walk.frames(blk.get("frames"), f"{where}.frames")
-        history = walk.seq(blk.get("history"), f"{where}.history")
-        walk.spend(len(history))
-        for k, event in enumerate(history):
-            walk.mapping(event, f"{where}.history[{k}]")
-            walk.count(event.get("real_size"), f"{where}.history[{k}].real_size")
-            walk.frames(event.get("frames"), f"{where}.history[{k}].frames")
+        for j, blk in enumerate(seg_blocks):     # checked as they are reached: nothing is kept per entry
+            _check_block(walk, blk, f"{where}.blocks[{j}]")
     for d, trace in enumerate(traces):
         for k, entry in enumerate(trace):
             where = f"device_traces[{d}][{k}]"
@@ -291,9 +278,30 @@ def check_snapshot_structure(data: dict, *, source: str = "<snapshot>", file_byt
             walk.frames(entry.get("frames"), f"{where}.frames")
 
 
+def _check_block(walk: "_StructureCheck", blk, where: str) -> None:
+    walk.mapping(blk, where)
+    walk.count(blk.get("size"), f"{where}.size", required=True)
+    for key in ("address", "requested_size"):
+        walk.count(blk.get(key), f"{where}.{key}")
+    if not isinstance(blk.get("state", ""), str):
+        walk.fail(f"{where}.state is {_show(blk.get('state'))}, not text")
+    walk.frames(blk.get("frames"), f"{where}.frames")
+    history = walk.seq(blk.get("history"), f"{where}.history")
+    walk.spend(len(history))
+    for k, event in enumerate(history):
+        walk.mapping(event, f"{where}.history[{k}]")
+        walk.count(event.get("real_size"), f"{where}.history[{k}].real_size")
+        walk.frames(event.get("frames"), f"{where}.history[{k}].frames")
+
+
 _PICKLE_OPCODES = frozenset(op.code.encode("latin-1") for op in pickletools.opcodes)
-MAX_SNAPSHOT_BYTES = 4 << 30          # larger files are refused before anything is read
-EXPANSION_PER_BYTE = 16               # entries reached (with shared references counted each time) per file byte
+# Larger files are refused before anything is read: unpickled, a snapshot takes several times its bytes in
+# Python objects, and 1 GiB holds millions of trace entries, more than a training step's recording.
+MAX_SNAPSHOT_BYTES = 1 << 30
+# Entries reached (shared references counted each time they are reached) per byte of the file: real
+# snapshots reach about 0.2 per byte (two CUDA snapshots of a training step, 3.1 and 3.9 MB: 0.21, 0.20), so 2 is
+# ten times what they need, and bounds the reader's work by the file's size.
+EXPANSION_PER_BYTE = 2
 EXPANSION_FLOOR = 1 << 20
 _MAX_COUNT = 1 << 64                  # addresses and sizes are 64-bit
 
