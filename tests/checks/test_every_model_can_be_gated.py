@@ -1,10 +1,13 @@
-"""Nothing can be saved that cannot be checked: for every model file the tests have and every zoo model,
-`--save-baseline` then `tracer check` on the unchanged model exits 0, and `tracer check` on the same model
-with one layer made wider (a wrapper file whose build_model hooks the first layer to compute a wider
-tensor that backward keeps) exits 1 and names the wrapper's line. A model the tool refuses saves no
-baseline at all.
+"""Nothing can be saved that cannot be checked: every model file the tests have and every zoo model is
+loaded by a model file of its own (`gated.py`, which re-exports it); `--save-baseline` then `tracer check`
+on it unchanged exits 0, and after one edit of that file that makes a layer wider (its build_model hooks
+the first layer to run that has parameters and a float output, to compute from its weight a tensor 64
+times the size of the layer's output or input, which backward keeps) `tracer check` exits 1 and names the
+edited line. A zoo model's name round-trips too (saved and checked by name;
+the debug sizes, whose names load the same way as the full sizes').
+A model the tool refuses saves no baseline at all.
 
-The check of the unchanged model answers from the session's analyses (`shared_analyses`): it reuses the
+The check of an unchanged model answers from the session's analyses (`shared_analyses`): it reuses the
 saved step only when the options the baseline records replay to exactly the options that made it, which is
 the property under test; a replay that differs is analysed afresh and compared like any other."""
 import glob
@@ -29,23 +32,30 @@ from torch import nn
 
 {load}
 
-_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.RNNBase)
+_WIDEN = {widen}
 
 
 def build_model(*args, **kwargs):
     model = _build(*args, **kwargs)
-    layer = next(m for m in model.modules() if isinstance(m, _LAYERS))
-    layer.register_forward_hook(_widened)
+    if _WIDEN:
+        state = {{}}
+        model.register_forward_pre_hook(lambda module, inputs: state.clear())
+        for layer in model.modules():       # the first layer with parameters of its own and a float output
+            if any(p.requires_grad for p in layer.parameters(recurse=False)):
+                layer.register_forward_hook(lambda module, inputs, output: _widened(module, inputs, output, state))
     return model
 
 
-def _widened(module, inputs, output):
-    first = output[0] if isinstance(output, tuple) else output
-    if not (isinstance(first, torch.Tensor) and first.is_floating_point() and first.requires_grad):
+def _widened(module, inputs, output, state):
+    first = output[0] if isinstance(output, (tuple, list)) else output
+    if state or not (isinstance(first, torch.Tensor) and first.is_floating_point() and first.requires_grad):
         return None
-    wide = torch.sigmoid(first.unsqueeze(0).expand(64, *first.shape))      # WIDENED: 64 copies, kept for backward
-    first = first + 0 * wide.mean(0)
-    return (first, *output[1:]) if isinstance(output, tuple) else first
+    state["widened"] = module
+    weight = next(p for p in module.parameters(recurse=False) if p.requires_grad)
+    elements = 64 * max(t.numel() for t in (first, *inputs) if isinstance(t, torch.Tensor))
+    wide = torch.sigmoid(weight.reshape(-1)[:1].expand(elements))      # WIDENED: 64 times the layer, kept for backward
+    first = first + 0 * wide.sum().to(first.dtype)
+    return (first, *output[1:]) if isinstance(output, (tuple, list)) else first
 '''
 
 LOAD_FILE = '''_spec = _util.spec_from_file_location("_gated_original", {path!r})
@@ -68,20 +78,30 @@ def widened_line(text: str) -> int:
 @pytest.mark.parametrize("model", [*MODEL_FILES, *sorted(ZOO)],
                          ids=lambda m: os.path.relpath(m, TESTS) if os.sep in m else m)
 def test_a_saved_baseline_passes_unchanged_and_fails_on_a_wider_layer(model, tmp_path, run_cli, shared_analyses):
-    baseline = tmp_path / "baseline.json"
-    code, _, err = run_cli(model, *STEP, "--save-baseline", baseline)
+    load = LOAD_ZOO.format(name=model) if model in ZOO else LOAD_FILE.format(path=model)
+    gated, baseline = tmp_path / "gated.py", tmp_path / "baseline.json"
+    gated.write_text(textwrap.dedent(WIDENED.format(load=load, widen=False)))
+    code, _, err = run_cli(gated, *STEP, "--save-baseline", baseline)
     if code != ExitCode.OK:                     # refused: then nothing was saved
         assert code in (ExitCode.USAGE, ExitCode.ANALYSIS) and not baseline.exists(), err
         return
-    code, out, err = run_cli("check", model, "--baseline", baseline)
+    code, out, err = run_cli("check", gated, "--baseline", baseline)
     assert code == ExitCode.OK, out + err
-    load = LOAD_ZOO.format(name=model) if model in ZOO else LOAD_FILE.format(path=model)
-    text = textwrap.dedent(WIDENED.format(load=load))
-    widened = tmp_path / "widened.py"
-    widened.write_text(text)
-    code, out, err = run_cli("check", widened, "--baseline", baseline)
+    text = textwrap.dedent(WIDENED.format(load=load, widen=True))
+    gated.write_text(text)
+    code, out, err = run_cli("check", gated, "--baseline", baseline)
     assert code == ExitCode.BUDGET_EXCEEDED, out + err
-    assert f"widened.py:{widened_line(text)}" in out
+    assert f"gated.py:{widened_line(text)}" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(name for name in ZOO if name.endswith("-debug")))
+def test_a_zoo_models_name_round_trips_through_a_baseline(name, tmp_path, run_cli, shared_analyses):
+    baseline = tmp_path / "baseline.json"
+    code, _, err = run_cli(name, *STEP, "--save-baseline", baseline)
+    assert code == ExitCode.OK, err
+    code, out, err = run_cli("check", name, "--baseline", baseline)
+    assert code == ExitCode.OK, out + err
 
 
 @pytest.fixture
