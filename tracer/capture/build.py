@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from tracer.capture.model_input import ModelSource
-from tracer.capture.source import WRAPPED_ATTR, loc_from_python_stack
+from tracer.capture.source import WRAPPED_ATTR, exception_location, loc_from_python_stack
 from tracer.errors import ModelRunError, TracerError, UsageError
 
 SMALL_NUMEL = 1 << 16                 # outputs up to this many elements are computed for real while building
@@ -77,7 +77,7 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     except TracerError:
         raise                      # tracer's own refusal (--lora-targets naming no module, an hf: --seq too long)
     except Exception as exc:
-        at = where(exc) if where is not None else "model"
+        at = where(exc) if where is not None else exception_location(exc, source.name)
         raise ModelRunError(f"{at}: building the model or its example batch raised "
                             f"{type(exc).__name__}: {exc}", hint=source.failure_hint or "fix build_model()/example_batch()") from exc
     finally:

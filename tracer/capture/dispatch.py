@@ -18,7 +18,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.build import step_module
-from tracer.capture.joint import _where, build_fake
+from tracer.capture.joint import build_fake
+from tracer.capture.source import exception_location
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.pylocals import assertion_note
 from tracer.capture.model_input import ModelSource
@@ -152,7 +153,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         from tracer.capture.joint import _routing_error
         if _routing_error(exc) is not None:
             raise _routing_error(exc) from exc
-        raise ModelRunError(f"{_where(exc)}: running the step op by op on fake tensors failed too: "
+        raise ModelRunError(f"{exception_location(exc, source.name)}: running the step op by op on fake tensors failed too: "
                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                             hint=(source.failure_hint or "for transformers models try use_cache=False, "
                                   "attn_implementation='sdpa' or a static rope_type") + "; --verbose shows the full "

@@ -29,7 +29,7 @@ from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
 from tracer.capture.pylocals import ExecutedLines, UntracedCall, record_executed_lines
-from tracer.capture.source import loc_from_stack_trace, normalize_module_path
+from tracer.capture.source import exception_location, loc_from_stack_trace, normalize_module_path
 from tracer.errors import CaptureError, ModelRunError
 
 
@@ -78,7 +78,7 @@ _NOTHING_SEEN = ForwardObservations(checkpoint_calls=(), kept_attributes=())
 def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_mode):
     """The user's model and example batch under `fake_mode` (tracer/capture/build.py)."""
     from tracer.capture.build import build_fake as build
-    return build(source, batch, seq, precision, fake_mode, where=_where)
+    return build(source, batch, seq, precision, fake_mode, where=exception_location)
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
@@ -151,12 +151,12 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
         if function is not None:
             # export traces a custom Function's forward as plain ops, and AOT derives a backward of its own:
             # not the Function's (which may save less, or write .grad itself by a nested backward())
-            raise CaptureError(f"{_where(exc)}: the backward of the custom autograd Function {function} cannot be "
+            raise CaptureError(f"{exception_location(exc)}: the backward of the custom autograd Function {function} cannot be "
                                f"traced into a joint graph ({type(exc).__name__}: "
                                f"{str(exc).splitlines()[0] if str(exc) else ''}), and the export rungs would "
                                f"replace it by the backward of its forward's ops",
                                hint="--capture auto or dispatch runs the step op by op") from exc
-        raise CaptureError(f"{_where(exc)}: tracing the joint forward+backward graph of {source.name} from the "
+        raise CaptureError(f"{exception_location(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
     if calls or kept_tensors or leaves.tensors or not _returns_scalar_loss(jd.graph_module):
@@ -471,10 +471,10 @@ def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource,
         if routing_error is not None:
             raise routing_error from exc
         if "DataDependent" in type(exc).__name__:
-            raise CaptureError(f"{_where(exc)}: forward reads a tensor's value ({exc})",
+            raise CaptureError(f"{exception_location(exc)}: forward reads a tensor's value ({exc})",
                                hint="tracing uses fake tensors without data: replace Python branches on tensor "
                                     "values, .item() and .tolist() with tensor ops such as torch.where") from exc
-        raise ModelRunError(f"{_where(exc)}: forward raised {type(exc).__name__}: {exc}",
+        raise ModelRunError(f"{exception_location(exc)}: forward raised {type(exc).__name__}: {exc}",
                             hint=source.failure_hint
                             or "fix the model's forward (it runs on fake tensors with the example batch)") from exc
     if not (isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point()):
@@ -742,12 +742,6 @@ def _routing_error(exc: BaseException):
     return None
 
 
-def _where(exc: BaseException) -> str:
-    import traceback
-    from tracer.capture.source import is_user_file
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    frames = [f for f in frames if "/tracer/" not in f.filename or "/tracer/models/" in f.filename]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "model"
 
 
 def _export_message(exc: BaseException) -> str:

@@ -85,3 +85,14 @@ def module_from_stack(nn_module_stack: dict | None) -> str:
         return ""
     fqn = list(nn_module_stack.values())[-1][0]
     return normalize_module_path(str(fqn))
+
+
+def exception_location(exc: BaseException, model: str = "model") -> str:
+    """'file:line' of the innermost model-code frame of `exc`; else its SyntaxError's own place; else
+    `model` (the model's name: an error raised where no model line runs, inside autograd's backward)."""
+    import traceback
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    frames = [f for f in frames if "/tracer/" not in f.filename or "/tracer/models/" in f.filename]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else model
