@@ -1,7 +1,8 @@
 """Take the joint forward+backward ATen graph through torch.compile (dynamo + AOTAutograd), under fake tensors.
 
-The capture ladder's rung after strict export, for models torch.export rejects (shared/notes/CAPTURE.md,
-option (d)). Path: build model and batch under `FakeTensorMode` (`build_fake`) -> `torch.compile(fullgraph=True,
+The capture ladder's rung after strict export, for models torch.export rejects: torch.compile with
+AOTAutograd as its backend (`torch._dynamo.backends.common.aot_autograd`), which gives the same joint graph
+with the user's lines on the models both can trace. Path: build model and batch under `FakeTensorMode` (`build_fake`) -> `torch.compile(fullgraph=True,
 dynamic=False)` with an AOTAutograd backend whose `partition_fn` records the joint graph -> one call on the
 fake batch (under `torch.autocast("cpu", bfloat16)` for bf16; under `cuda_capture` for a cuda target, which
 gives the same ops as the export rung on llama-debug). Only the forward graph runs, on fake tensors; the

@@ -1,6 +1,6 @@
 """Export the model and take its joint forward+backward ATen graph, all under fake tensors.
 
-Path (see shared/notes/CAPTURE.md): build model and batch under `FakeTensorMode` on CPU (never `meta`,
+Path: build model and batch under `FakeTensorMode` on CPU (never `meta`,
 never fake cuda) -> `torch.export.export(strict=False)` -> strip `_assert_tensor_metadata` nodes ->
 `aot_export_joint_with_descriptors` on `ep.module()`, under `torch.autocast("cpu", bfloat16)` for bf16.
 Nodes then carry `partitioner_tag`, `stack_trace`, `nn_module_stack` / `fwd_nn_module_stack`, and

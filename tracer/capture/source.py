@@ -1,7 +1,12 @@
 """Source attribution: the user's line from an fx `stack_trace` string or a live Python stack.
 
-The user's line is the innermost frame outside torch and outside tracer's own capture code. Frames in
-`torch/optim` count as user-visible: an optimizer step's memory belongs to the optimizer's own lines.
+The user's line is the innermost frame of model code: outside torch and outside tracer's own capture code
+(frames in `torch/optim` count: an optimizer step's memory belongs to the optimizer's own lines), and, in
+an installed package (site-packages), only in a file whose module `forward` is running in that stack. So
+a model's own code in a library (transformers' `modeling_llama.py`, timm's layers) keeps its lines, while a
+tensor utility library the model calls (einops' `rearrange`, einx, opt_einsum, a library's helper
+functions) is attributed to the model's line that called it. A stack with no such frame falls back to its
+innermost frame outside torch and tracer.
 Module paths from export's `nn_module_stack` are normalised (`L__self__`, `_export_root.`,
 `L['self'].` prefixes and the loss wrapper's attribute are dropped).
 """
@@ -37,38 +42,61 @@ def is_user_file(path: str) -> bool:
     return not path.startswith(_TORCH_DIR) or path.startswith(_OPTIM_DIR)
 
 
+_LIBRARY_DIRS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+
+
+def model_code_frames(frames: list[tuple[str, str]]) -> list[int]:
+    """Of a stack's (file, function) frames, outer to inner, the indices of model code (module docstring):
+    user files, less the installed-library files in which no `forward` of the stack runs; all user files
+    when that leaves none."""
+    user = [i for i, (path, _) in enumerate(frames) if is_user_file(path)]
+    running = {path for path, function in frames if function == "forward"}
+    model = [i for i in user if frames[i][0] in running or not _in_library(frames[i][0])]
+    return model or user
+
+
+def _in_library(path: str) -> bool:
+    """An installed package's file, other than torch.optim's (the optimizer step's own lines)."""
+    return any(d in path for d in _LIBRARY_DIRS) and not os.path.abspath(path).startswith(_OPTIM_DIR)
+
+
 def loc_from_stack_trace(stack_trace: str | None) -> SourceLoc | None:
     if not stack_trace:
         return None
     stack_trace = stack_trace.replace(_GRAD_ACC_SUFFIX, "")
     frames = list(_FRAME_RE.finditer(stack_trace + "\n"))
-    for m in reversed(frames):
-        if is_user_file(m["file"]):
-            code = m["code"].strip()
-            if not code or set(code) <= {"^", "~", " "}:
-                code = linecache.getline(m["file"], int(m["line"])).strip()
-            return SourceLoc(m["file"], int(m["line"]), m["func"], code)
-    return None
+    chosen = model_code_frames([(m["file"], m["func"]) for m in frames])
+    if not chosen:
+        return None
+    m = frames[chosen[-1]]
+    code = m["code"].strip()
+    if not code or set(code) <= {"^", "~", " "}:
+        code = linecache.getline(m["file"], int(m["line"])).strip()
+    return SourceLoc(m["file"], int(m["line"]), m["func"], code)
 
 
 def user_frames(stack_trace: str | None) -> tuple[tuple[str, int, str], ...]:
-    """All user frames of an fx stack trace, outer to inner, as (file, line, function)."""
+    """The model-code frames of an fx stack trace, outer to inner, as (file, line, function)."""
     if not stack_trace:
         return ()
     stack_trace = stack_trace.replace(_GRAD_ACC_SUFFIX, "")
-    return tuple((m["file"], int(m["line"]), m["func"]) for m in _FRAME_RE.finditer(stack_trace + "\n")
-                 if is_user_file(m["file"]))
+    frames = list(_FRAME_RE.finditer(stack_trace + "\n"))
+    chosen = model_code_frames([(m["file"], m["func"]) for m in frames])
+    return tuple((frames[i]["file"], int(frames[i]["line"]), frames[i]["func"]) for i in chosen)
 
 
 def loc_from_python_stack() -> SourceLoc | None:
-    frame = sys._getframe(1)
+    stack, frame = [], sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if is_user_file(path):
-            line = frame.f_lineno
-            return SourceLoc(path, line, frame.f_code.co_name, linecache.getline(path, line).strip())
+        stack.append(frame)
         frame = frame.f_back
-    return None
+    stack.reverse()                                     # outer to inner
+    chosen = model_code_frames([(f.f_code.co_filename, f.f_code.co_name) for f in stack])
+    if not chosen:
+        return None
+    frame = stack[chosen[-1]]
+    path, line = frame.f_code.co_filename, frame.f_lineno
+    return SourceLoc(path, line, frame.f_code.co_name, linecache.getline(path, line).strip())
 
 
 def normalize_module_path(path: str) -> str:

@@ -1,6 +1,7 @@
 """The CUDA target: trace on CPU fake tensors, but record the ops and dtypes a CUDA run would use.
 
-Fake CUDA tensors abort a CPU-only build (shared/notes/CAPTURE.md section C), so the step is still traced
+Fake CUDA tensors cannot be made on a CPU-only build of torch (building under `FakeTensorMode` with device
+cuda, or `.to("cuda")` there, raises "PyTorch is not linked with support for cuda devices"), so the step is still traced
 on CPU fakes; `cuda_capture(target, precision)` wraps the joint-graph capture and changes three things:
 
 * fused attention: `aten.scaled_dot_product_attention` gets a kernel (CompositeImplicitAutograd, so it
