@@ -164,7 +164,8 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     tracker.track_existing(list(resident), "caller-held")
     tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
     if optimizer is not None:
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        from tracer.capture.optimizer import optimizer_held_tensors
+        state = [tensor for tensor, _ in optimizer_held_tensors(optimizer)]   # in containers and subclasses too
         tracker.track_existing(state, "optimizer_state")
         del state                                          # an optimizer may replace (and free) its state in step()
     if scaler is not None and steady:

@@ -54,3 +54,24 @@ def test_adafactor_factors_the_second_moment_of_matrices():
     factored = {s.name.rsplit(".", 1)[1]: s.nbytes for s in state if s.name.startswith(matrix + ".")}
     assert factored["row_var"] == rows * 4 and factored["col_var"] == cols * 4
     assert "variance" not in factored
+
+
+def test_state_kept_in_containers_on_groups_and_on_the_optimizer_is_counted_and_exact():
+    """A preconditioner per matrix dimension in a list, a moment in a dict, a tensor learning rate in the
+    param group and a table on the optimizer object: all exist before the step and are optimizer state."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                        "container_state_optimizer.py")
+    source = load_model_source(path)
+    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 64), source.make_optimizer(real.parameters()))
+    assert_exact(result, measured)
+    state = {s.name: s for s in result.graph.storages if s.role.value == "optimizer_state" and s.preexisting}
+    matrix = next(s for s in result.graph.storages if s.role.value == "parameter" and len(s.shape) == 2)
+    rows, cols = matrix.shape
+    assert state[f"{matrix.name}.GG[0]"].nbytes == rows * rows * 4
+    assert state[f"{matrix.name}.GG[1]"].nbytes == cols * cols * 4
+    assert f"{matrix.name}.moments.m" in state
+    assert state["param_groups[0].lr"].nbytes == 4 and state["code_table"].nbytes == 256 * 4

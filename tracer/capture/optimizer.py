@@ -229,12 +229,60 @@ def _set_fake_grads(params) -> list[torch.Tensor]:
 
 
 def _state_tensors(opt, names: dict[int, str]) -> list[tuple[torch.Tensor, str]]:
-    """(tensor, "<param fqn>.<state key>") for every tensor in the optimizer's state."""
+    return optimizer_held_tensors(opt, names)
+
+
+def optimizer_held_tensors(opt, names: dict[int, str] | None = None) -> list[tuple[torch.Tensor, str]]:
+    """(tensor, name) for every tensor the optimizer holds, each once: its per-parameter state, also inside
+    nested lists, tuples and dicts (SOAP's and Shampoo's preconditioners: "<param fqn>.GG[0]"); tensors in
+    its param groups other than the parameters (a learning rate kept as a tensor: "param_groups[0].lr");
+    tensors held on the optimizer object itself (a quantization code map: "<attribute>"); and the inner
+    tensors of a tensor subclass (`__tensor_flatten__`: a quantized moment's codes and scales). The
+    parameters themselves and their gradients are not state. `names`: parameter id -> its fqn. The one
+    reader of an optimizer's state, for the capture and for the tests' measured steps alike."""
     if opt is None:
         return []
-    out = []
-    for param, state in opt.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                out.append((value, f"{names.get(id(param), '?')}.{key}"))
-    return out
+    names = names or {}
+    params = {id(p) for group in getattr(opt, "param_groups", ()) for p in group.get("params", ())}
+    found: dict[int, tuple[torch.Tensor, str]] = {}
+    seen: set[int] = set()
+
+    def walk(value, name: str, depth: int = 0) -> None:
+        if depth > _MAX_STATE_DEPTH or id(value) in seen:
+            return
+        if isinstance(value, torch.Tensor):
+            if id(value) in params:
+                return
+            inner = _inner_tensors(value)
+            if inner is None:
+                found.setdefault(id(value), (value, name))
+            for attribute, tensor in inner or ():
+                walk(tensor, f"{name}.{attribute}", depth + 1)
+            return
+        if isinstance(value, (list, tuple, dict)):
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                walk(item, f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]", depth + 1)
+
+    for param, state in getattr(opt, "state", {}).items():
+        walk(state, names.get(id(param), "?"))
+    for i, group in enumerate(getattr(opt, "param_groups", ())):
+        walk({key: value for key, value in group.items() if key != "params"}, f"param_groups[{i}]")
+    for attribute, value in vars(opt).items():
+        if attribute not in ("state", "param_groups"):
+            walk(value, attribute)
+    return list(found.values())
+
+
+_MAX_STATE_DEPTH = 16       # containers nested deeper than any optimizer keeps are not read
+
+
+def _inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A traceable tensor subclass's inner tensors (its `__tensor_flatten__` attributes), or None for a
+    plain tensor (a fake tensor is one: it holds its own storage)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    attributes, _ = tensor.__tensor_flatten__()
+    return [(attribute, getattr(tensor, attribute)) for attribute in attributes]
