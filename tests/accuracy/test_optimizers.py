@@ -75,3 +75,19 @@ def test_state_kept_in_containers_on_groups_and_on_the_optimizer_is_counted_and_
     assert state[f"{matrix.name}.GG[1]"].nbytes == cols * cols * 4
     assert f"{matrix.name}.moments.m" in state
     assert state["param_groups[0].lr"].nbytes == 4 and state["code_table"].nbytes == 256 * 4
+
+
+def test_a_list_of_optimizers_is_stepped_in_order_and_exact():
+    """make_optimizer returning [Muon, AdamW]: each steps its own parameters, one after the other."""
+    import os
+
+    from tracer.capture.optimizer import OptimizerChain
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "muon_and_adamw.py")
+    source = load_model_source(path)
+    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 64), OptimizerChain(source.make_optimizer(real.parameters())))
+    assert_exact(result, measured)
+    state = {s.name for s in result.graph.storages if s.role.value == "optimizer_state" and s.preexisting}
+    assert "blocks.0.attn.wq.weight.momentum_buffer" in state and "embed.weight.exp_avg_sq" in state

@@ -23,8 +23,9 @@ from tracer.capture.source import exception_location
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.pylocals import assertion_note
 from tracer.capture.model_input import ModelSource
-from tracer.capture.optimizer import (make_standard_optimizer, no_gradient_error, not_an_optimizer_error,
-                                      optimizer_notes, simulated_if_bitsandbytes)
+from tracer.capture.optimizer import (NotAnOptimizer, as_optimizer, make_standard_optimizer, no_gradient_error,
+                                      not_an_optimizer_error, optimizer_held_tensors, optimizer_notes,
+                                      simulated_if_bitsandbytes)
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.source import loc_from_python_stack, normalize_module_path
 from tracer.capture.storages import StorageTable
@@ -91,11 +92,15 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     autocast = lambda: autocast_context(options.precision)        # noqa: E731
     scaler = make_grad_scaler(options.precision)       # the dispatch run scales the loss as a loop does
     with fake_mode:
-        opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
-               else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
-    if source.make_optimizer is not None and (opt is None or not callable(getattr(opt, "step", None))):
-        raise not_an_optimizer_error(opt)
-    opt = simulated_if_bitsandbytes(opt)
+        made = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
+                else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
+    if source.make_optimizer is None:
+        opt = simulated_if_bitsandbytes(made)
+    else:
+        try:
+            opt = as_optimizer(made)
+        except NotAnOptimizer:
+            raise not_an_optimizer_error(made) from None
     steady = options.step == "steady"
     table = StorageTable()
     names = {id(m): path for path, m in model.named_modules()}
@@ -168,11 +173,10 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     for p in model.parameters():
         if p.grad is not None and table.lookup(p.grad) is not None:
             table.update(table.lookup(p.grad), role=StorageRole.GRADIENT, name="grad")
-    if opt is not None:
-        for state in opt.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and table.lookup(value) is not None:
-                    table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=str(key))
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    for value, name in optimizer_held_tensors(opt, names):
+        if table.lookup(value) is not None:
+            table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
     notes += [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
              "memory and attribution only, no recompute policies"]
@@ -201,11 +205,10 @@ def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
     for i, t in enumerate(x for x in batch if isinstance(x, torch.Tensor)):
         if t not in table:
             recorder.add_existing(t, StorageRole.INPUT, name=f"input {i}")
-    if opt is not None:
-        for state in opt.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value not in table:
-                    recorder.add_existing(value, StorageRole.OPTIMIZER_STATE, name=str(key))
+    names = {id(p): fqn for fqn, p in model.named_parameters()}
+    for value, name in optimizer_held_tensors(opt, names):
+        if value not in table:
+            recorder.add_existing(value, StorageRole.OPTIMIZER_STATE, name=name)
     for m in model.modules():
         for attr, value in vars(m).items():
             if isinstance(value, torch.Tensor) and attr not in m._parameters and attr not in m._buffers \

@@ -22,7 +22,7 @@ from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError, UsageError
 
 
-class _NotAnOptimizer(Exception):
+class NotAnOptimizer(Exception):
     """make_optimizer returned something without step(); the argument is what it returned."""
 from tracer.stepgraph import StorageRole, TensorValue
 
@@ -56,6 +56,44 @@ def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.
     if name == "none":
         return None
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+class OptimizerChain:
+    """Several optimizers stepped in order as one: `make_optimizer` returning a list or tuple of them (Muon
+    for the hidden matrices and AdamW for the rest, as the modded-nanogpt speedrun writes it). The loop
+    calls each one's step() in order, then each one's zero_grad()."""
+
+    def __init__(self, optimizers):
+        self.optimizers = tuple(optimizers)
+
+    @property
+    def state(self) -> dict:
+        return {param: state for opt in self.optimizers for param, state in opt.state.items()}
+
+    @property
+    def param_groups(self) -> list:
+        return [group for opt in self.optimizers for group in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def notes(self) -> tuple[str, ...]:
+        return tuple(note for opt in self.optimizers for note in optimizer_notes(opt))
+
+
+def as_optimizer(made):
+    """What make_optimizer returned, as one object with step() and zero_grad(): a list or tuple of
+    optimizers becomes an `OptimizerChain`; None or anything without step() raises NotAnOptimizer."""
+    if isinstance(made, (list, tuple)) and made and all(callable(getattr(o, "step", None)) for o in made):
+        return OptimizerChain(simulated_if_bitsandbytes(o) for o in made)
+    if made is None or not callable(getattr(made, "step", None)):
+        raise NotAnOptimizer(made)
+    return simulated_if_bitsandbytes(made)
 
 
 def optimizer_notes(opt) -> tuple[str, ...]:
@@ -107,8 +145,8 @@ def no_gradient_error() -> ModelRunError:
 
 def not_an_optimizer_error(opt) -> UsageError:
     return UsageError(f"make_optimizer(params) returned {type(opt).__name__}, not an optimizer",
-                      hint="return a torch.optim.Optimizer; for no optimizer, drop make_optimizer and pass "
-                           "--optimizer none")
+                      hint="return a torch.optim.Optimizer, or a list of them stepped in order; for no "
+                           "optimizer, drop make_optimizer and pass --optimizer none")
 
 
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
@@ -124,10 +162,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     try:
         with fake_mode:
             if make_optimizer is not None:
-                opt = make_optimizer(model.parameters())
-                if opt is None or not callable(getattr(opt, "step", None)):
-                    raise _NotAnOptimizer(opt)
-                opt = simulated_if_bitsandbytes(opt)
+                opt = as_optimizer(make_optimizer(model.parameters()))
             else:
                 opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
             if grad_scaler is not None:
@@ -137,7 +172,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                     _set_fake_grads(params)
                     _optimizer_step(opt, grad_scaler)
                     opt.zero_grad(set_to_none=True)
-    except _NotAnOptimizer as exc:
+    except NotAnOptimizer as exc:
         raise not_an_optimizer_error(exc.args[0]) from None
     except UsageError:
         raise
@@ -216,7 +251,8 @@ def _optimizer_step(opt, grad_scaler) -> None:
     if grad_scaler is None:
         opt.step()
         return
-    grad_scaler.unscale_(opt)
+    for each in getattr(opt, "optimizers", (opt,)):
+        grad_scaler.unscale_(each)
     opt.step()
     grad_scaler.update()
 
@@ -242,6 +278,12 @@ def optimizer_held_tensors(opt, names: dict[int, str] | None = None) -> list[tup
     reader of an optimizer's state, for the capture and for the tests' measured steps alike."""
     if opt is None:
         return []
+    if isinstance(opt, OptimizerChain):
+        found = {}
+        for each in opt.optimizers:
+            for tensor, name in optimizer_held_tensors(each, names):
+                found.setdefault(id(tensor), (tensor, name))
+        return list(found.values())
     names = names or {}
     params = {id(p) for group in getattr(opt, "param_groups", ()) for p in group.get("params", ())}
     found: dict[int, tuple[torch.Tensor, str]] = {}
