@@ -91,3 +91,20 @@ def test_a_list_of_optimizers_is_stepped_in_order_and_exact():
     assert_exact(result, measured)
     state = {s.name for s in result.graph.storages if s.role.value == "optimizer_state" and s.preexisting}
     assert "blocks.0.attn.wq.weight.momentum_buffer" in state and "embed.weight.exp_avg_sq" in state
+
+
+def test_a_model_files_optimizer_that_reads_values_is_exact_and_each_read_is_noted():
+    """torch's Adafactor from make_optimizer reads a norm with .item(): taken as 0 on fake tensors, which
+    changes no size here, and the report names the line and what the assumption could change."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "user_adafactor.py")
+    source = load_model_source(path)
+    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 64), source.make_optimizer(real.parameters()))
+    assert_exact(result, measured)
+    notes = [n for n in result.graph.config.notes if "reads a tensor's value" in n]
+    assert notes and all(n.startswith("Adafactor.step() reads a tensor's value at ") and "may differ" in n
+                         for n in notes)
+    assert "adafactor.py:" in notes[0]

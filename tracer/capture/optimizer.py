@@ -156,9 +156,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     if not params:
         raise no_gradient_error()
     names = {id(p): fqn for fqn, p in model.named_parameters()}
-    # torch's Adafactor reads a norm's value (`p.norm().item()`) for its step size: a standard optimizer's
-    # scalar reads size nothing, so they read as 0 (a user's optimizer may branch on them: refused)
-    reads_as_zero = make_optimizer is None
+    # A step may read a tensor's value (`p.norm().item()` in torch's Adafactor, Prodigy's step size): fake
+    # tensors have none, so each read is taken as 0 and named in a note with its line. A standard optimizer's
+    # reads only scale the update; a user's may also decide a branch or a size, and its note says so.
+    reads_as_zero = True
     try:
         with fake_mode:
             if make_optimizer is not None:
@@ -178,7 +179,8 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         raise
     except Exception as exc:
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
-                            hint="make_optimizer(params) must return a torch.optim.Optimizer") from exc
+                            hint="make_optimizer(params) and its step() run on fake tensors (no values); "
+                                 "fix what the error names") from exc
     table = StorageTable()
     recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero)
     param_sids = {}
@@ -219,8 +221,11 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)        # still referenced after the step (e.g. kept by the optimizer)
-    reads = [f"{optimizer_name}.step() reads a tensor's value at {loc.short() if loc else 'an unknown line'}: "
-             "taken as 0 (it scales the update and sizes no tensor)" for loc in dict.fromkeys(recorder.scalar_reads)]
+    effect = ("it scales the update and sizes no tensor" if make_optimizer is None else
+              "if it decides a branch or a tensor's size in step(), the step's memory may differ there")
+    label = optimizer_name if make_optimizer is None else f"{type(opt).__name__}"
+    reads = [f"{label}.step() reads a tensor's value at {loc.short() if loc else 'an unknown line'}: taken as 0 "
+             f"({effect})" for loc in dict.fromkeys(recorder.scalar_reads)]
     return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
                               notes=optimizer_notes(opt) + tuple(reads))
 
