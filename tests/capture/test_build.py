@@ -83,3 +83,56 @@ def test_nothing_real_is_allocated_at_model_size():
     built = build_fake(source, 1, 1, "fp32", FakeTensorMode())
     assert built.model.twin[0].weight.dtype == torch.bfloat16
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000      # KiB: far below 1 GiB
+
+
+def test_a_tensor_made_from_a_list_of_computed_tensors_has_their_values(tmp_path):
+    """torchtune's RoPE scaling loops over a small computed tensor and calls torch.tensor(new_freqs) on the
+    0-dim tensors it made; the build knows their values, so the new tensor is made and its value is known
+    (here it sizes a layer, so the parameter count shows it)."""
+    import textwrap
+
+    import tracer
+    path = tmp_path / "scaled_rope.py"
+    path.write_text(textwrap.dedent("""
+        import math
+
+        import torch
+        from torch import nn
+
+
+        class ScaledRope(nn.Module):
+            def __init__(self, dim=16, base=500000.0, scale=8.0, low=1.0, high=4.0, old_len=8192):
+                super().__init__()
+                freqs = 1.0 / (base ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+                new_freqs = []
+                for freq in freqs:
+                    wavelen = 2 * math.pi / freq
+                    if wavelen < old_len / high:
+                        new_freqs.append(freq)
+                    elif wavelen > old_len / low:
+                        new_freqs.append(freq / scale)
+                    else:
+                        smooth = (old_len / wavelen - low) / (high - low)
+                        new_freqs.append((1 - smooth) * freq / scale + smooth * freq)
+                theta = torch.tensor(new_freqs, dtype=freqs.dtype, device=freqs.device)
+                self.register_buffer("theta", theta, persistent=False)
+                self.lin = nn.Linear(dim, 1 + int((theta > 0.01).sum()))        # sized by the values
+
+            def forward(self, x):
+                return self.lin(x).pow(2).mean()
+
+
+        def build_model():
+            return ScaledRope()
+
+
+        def example_batch(batch, seq):
+            return (torch.randn(batch, seq, 16),)
+    """))
+    namespace = {}
+    exec(compile(path.read_text(), str(path), "exec"), namespace)
+    real = namespace["build_model"]()
+    assert real.lin.out_features == 4
+    analysis = tracer.analyze(str(path), seq=8, target="cpu")
+    assert analysis.graph.parameter_count == sum(p.numel() for p in real.parameters())
+    assert not [n for n in analysis.graph.config.notes if "taken as" in n]

@@ -17,6 +17,10 @@ A tensor held as a plain module attribute since the build is made a non-persiste
 (tracing would take it for a constant, which export refuses for a fake tensor); it exists before the step
 either way.
 
+A tensor made from a Python list that holds tensors (`torch.tensor([f / s for f in freqs])`, torchtune's
+RoPE scaling) reads each one's data, which a fake tensor lacks: each is replaced by its known value (else
+0, noted), and the new tensor's value is known in turn (`_TensorsFromKnownValues`).
+
 Two more things a real build does that fake tensors refuse, made to work while the build runs:
 - `copy.deepcopy(module)` (`clones()`, `nn.TransformerEncoder`) copies a fake tensor's `fake_mode`
   attribute, giving the copy a mode of its own ("Mixing fake modes NYI" at the first op): the mode is a
@@ -39,6 +43,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
@@ -66,8 +71,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     default_dtype = torch.get_default_dtype()
     values = _BuildValues(fake_mode)
     try:
-        with fake_mode, values, _deep_copies_share_the_fake_mode(), _swappable_fakes(), \
-                _bounded_module_count(source.name), warnings.catch_warnings():
+        with fake_mode, values, _TensorsFromKnownValues(values), _deep_copies_share_the_fake_mode(), \
+                _swappable_fakes(), _bounded_module_count(source.name), warnings.catch_warnings():
             # deepcopy asks a fake tensor for its data pointer, which warns
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if precision == "bf16-pure":
@@ -147,6 +152,30 @@ def _tensor_attributes_as_buffers(model: nn.Module) -> None:
                     and name not in module._parameters and name not in module._buffers:
                 del module.__dict__[name]
                 module.register_buffer(name, value, persistent=False)
+
+
+class _TensorsFromKnownValues(TorchFunctionMode):
+    """`torch.tensor(data)` / `torch.as_tensor(data)` whose Python list holds tensors (torchtune's RoPE
+    scaling: a loop over a small computed tensor, then `torch.tensor(new_freqs)`): torch reads each tensor's
+    data, which a fake tensor has none of. Each is replaced by its value where the build knows it (else 0,
+    noted as every unknown read is), and the new tensor's value is known in turn."""
+
+    def __init__(self, values: "_BuildValues"):
+        super().__init__()
+        self._values = values
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)) \
+                and any(isinstance(leaf, torch.Tensor) and _is_fake(leaf) for leaf in tree_leaves(args[0])):
+            data = self._values.python_values(args[0])
+            out = func(data, *args[1:], **kwargs)
+            if isinstance(out, torch.Tensor) and out.numel() <= SMALL_NUMEL:
+                real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
+                with _disable_current_modes():
+                    self._values.remember(out, torch.tensor(data, **real_kwargs))
+            return out
+        return func(*args, **kwargs)
 
 
 class _BuildValues(TorchDispatchMode):
@@ -244,6 +273,27 @@ class _BuildValues(TorchDispatchMode):
                 a = entry[1]
             real.append(a)
         return tree_unflatten(real, spec)
+
+    def python_values(self, data):
+        """`data` (nested lists and tuples) with each fake tensor replaced by its known value as Python numbers
+        (`tolist()`); an unknown one is zeros of its shape, noted with the line that asked."""
+        if isinstance(data, (list, tuple)):
+            return type(data)(self.python_values(item) for item in data)
+        if not (isinstance(data, torch.Tensor) and _is_fake(data)):
+            return data
+        entry = self._known.get(id(data))
+        if entry is not None and entry[2] == _storage_key(data):
+            return entry[1].tolist()
+        loc = loc_from_python_stack()
+        where = loc.short() if loc is not None else "an unknown line"
+        self._assumed.setdefault((loc.file if loc else None, loc.line if loc else None, "tensor"),
+                                 f"building the model made a tensor from a list holding tensors whose values the "
+                                 f"build does not compute (at {where}): taken as 0")
+        with _disable_current_modes():
+            return torch.zeros(data.shape, dtype=data.dtype).tolist()
+
+    def remember(self, fake: torch.Tensor, value: torch.Tensor) -> None:
+        self._remember(fake, value)
 
     def _remember(self, fake: torch.Tensor, value: torch.Tensor) -> None:
         if value.shape != fake.shape or value.dtype != fake.dtype:
