@@ -45,7 +45,7 @@ def _check(options, expected):
 
 @pytest.mark.parametrize("mode", [[], ["--fit", "1GiB"], ["--by-depth"]], ids=["run", "fit", "by-depth"])
 def test_the_main_command_fit_and_by_depth_pass_every_option(reached, mode):
-    main(["llama-debug", *FLAGS, *MAIN_ONLY, *mode, "--quiet"])
+    main(["hf:gpt2", *FLAGS, *MAIN_ONLY, *mode, "--quiet"])      # hf: the --hf-* flags apply to it
     (options,) = reached
     _check(options, {**EXPECTED, **MAIN_EXPECTED})
     if not mode:
@@ -62,9 +62,9 @@ def test_the_main_command_passes_sharding(reached):
 
 def test_tracer_check_passes_every_option(reached, tmp_path):
     # --accumulate is refused with --shard: given once without it, once as 1 with it
-    main(["check", "llama-debug", "--baseline", str(tmp_path / "a.json"), "--update-baseline", *FLAGS])
+    main(["check", "hf:gpt2", "--baseline", str(tmp_path / "a.json"), "--update-baseline", *FLAGS])
     _check(reached[0], {**EXPECTED, "batch": 3, "seq": 40})
-    main(["check", "llama-debug", "--baseline", str(tmp_path / "b.json"), "--update-baseline", *FLAGS,
+    main(["check", "hf:gpt2", "--baseline", str(tmp_path / "b.json"), "--update-baseline", *FLAGS,
           "--accumulate", "1", "--policy", "full", "--hf-task", "causal-lm", "--shard", "zero2", "--world-size", "4"])
     _check(reached[1], {**EXPECTED, "accumulate": 1, "batch": 3, "seq": 40, "policies": ("full",),
                         "hf_task": "causal-lm", "shard": "zero2", "world_size": 4})
@@ -75,9 +75,9 @@ def test_the_python_api_and_the_marker_keywords_reach_the_pipeline(reached):
 
     marker = {k: v for k, v in EXPECTED.items() if k != "zero_grad_set_to_none"}
     with pytest.raises(_Reached):
-        tracer.analyze("llama-debug", batch=3, seq=40, zero_grad="zeros", **marker)
+        tracer.analyze("hf:gpt2", batch=3, seq=40, zero_grad="zeros", **marker)
     _check(reached[0], EXPECTED)
-    check_budget_marker((), dict(model="llama-debug", peak="1GiB", zero_grad="zeros", **marker), test_dir=".")
+    check_budget_marker((), dict(model="hf:gpt2", peak="1GiB", zero_grad="zeros", **marker), test_dir=".")
     _check(reached[1], EXPECTED)
 
 

@@ -113,8 +113,8 @@ def test_every_flag_reaches_each_levers_analysis(monkeypatch):
 
     monkeypatch.setattr(tracer.levers, "capture_variants", record)
     with pytest.raises(RuntimeError, match="recorded"):
-        run_levers("llama-debug", tracer.cli.analysis_options(tracer.cli.build_parser().parse_args(
-            ["llama-debug", *FLAGS])))
+        run_levers("hf:gpt2", tracer.cli.analysis_options(tracer.cli.build_parser().parse_args(
+            ["hf:gpt2", "--hf-config", "n_layer=2", *FLAGS])))      # two blocks: captured whole
     for name, value in EXPECTED.items():
         assert getattr(seen[0], name) == value, name
 

@@ -81,6 +81,10 @@ def test_a_saved_baseline_passes_unchanged_and_fails_on_a_wider_layer(model, tmp
     load = LOAD_ZOO.format(name=model) if model in ZOO else LOAD_FILE.format(path=model)
     gated, baseline = tmp_path / "gated.py", tmp_path / "baseline.json"
     gated.write_text(textwrap.dedent(WIDENED.format(load=load, widen=False)))
+    if outside_exceptions_tree(model):
+        code, err = save_in_a_subprocess(gated, baseline)
+        assert code == ExitCode.ANALYSIS and not baseline.exists(), err
+        return
     code, _, err = run_cli(gated, *STEP, "--save-baseline", baseline)
     if code != ExitCode.OK:                     # refused: then nothing was saved
         assert code in (ExitCode.USAGE, ExitCode.ANALYSIS) and not baseline.exists(), err
@@ -102,6 +106,23 @@ def test_a_zoo_models_name_round_trips_through_a_baseline(name, tmp_path, run_cl
     assert code == ExitCode.OK, err
     code, out, err = run_cli("check", name, "--baseline", baseline)
     assert code == ExitCode.OK, out + err
+
+
+def outside_exceptions_tree(model: str) -> bool:
+    """A model file that raises KeyboardInterrupt or another exception outside Exception's tree: it unwinds
+    through torch's tracing, which cleans up after an Exception only, so it runs in a process of its own."""
+    if model in ZOO:
+        return False
+    text = open(model).read()
+    return any(name in text for name in ("KeyboardInterrupt", "GeneratorExit", "BaseException"))
+
+
+def save_in_a_subprocess(model, baseline) -> tuple[int, str]:
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "tracer", str(model), *STEP, "--save-baseline", str(baseline)],
+                          cwd=os.path.dirname(TESTS), capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
 
 
 @pytest.fixture
