@@ -76,13 +76,14 @@ def loc_from_stack_trace(stack_trace: str | None) -> SourceLoc | None:
 
 
 def user_frames(stack_trace: str | None) -> tuple[tuple[str, int, str], ...]:
-    """The model-code frames of an fx stack trace, outer to inner, as (file, line, function)."""
+    """Every frame of an fx stack trace outside torch and tracer, outer to inner, as (file, line, function):
+    library helpers included, since their Python locals hold tensors until they return (pylocals.py);
+    which of them a line is billed to is `loc_from_stack_trace`'s choice."""
     if not stack_trace:
         return ()
     stack_trace = stack_trace.replace(_GRAD_ACC_SUFFIX, "")
-    frames = list(_FRAME_RE.finditer(stack_trace + "\n"))
-    chosen = model_code_frames([(m["file"], m["func"]) for m in frames])
-    return tuple((frames[i]["file"], int(frames[i]["line"]), frames[i]["func"]) for i in chosen)
+    return tuple((m["file"], int(m["line"]), m["func"]) for m in _FRAME_RE.finditer(stack_trace + "\n")
+                 if is_user_file(m["file"]))
 
 
 def loc_from_python_stack() -> SourceLoc | None:
