@@ -19,23 +19,7 @@ sys.path.insert(0, HERE)
 ACCURACY = os.path.join(HERE, "accuracy")
 
 
-@pytest.fixture(autouse=True)
-def torch_configs_left_as_found(request):
-    """Every test leaves torch's config modules as it found them: an entry changed, or deleted (pytest's
-    monkeypatch undo deletes an attribute that is not in a module's own `__dict__`, and torch then hides
-    the entry from every later compile in the worker), fails the test at teardown, naming the entry. Change
-    a torch config with its own `config.patch(...)`. Autouse and set up first, so it is torn down after
-    every other fixture of the test (monkeypatch's undo included)."""
-    import torch._dynamo.config  # noqa: F401  the config modules a compile reads, imported before the test
-    import torch._functorch.config  # noqa: F401
-    import torch._inductor.config  # noqa: F401
-    from tracer.capture.process_state import changed_config_entries, torch_config_states
-    before = torch_config_states()
-    yield
-    changed = changed_config_entries(before)
-    if changed:
-        pytest.fail(f"{request.node.nodeid} left torch config entries changed: {', '.join(changed)} "
-                    "(change a torch config with its config.patch(...), which undoes itself)", pytrace=False)
+from torch_config_guard import torch_configs_left_as_found  # noqa: E402,F401  (an autouse fixture)
 
 
 def pytest_collection_modifyitems(config, items):

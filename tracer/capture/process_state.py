@@ -56,7 +56,7 @@ def torch_config_states() -> dict[str, dict[str, tuple[bool, Any]]]:
     return {name: config_state(module) for name, module in config_modules().items()}
 
 
-def _restore_configs(before: dict[str, dict[str, tuple[bool, Any]]]) -> None:
+def restore_config_states(before: dict[str, dict[str, tuple[bool, Any]]]) -> None:
     modules = config_modules()
     for module_name, entries in before.items():
         module = modules.get(module_name)
@@ -106,4 +106,4 @@ def process_state_kept() -> Iterator[None]:
         torch.set_float32_matmul_precision(matmul_precision)
         (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic,
          torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) = backend_flags
-        _restore_configs(configs)
+        restore_config_states(configs)
