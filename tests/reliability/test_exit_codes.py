@@ -1,6 +1,8 @@
 """Exit codes that mean what the docs say (issue 16): the model's failures are exit 3, never 0 or 1; an
 unexpected error is exit 3 with one line and the --verbose hint; Ctrl-C is 130; flag and output-path errors
 are exit 2 before any analysis; the model's print() and sys.argv parsing do not touch the tool's own."""
+import textwrap
+
 import pytest
 
 from conftest import TINY, model
@@ -73,21 +75,33 @@ def test_ctrl_c_outside_the_model_is_130_with_one_line(run_cli, monkeypatch):
 
 
 def test_a_real_sigint_while_the_model_runs_stays_an_interrupt():
-    import os
-    import signal
+    """In a process of its own: SIGINT's disposition is process-wide, and a worker's earlier tests (torch
+    compile workers, inner pytest sessions) may have changed it."""
+    import subprocess
+    import sys
+    probe = textwrap.dedent("""
+        import os
+        import signal
 
-    from tracer.capture.model_input import running_user_code
-    from tracer.errors import ModelRunError
-    before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt):
-        with running_user_code("model.py"):
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(10**7):          # the handler runs between bytecodes
-                pass
-    with pytest.raises(ModelRunError, match="raised KeyboardInterrupt"):
-        with running_user_code("model.py"):
-            raise KeyboardInterrupt
-    assert signal.getsignal(signal.SIGINT) is before
+        import pytest
+
+        from tracer.capture.model_input import running_user_code
+        from tracer.errors import ModelRunError
+
+        before = signal.getsignal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            with running_user_code("model.py"):
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(10**7):          # the handler runs between bytecodes
+                    pass
+        with pytest.raises(ModelRunError, match="raised KeyboardInterrupt"):
+            with running_user_code("model.py"):
+                raise KeyboardInterrupt
+        assert signal.getsignal(signal.SIGINT) is before
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 @pytest.mark.parametrize("flags, needle", [
