@@ -75,8 +75,9 @@ def test_ctrl_c_outside_the_model_is_130_with_one_line(run_cli, monkeypatch):
 
 
 def test_a_real_sigint_while_the_model_runs_stays_an_interrupt():
-    """In a process of its own: SIGINT's disposition is process-wide, and a worker's earlier tests (torch
-    compile workers, inner pytest sessions) may have changed it."""
+    """In a process of its own, with Python's own SIGINT handler, as in a terminal: SIGINT's disposition is
+    process-wide and inherited, and a pytest-xdist worker's may be to ignore it (seen in CI: a subprocess
+    of the worker started with SIGINT ignored)."""
     import subprocess
     import sys
     probe = textwrap.dedent("""
@@ -88,6 +89,7 @@ def test_a_real_sigint_while_the_model_runs_stays_an_interrupt():
         from tracer.capture.model_input import running_user_code
         from tracer.errors import ModelRunError
 
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         before = signal.getsignal(signal.SIGINT)
         with pytest.raises(KeyboardInterrupt):
             with running_user_code("model.py"):
