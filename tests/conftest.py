@@ -68,3 +68,15 @@ def shared_analyses(monkeypatch, analysis_of):
 @pytest.fixture(scope="session")
 def llama_debug(analyzed):
     return analyzed("llama-debug", batch=2, seq=32)
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """main(argv) in-process: (exit code, stdout, stderr)."""
+    from tracer.cli import main
+
+    def run(*argv):
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run

@@ -21,6 +21,18 @@ def predict_and_measure_optimizer(name: str, *, foreach: bool = True, model: str
     return result, measured
 
 
+def predict_and_measure_fixture(name: str, *, as_optimizer=lambda made: made):
+    """A model file of tests/fixtures with its own make_optimizer: predicted vs a real CPU step."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", name)
+    source = load_model_source(path)
+    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 64), as_optimizer(source.make_optimizer(real.parameters())))
+    return result, measured
+
+
 def assert_exact(result, measured):
     assert result.start_bytes == measured.start_bytes
     assert result.peak_bytes == measured.peak_bytes
@@ -59,14 +71,7 @@ def test_adafactor_factors_the_second_moment_of_matrices():
 def test_state_kept_in_containers_on_groups_and_on_the_optimizer_is_counted_and_exact():
     """A preconditioner per matrix dimension in a list, a moment in a dict, a tensor learning rate in the
     param group and a table on the optimizer object: all exist before the step and are optimizer state."""
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
-                        "container_state_optimizer.py")
-    source = load_model_source(path)
-    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
-    torch.manual_seed(0)
-    real = source.build_model()
-    measured = measure_step(real, source.example_batch(2, 64), source.make_optimizer(real.parameters()))
+    result, measured = predict_and_measure_fixture("container_state_optimizer.py")
     assert_exact(result, measured)
     state = {s.name: s for s in result.graph.storages if s.role.value == "optimizer_state" and s.preexisting}
     matrix = next(s for s in result.graph.storages if s.role.value == "parameter" and len(s.shape) == 2)
@@ -79,15 +84,8 @@ def test_state_kept_in_containers_on_groups_and_on_the_optimizer_is_counted_and_
 
 def test_a_list_of_optimizers_is_stepped_in_order_and_exact():
     """make_optimizer returning [Muon, AdamW]: each steps its own parameters, one after the other."""
-    import os
-
     from tracer.capture.optimizer import OptimizerChain
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "muon_and_adamw.py")
-    source = load_model_source(path)
-    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
-    torch.manual_seed(0)
-    real = source.build_model()
-    measured = measure_step(real, source.example_batch(2, 64), OptimizerChain(source.make_optimizer(real.parameters())))
+    result, measured = predict_and_measure_fixture("muon_and_adamw.py", as_optimizer=OptimizerChain)
     assert_exact(result, measured)
     state = {s.name for s in result.graph.storages if s.role.value == "optimizer_state" and s.preexisting}
     assert "blocks.0.attn.wq.weight.momentum_buffer" in state and "embed.weight.exp_avg_sq" in state
@@ -96,13 +94,7 @@ def test_a_list_of_optimizers_is_stepped_in_order_and_exact():
 def test_a_model_files_optimizer_that_reads_values_is_exact_and_each_read_is_noted():
     """torch's Adafactor from make_optimizer reads a norm with .item(): taken as 0 on fake tensors, which
     changes no size here, and the report names the line and what the assumption could change."""
-    import os
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "user_adafactor.py")
-    source = load_model_source(path)
-    result = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=64, target="cpu"))).policies["eager"]
-    torch.manual_seed(0)
-    real = source.build_model()
-    measured = measure_step(real, source.example_batch(2, 64), source.make_optimizer(real.parameters()))
+    result, measured = predict_and_measure_fixture("user_adafactor.py")
     assert_exact(result, measured)
     notes = [n for n in result.graph.config.notes if "reads a tensor's value" in n]
     assert notes and all(n.startswith("Adafactor.step() reads a tensor's value at ") and "may differ" in n

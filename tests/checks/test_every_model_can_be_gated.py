@@ -123,14 +123,3 @@ def save_in_a_subprocess(model, baseline) -> tuple[int, str]:
     proc = subprocess.run([sys.executable, "-m", "tracer", str(model), *STEP, "--save-baseline", str(baseline)],
                           cwd=os.path.dirname(TESTS), capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stderr
-
-
-@pytest.fixture
-def run_cli(capsys):
-    from tracer.cli import main
-
-    def run(*argv):
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run

@@ -1,5 +1,5 @@
-"""Shared helpers of the reliability probes: the probe model files and a CLI runner that returns
-(exit code, stdout, stderr)."""
+"""Shared helpers of the reliability probes: the probe model files (the CLI runner `run_cli` is the
+suite's, in tests/conftest.py)."""
 import os
 
 import pytest
@@ -10,18 +10,6 @@ TINY = ["--target", "cpu", "--batch", "1", "--seq", "8", "--top", "1"]
 
 def model(name: str) -> str:
     return os.path.join(MODELS, name + ".py")
-
-
-@pytest.fixture
-def run_cli(capsys):
-    """main(argv) in-process: (exit code, stdout, stderr)."""
-    from tracer.cli import main
-
-    def run(*argv):
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run
 
 
 @pytest.fixture

@@ -191,7 +191,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
                                                                         "GradScaler growth tracker")):
             recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
-    for tensor, name in _state_tensors(opt, names):
+    for tensor, name in optimizer_held_tensors(opt, names):
         if tensor not in table:
             # an optimizer that replaces a state tensor (state["m"] = new_m) frees the old one in the step
             recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
@@ -214,7 +214,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     except Exception as exc:
         raise ModelRunError(f"optimizer.step() raised {type(exc).__name__}: {exc}",
                             hint="the optimizer runs on fake tensors; avoid .item()/.tolist() on its state") from exc
-    for tensor, name in _state_tensors(opt, names):
+    for tensor, name in optimizer_held_tensors(opt, names):
         sid = table.lookup(tensor)
         if table.get(sid).role is StorageRole.INTERMEDIATE:
             table.update(sid, role=StorageRole.OPTIMIZER_STATE, persistent=True, name=name)
@@ -267,10 +267,6 @@ def _set_fake_grads(params) -> list[torch.Tensor]:
     for p, g in zip(params, grads):
         p.grad = g
     return grads
-
-
-def _state_tensors(opt, names: dict[int, str]) -> list[tuple[torch.Tensor, str]]:
-    return optimizer_held_tensors(opt, names)
 
 
 def optimizer_held_tensors(opt, names: dict[int, str] | None = None) -> list[tuple[torch.Tensor, str]]:
