@@ -9,8 +9,11 @@ Models: the zoo's llama-debug and gpt2-debug, small transformers Llama and BERT 
 is `torch.compile(model)`; `blocks` is `block.compile()` on every repeated block (`layers.0`, `h.1`, ...),
 the rest of the model eager (models without repeated blocks are skipped); `whole+full` and
 `whole+selective` are `torch.compile(model)` with every repeated block's forward in
-`torch.utils.checkpoint` (non-reentrant; selective: tracer's default save policy as torch's policy_fn).
-Predicted by the `compiled`, `compiled-blocks`, `compiled+full` and `compiled+selective` policies.
+`torch.utils.checkpoint` (non-reentrant; selective: tracer's default save policy as torch's policy_fn);
+`blocks+full` and `blocks+selective` checkpoint each block the same way and then `block.compile()` it, so
+the checkpoint runs inside the compiled block (torchtitan's order). Predicted by the `compiled`,
+`compiled-blocks`, `compiled+full`, `compiled+selective`, `compiled-blocks+full` and
+`compiled-blocks+selective` policies.
 
 The real step: forward+loss, backward, foreach AdamW step, zero_grad, after two warm-up steps (compiled
 code and optimizer state exist). The profiler's allocator events give bytes allocated since profiling
@@ -36,8 +39,22 @@ HF_CONFIGS = {
 }
 MLP_FILE = os.path.join(os.path.dirname(__file__), "..", "examples", "tiny_mlp_lm.py")
 DEFAULT_MODELS = ("llama-debug", "gpt2-debug", "hf:llama", "hf:bert", MLP_FILE)
-STYLES = ("whole", "blocks", "whole+full", "whole+selective")
-CHECKPOINTED = {"whole+full": "full", "whole+selective": "selective"}    # style -> how blocks are checkpointed
+STYLES = ("whole", "blocks", "whole+full", "whole+selective", "blocks+full", "blocks+selective")
+CHECKPOINTED = {"whole+full": "full", "whole+selective": "selective",       # style -> how blocks are checkpointed
+                "blocks+full": "full", "blocks+selective": "selective"}
+
+
+def _selective_contexts():
+    """torch's selective-checkpointing contexts asking tracer's default save predicate (fresh per region)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from tracer.policies import PolicySpec, save_predicate
+
+    keep = save_predicate(PolicySpec(name="selective"))
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if keep(str(op)) else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
 
 
 def checkpoint_blocks(model, how: str) -> bool:
@@ -45,23 +62,30 @@ def checkpoint_blocks(model, how: str) -> bool:
     selective with tracer's default save predicate asked as torch's policy_fn); False without blocks."""
     import functools
 
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-
-    from tracer.policies import PolicySpec, save_predicate
-
-    def contexts():
-        keep = save_predicate(PolicySpec(name="selective"))          # fresh per region, as torch's contexts are
-
-        def policy(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if keep(str(op)) else CheckpointPolicy.PREFER_RECOMPUTE
-        return create_selective_checkpoint_contexts(policy)
+    from torch.utils.checkpoint import checkpoint
 
     blocks = block_paths(model)
     for path in blocks:
         block = model.get_submodule(path)
-        context_fn = contexts if how == "selective" else None
-        extra = {"context_fn": context_fn} if context_fn else {}
+        extra = {"context_fn": _selective_contexts} if how == "selective" else {}
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, **extra)
+    return bool(blocks)
+
+
+def compile_checkpointed_blocks(model, how: str) -> bool:
+    """torchtitan's order: every repeated block wrapped by `checkpoint_wrapper` (non-reentrant; selective
+    as in `checkpoint_blocks`), then the wrapper compiled on its own and put in the block's place; False
+    without blocks. (A block whose forward is replaced by a partial of checkpoint is not traced by Dynamo
+    when the block itself is compiled: the step would silently run eager.)"""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = block_paths(model)
+    for path in blocks:
+        parent, _, name = path.rpartition(".")
+        extra = {"context_fn": _selective_contexts} if how == "selective" else {}
+        wrapped = checkpoint_wrapper(model.get_submodule(path), **extra)
+        wrapped.compile(dynamic=False)
+        model.get_submodule(parent).register_module(name, wrapped)
     return bool(blocks)
 
 
@@ -96,10 +120,14 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str, accumul
     tokens = batches[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     torch._dynamo.reset()
-    if style in CHECKPOINTED and not checkpoint_blocks(model, CHECKPOINTED[style]):
+    if style.startswith("whole+") and not checkpoint_blocks(model, CHECKPOINTED[style]):
         return None
-    if style == "whole" or style in CHECKPOINTED:
+    if style.startswith("whole"):
         run = torch.compile(model, dynamic=False)
+    elif style.startswith("blocks+"):
+        if not compile_checkpointed_blocks(model, CHECKPOINTED[style]):
+            return None
+        run = model
     else:
         blocks = block_paths(model)
         if not blocks:
@@ -146,11 +174,12 @@ def predicted_compiled_peaks(name: str, batch: int, seq: int, style: str, accumu
     from tracer.capture import CaptureOptions, PolicySpec, capture_steps
     from tracer.passes.analysis import analyze_graphs
 
-    if style == "blocks":
+    if style.startswith("blocks"):
         torch.manual_seed(0)
         if not block_paths(model_source(name).build_model()):
             return None
-    policy = {"whole": "compiled", "blocks": "compiled-blocks"}.get(style) or f"compiled+{CHECKPOINTED[style]}"
+    policy = {"whole": "compiled", "blocks": "compiled-blocks"}.get(style) or \
+        f"{'compiled' if style.startswith('whole') else 'compiled-blocks'}+{CHECKPOINTED[style]}"
     graphs = capture_steps(model_source(name), CaptureOptions(batch=batch, seq=seq, target="cpu",
                                                               accumulate=accumulate), (PolicySpec(name=policy),))
     phases = analyze_graphs(graphs).policies[policy].phases

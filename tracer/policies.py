@@ -67,6 +67,15 @@ POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
            f"{_INDUCTOR}; graph breaks inside a block; Python locals that hold a block's output (freed at its "
            "last use); outside the blocks, as eager: Python references other than plain `name = ...` locals.",
            compiled_blocks=True),
+    Policy("compiled-blocks+full", "full", False,
+           "torchtitan's recipe: every block checkpointed, then compiled on its own (torch.compile of each "
+           "checkpoint-wrapped block): the block's min-cut partition recomputes its forward inside its "
+           "compiled backward, the rest of the step eager",
+           f"{_INDUCTOR}; graph breaks inside a block.", compiled_blocks=True),
+    Policy("compiled-blocks+selective", "selective", False,
+           "torchtitan's recipe with op-level selective checkpointing: every block checkpointed with the "
+           "save policy, then compiled on its own; the partition keeps what the policy saves",
+           f"{_INDUCTOR}; graph breaks inside a block.", compiled_blocks=True),
 )}
 POLICIES = tuple(POLICY_REGISTRY)
 ALL_POLICIES = ("eager", "compiled", "selective", "full")          # --policy all

@@ -93,3 +93,42 @@ def test_a_backward_peak_inside_a_compiled_block_is_exact(compiled_vs_profiler, 
     measured = compiled_vs_profiler.measured_compiled_peaks("hf:llama", 2, SEQ, "blocks")
     assert backward.peak_bytes == measured["backward"]
     assert analysis.phases["forward"].peak_bytes == measured["forward"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, style", [("llama-debug", "blocks+full"), ("hf:bert", "blocks+full"),
+                                          ("mlp", "blocks+full"), ("llama-debug", "blocks+selective"),
+                                          ("hf:bert", "blocks+selective")])
+def test_checkpointed_blocks_compiled_one_by_one_equal_a_real_step(model, style, compiled_vs_profiler,
+                                                                  no_compile_caches):
+    """torchtitan's recipe: each block wrapped by checkpoint_wrapper (full, or selective with tracer's default
+    save policy as torch's policy_fn), then compiled on its own; predicted by compiled-blocks+full and
+    compiled-blocks+selective. Each block's min-cut partition recomputes inside its compiled backward."""
+    model = compiled_vs_profiler.MLP_FILE if model == "mlp" else model
+    predicted = compiled_vs_profiler.predicted_compiled_peaks(model, 2, SEQ, style)
+    measured = compiled_vs_profiler.measured_compiled_peaks(model, 2, SEQ, style)
+    assert predicted["forward"] == measured["forward"]
+    assert predicted["backward"] == measured["backward"]
+    assert 0 <= measured["optimizer"] - predicted["optimizer"] <= 64
+
+
+@pytest.mark.slow
+def test_a_checkpoint_the_block_makes_inside_its_forward_is_compiled_with_the_block(compiled_vs_profiler,
+                                                                                   no_compile_caches):
+    """tests/fixtures/checkpoint_inside_block.py: each block checkpoints its own MLP; block.compile() traces
+    the checkpoint into the block's graph, whose partition recomputes the MLP in the compiled backward."""
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", "checkpoint_inside_block.py")
+    predicted = compiled_vs_profiler.predicted_compiled_peaks(model, 2, SEQ, "blocks")
+    measured = compiled_vs_profiler.measured_compiled_peaks(model, 2, SEQ, "blocks")
+    assert predicted["forward"] == measured["forward"]
+    assert predicted["backward"] == measured["backward"]
+
+
+@pytest.mark.parametrize("fixture, refusal", [("user_checkpoint.py", "wraps a whole block from outside it"),
+                                              ("checkpoint_reentrant.py", "is reentrant")])
+def test_a_checkpoint_around_a_compiled_block_is_refused(fixture, refusal, compiled_vs_profiler):
+    """checkpoint(block, x) in the parent's loop runs the block's compiled forward inside an eager checkpoint
+    (rerun in backward), which is not modelled; neither is a reentrant checkpoint in a compiled block."""
+    model = os.path.join(os.path.dirname(__file__), "..", "fixtures", fixture)
+    with pytest.raises(UsageError, match=refusal):
+        _predicted(compiled_vs_profiler, model, "compiled-blocks")

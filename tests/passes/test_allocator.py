@@ -136,6 +136,34 @@ def test_free_merges_neighbours_and_empty_cache_releases_whole_segments():
     assert r.segment_sizes == (20 * MIB,)
 
 
+def test_a_block_freed_on_a_side_stream_serves_only_that_stream():
+    # 4 MiB on stream 1 in its own 20 MiB segment, freed; a 4 MiB request on the default stream cannot
+    # take it (upstream keys free blocks by stream first): a second 20 MiB segment
+    events = [("alloc", 0, 4 * MIB, 1), ("free", 0, 0), ("alloc", 1, 4 * MIB)]
+    r = simulate_allocator(events)
+    assert r.segment_sizes == (20 * MIB, 20 * MIB) and r.reserved_peak_bytes == 40 * MIB
+    # on stream 1 again, the freed block is reused: one segment, at the first block's address
+    r = simulate_allocator(events[:2] + [("alloc", 1, 4 * MIB, 1)])
+    assert r.segment_sizes == (20 * MIB,) and r.alloc_addresses[1] == r.alloc_addresses[0]
+    # small blocks too: 2 MiB small segments per stream
+    r = simulate_allocator([("alloc", 0, 1000, 2), ("alloc", 1, 1000)])
+    assert r.segment_sizes == (2 * MIB, 2 * MIB)
+
+
+def test_empty_cache_releases_the_free_segments_of_every_stream():
+    events = [("alloc", 0, 4 * MIB, 1), ("alloc", 1, 4 * MIB), ("free", 0, 0), ("free", 1, 0), ("empty_cache", 0, 0)]
+    r = simulate_allocator(events)
+    assert r.reserved_end_bytes == 0 and r.device_frees == 2
+
+
+def test_an_out_of_memory_retry_frees_what_another_stream_cached():
+    # 24 MiB of device: stream 1 caches a free 20 MiB segment; a default-stream 4 MiB request cannot reuse it,
+    # cannot get a new 20 MiB segment next to it, so the retry releases the cached one and succeeds
+    events = [("alloc", 0, 4 * MIB, 1), ("free", 0, 0), ("alloc", 1, 4 * MIB)]
+    r = simulate_allocator(events, capacity_bytes=24 * MIB)
+    assert r.oom is None and r.segment_sizes == (20 * MIB,) and r.device_frees == 1
+
+
 def test_max_split_size_oversize_rules():
     cfg = parse_alloc_conf("max_split_size_mb:32")
     # a cached 40 MiB (oversize) block is not used for a 4 MiB request: new 20 MiB segment

@@ -137,7 +137,7 @@ def test_the_device_view_is_per_rank_under_sharding():
     assert rank.peak_bytes < whole.peak_bytes
     assert analysis.settings["shard"] == "fsdp" and analysis.settings["world_size"] == 4
     tight = tracer.analyze("llama-debug", batch=2, seq=64, shard="fsdp", world_size=4,
-                           device_memory_bytes=rank.reserved_peak_bytes - 1).policies["eager"]
+                           device_memory_bytes=rank.allocated_peak_bytes - 1).policies["eager"]
     assert tight.rank_device.oom is not None and tight.device.oom is None
 
 
@@ -177,3 +177,23 @@ def test_fsdp2_mixed_precision_keeps_fp32_shards_and_bf16_compute():
     assert bf16.peak_bytes < mixed.peak_bytes < fp32.peak_bytes
     with pytest.raises(UsageError, match="needs --shard fsdp"):
         tracer.analyze("llama-debug", fsdp_mixed_precision=True, batch=1, seq=8, shard="zero3", world_size=2)
+
+
+@pytest.mark.slow
+def test_fsdp_buffers_land_on_their_streams_and_reserve_their_own_segments():
+    """FSDP2 allocates each all-gather output on the all-gather copy-in stream and each reduce-scatter output
+    (the sharded gradients) on the reduce-scatter stream; what those streams free is not reused by the
+    default stream's requests, so the reserved peak is at least the one-stream replay's."""
+    from tracer.passes.allocator import simulate_allocator
+
+    result = tracer.analyze("llama-debug", batch=2, seq=64, shard="fsdp", world_size=4).policies["eager"]
+    requests = result.sharded.requests
+    streams = {r[3] for r in requests if r[0] == "alloc" and len(r) == 4}
+    assert streams == {1, 2}
+    one_stream = simulate_allocator([r[:3] for r in requests])
+    per_stream = simulate_allocator(requests)
+    assert per_stream.requested_peak_bytes == one_stream.requested_peak_bytes == result.sharded.peak_bytes
+    assert per_stream.reserved_peak_bytes > one_stream.reserved_peak_bytes
+    assert result.rank_device.reserved_peak_bytes >= per_stream.reserved_peak_bytes
+    zero3 = tracer.analyze("llama-debug", batch=2, seq=64, shard="zero3", world_size=4).policies["eager"]
+    assert all(len(r) == 3 for r in zero3.sharded.requests)        # no FSDP2 buffers, one stream

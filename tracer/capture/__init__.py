@@ -30,7 +30,8 @@ from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.target import parse_target
 from tracer.capture.policies import policy_schedule
-from tracer.capture.precision import PRECISIONS, make_grad_scaler
+from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler
+from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
 from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
@@ -38,7 +39,7 @@ from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
-from tracer.capture.storages import StorageTable
+from tracer.capture.storages import StorageTable, dtype_name
 from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
 
@@ -264,8 +265,10 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one with the
     same step settings; `schedule`: the policy's partition (policy_schedule)."""
     steady = options.step == "steady"
+    autocast = autocast_dtype(options.precision)
+    autocast = dtype_name(autocast) if autocast is not None else None
     first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
-                         grads_preexisting=steady and not options.zero_grad_set_to_none)
+                         grads_preexisting=steady and not options.zero_grad_set_to_none, autocast_dtype=autocast)
     part, table = first.part, first.table
     if not recordings:
         recordings.append(record_optimizer_step(
@@ -275,7 +278,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
             grad_scaler=make_grad_scaler(options.precision)))
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
-        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True)
+        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast)
         ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
@@ -292,17 +295,21 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
                         policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
-                        notes=_capture_notes(cap, cpu=not parse_target(options.target).is_cuda) + schedule.notes + recordings[0].notes + accumulation_notes
+                        notes=_capture_notes(cap, cpu=not parse_target(options.target).is_cuda) + schedule.notes + first.notes
+                        + recordings[0].notes + accumulation_notes
                         + offload_notes + held_notes)
     n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
 
 
-def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool) -> MicroBatch:
+def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool,
+                 autocast_dtype: str | None) -> MicroBatch:
     """One forward + backward over `table`, with eager's lifetimes (Python locals, backward formulas'
-    temporaries, checkpointing, tensors kept on module attributes)."""
+    temporaries, checkpointing, autocast's cast cache, tensors kept on module attributes). `autocast_dtype`: the
+    dtype name of the autocast around forward and loss, or None."""
     part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
+    notes = reuse_cached_casts(part.ops, table, autocast_dtype) if not schedule.compiled else ()
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
@@ -321,7 +328,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
             held = table.get(sid).held_until_op
             table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
         for extra in (expression_holds(part.ops, cap.python_backward_nodes),     # C++ backward formulas' temporaries
-                      call_holds(part.ops)):                      # torch calls' arguments and C++ kernels' locals
+                      call_holds(part.ops),                       # torch calls' arguments and C++ kernels' locals
+                      autocast_cache_holds(part.ops, table, autocast_dtype)):   # autocast's weight-cast cache
             for sid, op_index in extra.items():
                 held = table.get(sid).held_until_op
                 table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
@@ -332,7 +340,7 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
         eager_checkpoint_semantics(part.ops, table, remade)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
-    return MicroBatch(part=part, table=table, kept=kept)
+    return MicroBatch(part=part, table=table, kept=kept, notes=notes)
 
 
 def _python_holds(cap, ops, table: StorageTable, forward: list, *,

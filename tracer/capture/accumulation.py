@@ -47,6 +47,7 @@ class MicroBatch:
     part: GraphPart
     table: StorageTable
     kept: KeptPairs
+    notes: tuple[str, ...] = ()        # what the micro-batch's lifetimes assume, for the report
 
 
 def chain_micro_batches(first: MicroBatch, later: MicroBatch, count: int, shared: dict[int, int]) -> tuple[list[OpDraft], tuple[str, ...]]:

@@ -82,6 +82,8 @@ class OpDraft:
     micro_batch: int | None = None      # gradient accumulation: the micro-batch it belongs to (1-based)
     torch_call: str | None = None       # forward or recomputed: the Python torch call that ran it ("name_counter")
     writes_in_place: bool = False       # its output is an eager in-place write into a storage made before it
+    casts_graph_input: bool = False     # a dtype cast (_to_copy) of a graph input itself, not of a view of one
+    compiled_region: bool = False       # run by a compiled block's forward or backward (block.compile())
 
     @property
     def rerun(self) -> bool:
@@ -317,7 +319,8 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
     made = _convert_planned(plan, table, values, node_pos, ops, (None, None),
                             phase=Phase.BACKWARD if backward else Phase.FORWARD, releasable=forward_storages)
     for op in ops[start:]:
-        op.seq_nr, op.frames = None, ()
+        op.seq_nr, op.frames, op.compiled_region = None, (), True
+        op.checkpoint_region, op.must_save = None, False       # checkpointing inside is the partition's
         if op.module == region.graph_block or op.module.startswith(region.graph_block + "."):
             op.module = region.block + op.module[len(region.graph_block):]     # a graph shared with an identical block
     for placeholder in placeholders:
@@ -584,7 +587,14 @@ def _draft(node, phase, recomputed, values, outputs, *, is_view: bool) -> OpDraf
         and not recomputed else (),
         rerun_of=node.meta.get(RERUN_KEY),
         must_save=getattr(node.meta.get("recompute"), "name", "") == "MUST_SAVE",
+        casts_graph_input=_casts_graph_input(node),
     )
+
+
+def _casts_graph_input(node: fx.Node) -> bool:
+    args = _unwrapped_args(node)
+    return target_name(node.meta.get("wrapped_target", node.target)) == "aten._to_copy.default" and \
+        bool(args) and isinstance(args[0], fx.Node) and args[0].op == "placeholder"
 
 
 def _unwrapped_args(node: fx.Node) -> tuple:

@@ -138,20 +138,53 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
 
 def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     """block.compile() on every block: the joint as eager runs it, with each block's nodes replaced by its own
-    compiled forward and backward (tracer.capture.compiled_blocks)."""
+    compiled forward and backward (tracer.capture.compiled_blocks). Checkpointing inside a block (the
+    policy's own, as torchtitan wraps each block before compiling it, or the model's checkpoint calls made
+    inside a block's forward) is traced into the block's graph: its nodes are tagged as AOT autograd tags the
+    checkpoint operator's body, and the block's min-cut partition recomputes them in its compiled backward."""
     from tracer.capture.compiled_blocks import compiled_regions
 
-    if cap.seen.checkpoint_calls:
-        raise UsageError(f"--policy {spec.name} with torch.utils.checkpoint in the model's forward is not modelled",
-                         hint="use --policy compiled (whole model) or eager")
-    blocks = find_blocks(cap.joint, spec.blocks)
+    joint = _lazy_copy(cap.joint)
+    blocks = find_blocks(joint, spec.blocks)
     if not blocks:
         raise UsageError(f"--policy {spec.name} compiles each repeated block, and "
                          + (f"no module matches --blocks {spec.blocks!r}" if spec.blocks else "this model has none"),
                          hint="name the blocks with --blocks (a glob such as 'layers.*'), or use --policy compiled")
-    regions = compiled_regions(cap.joint, blocks, cap.fake_mode)
-    return Schedule(joint=cap.joint, regions=regions,
-                    notes=(f"compiled blocks: {', '.join(r.block for r in regions)}",))
+    user_calls = cap.seen.checkpoint_calls
+    notes: tuple[str, ...] = ()
+    if user_calls:
+        _check_checkpoints_inside_blocks(user_calls, blocks, spec)
+        notes += _tag_user_regions(joint, user_calls, cap.fake_mode, whole_regions=True)
+    if spec.policy.checkpoint is not None:
+        _tag_regions(joint, _regions_by_module(joint, blocks[::spec.checkpoint_every], first_id=len(user_calls)),
+                     _region_deciders(spec, cap.fake_mode), whole_regions=True)
+        if spec.policy.checkpoint == "selective":
+            notes += (f"save policy: {save_policy_label(spec)}",)
+    regions = compiled_regions(joint, blocks, cap.fake_mode)
+    return Schedule(joint=joint, regions=regions,
+                    notes=(f"compiled blocks: {', '.join(r.block for r in regions)}",) + notes)
+
+
+def _check_checkpoints_inside_blocks(calls, blocks: list[str], spec: PolicySpec) -> None:
+    """A checkpoint call compiled with its block runs inside the block's forward: it checkpoints a
+    sub-module of a block, or a method of the block other than its forward. Refuses a call that wraps a whole
+    block from outside (eager checkpointing around a compiled block reruns the block's compiled forward in
+    backward, which is not modelled), one outside every block or not located, and a reentrant one."""
+    for call in calls:
+        whole_block = call.module in blocks and (
+            call.written == "module" or call.target.rsplit(".", 1)[-1] in _CALL_ENTRIES)
+        inside = call.module is not None and not whole_block and \
+            any(call.module == block or call.module.startswith(block + ".") for block in blocks)
+        if call.reentrant or not inside:
+            how = ("is reentrant" if call.reentrant else "wraps a whole block from outside it" if whole_block
+                   else "is not inside a block")
+            raise UsageError(f"--policy {spec.name}: the model's checkpoint call ({call.describe()}) {how}: "
+                             "only non-reentrant checkpointing inside a compiled block is modelled",
+                             hint="checkpoint inside each block (torchtitan's checkpoint_wrapper before "
+                                  "torch.compile), or use --policy compiled-blocks+full, compiled, or eager")
+
+
+_CALL_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")     # a module's call, as a function
 
 
 def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -182,10 +215,11 @@ def _regions_by_module(joint: torch.fx.GraphModule, regions: list[str], first_id
     return out
 
 
-def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode) -> tuple[str, ...]:
+def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode, *, whole_regions: bool = False) -> tuple[str, ...]:
     """Tag the regions the user's forward checkpoints: by the call index export's trace stamped on their
     nodes (`meta["custom"]`), or, where a capture path kept no stamps (strict export, torch.compile), by
-    the checkpointed module's path. Returns notes for regions that cannot be simulated as written."""
+    the checkpointed module's path. Returns notes for regions that cannot be simulated as written.
+    `whole_regions`: inside torch.compile (`_tag_regions`)."""
     from tracer.capture.joint import CHECKPOINT_KEY
     forward = _forward_nodes(joint)
     region_of_node = {node: (node.meta.get("custom") or {}).get(CHECKPOINT_KEY) for node in forward}
@@ -209,7 +243,7 @@ def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode) -> tuple[st
         decider = deciders.get(region)
         return decider(node) if decider is not None else _save_if(False)
 
-    _tag_regions(joint, region_of_node, decide)
+    _tag_regions(joint, region_of_node, decide, whole_regions=whole_regions)
     return tuple(notes)
 
 

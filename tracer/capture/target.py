@@ -15,8 +15,8 @@ on CPU fakes; `cuda_capture(target, precision)` wraps the joint-graph capture an
   (`CUDA_AUTOCAST_POLICY`, upstream `autocast_mode.h`): e.g. exp, log, pow, rsqrt, sum, softmax run in
   fp32 on CUDA but in the input dtype on CPU, and einsum casts its inputs itself. Python kernels are
   registered on the AutocastCPU dispatch key for the capture only; ops on CPU's lists but not CUDA's are
-  passed through uncast. The autocast weight-cast cache is not modelled (a weight used twice in one
-  forward is cast twice).
+  passed through uncast. The autocast weight-cast cache is the same on both devices: it is applied to the
+  converted step (capture/autocast_cache.py).
 * nothing else in the graph: dropout masks are already bool (`native_dropout`), as in CUDA eager.
 
 Memory that is not a tensor of the step is a `DeviceAllocation` (`device_allocations(target)`): the

@@ -24,7 +24,13 @@ given a device capacity, the first out-of-memory failure. The rules follow upstr
 * expandable segments: one virtual segment per pool, mapped in 2 MiB (small) or 20 MiB (large) pages at
   the lowest address with room; reserved bytes are the mapped bytes.
 
-Not modelled: several streams, `record_stream` delays, CUDA-graph pools and MemPools, the garbage
+Streams: every segment belongs to the stream current when it was allocated, and a free block is reused
+only by requests on that stream (upstream keys its free blocks by stream first, `BlockComparatorSize`),
+so memory a side stream frees stays reserved for it; `empty_cache` and the OOM retry release free
+segments of every stream. An alloc event may name its stream (default 0).
+
+Not modelled: `record_stream` delays (a block freed after `record_stream` waits for the other stream's
+work: callers hold such blocks to where that work ends), CUDA-graph pools and MemPools, the garbage
 collection threshold (parsed, ignored), `set_per_process_memory_fraction` (pass `capacity_bytes`), memory
 used outside the allocator (CUDA context, cuBLAS/cuDNN handles, NCCL), and the cudaMalloc addresses
 themselves (new segments get synthetic addresses unless `segment_addresses` gives the real ones).
@@ -317,20 +323,22 @@ class _Block:
 
 
 class _Segment:
-    __slots__ = ("address", "is_small", "expandable", "page")
+    __slots__ = ("address", "is_small", "expandable", "page", "stream")
 
-    def __init__(self, address: int, is_small: bool, expandable: bool = False):
+    def __init__(self, address: int, is_small: bool, expandable: bool = False, stream: int = 0):
         self.address = address
         self.is_small = is_small
         self.expandable = expandable
+        self.stream = stream
         self.page = (SMALL_BUFFER_BYTES if is_small else LARGE_BUFFER_BYTES) if expandable else 0
 
 
 class _Pool:
     """Free blocks ordered by (size, address); for expandable segments also unmapped blocks by address."""
 
-    def __init__(self, is_small: bool):
+    def __init__(self, is_small: bool, stream: int = 0):
         self.is_small = is_small
+        self.stream = stream
         self.keys: list[tuple[int, int]] = []
         self.blocks: dict[int, _Block] = {}
         self.unmapped_keys: list[int] = []
@@ -358,10 +366,9 @@ class _Allocator:
         self.config = config
         self.capacity = capacity
         self.max_split = config.max_split_size_bytes if config.max_split_size_bytes is not None else math.inf
-        self.small = _Pool(True)
-        self.large = _Pool(False)
+        self.pools: dict[tuple[int, bool], _Pool] = {}     # (stream, is_small) -> its free blocks
         self.heads: dict[int, _Block] = {}       # segment address -> first block (non-expandable)
-        self.expandable: dict[bool, _Segment] = {}
+        self.expandable: dict[tuple[int, bool], _Segment] = {}
         self.live: dict[int, _Block] = {}
         self.reserved = self.allocated = self.requested = 0
         self.peak_reserved = self.peak_allocated = self.peak_requested = 0
@@ -376,7 +383,14 @@ class _Allocator:
         self.peak_requested = max(self.peak_requested, self.requested)
 
     def _pool(self, block: _Block) -> _Pool:
-        return self.small if block.segment.is_small else self.large
+        return self._stream_pool(block.segment.stream, block.segment.is_small)
+
+    def _stream_pool(self, stream: int, is_small: bool) -> _Pool:
+        """A stream's pool: a block is only reused for requests on the stream that allocated its segment."""
+        pool = self.pools.get((stream, is_small))
+        if pool is None:
+            pool = self.pools[stream, is_small] = _Pool(is_small, stream)
+        return pool
 
     def _new_address(self, nbytes: int) -> int:
         if self.segment_addresses:
@@ -416,9 +430,9 @@ class _Allocator:
         self._peaks()
 
     # -- malloc
-    def malloc(self, requested: int) -> _Block | None:
+    def malloc(self, requested: int, stream: int = 0) -> _Block | None:
         size = round_size(requested, self.config)
-        pool = self.small if size <= SMALL_SIZE_BYTES else self.large
+        pool = self._stream_pool(stream, size <= SMALL_SIZE_BYTES)
         alloc_size = segment_size(size)
         block = self._get_free_block(pool, size)
         if block is None:
@@ -457,7 +471,7 @@ class _Allocator:
             return self._alloc_expandable(pool, size)
         if self.capacity is not None and self.reserved + alloc_size > self.capacity:
             return None
-        segment = _Segment(self._new_address(alloc_size), pool.is_small)
+        segment = _Segment(self._new_address(alloc_size), pool.is_small, stream=pool.stream)
         block = _Block(segment.address, alloc_size, segment)
         self.heads[segment.address] = block
         self.reserved += alloc_size
@@ -540,7 +554,7 @@ class _Allocator:
         return released >= key
 
     def empty_cache(self) -> None:
-        for pool in (self.large, self.small):
+        for pool in list(self.pools.values()):
             for address in [a for _, a in pool.keys]:
                 block = pool.blocks[address]
                 if block.segment.expandable:
@@ -579,8 +593,8 @@ class _Allocator:
             if room >= size:
                 return c
         segment = _Segment(_SYNTHETIC_BASE * (2 if pool.is_small else 3) + len(self.expandable) * _EXPANDABLE_SPAN,
-                           pool.is_small, expandable=True)
-        self.expandable[pool.is_small] = segment
+                           pool.is_small, expandable=True, stream=pool.stream)
+        self.expandable[pool.stream, pool.is_small] = segment
         block = _Block(segment.address, _EXPANDABLE_SPAN, segment, mapped=False)
         pool.add(block)
         return block
@@ -655,7 +669,7 @@ class _Allocator:
         return tuple(sorted(out, key=lambda s: s.address))
 
     def _first_block(self, segment: _Segment) -> _Block:
-        pool = self.small if segment.is_small else self.large
+        pool = self._stream_pool(segment.stream, segment.is_small)
         some = next((b for b in self.live.values() if b.segment is segment), None) or next(
             (b for b in (*pool.blocks.values(), *pool.unmapped.values()) if b.segment is segment))
         while some.prev is not None:
@@ -685,7 +699,7 @@ class _Allocator:
         if self.config.expandable_segments:
             page = SMALL_BUFFER_BYTES if size <= SMALL_SIZE_BYTES else LARGE_BUFFER_BYTES
             asked = -(-size // page) * page
-        free = [b.size for pool in (self.small, self.large) for b in pool.blocks.values()]
+        free = [b.size for pool in self.pools.values() for b in pool.blocks.values()]
         return OomReport(
             event_index=index, block_id=block_id, requested_bytes=requested, rounded_bytes=size,
             device_request_bytes=asked, capacity_bytes=self.capacity or 0, reserved_bytes=self.reserved,
@@ -699,7 +713,9 @@ def simulate_allocator(events: Iterable[tuple[str, int, int]], config: Allocator
                        segment_addresses: Sequence[int] = ()) -> AllocatorReplay:
     """Replay allocator requests and return peaks, final segments and the first OOM (if any).
 
-    events: ("alloc", block_id, requested_bytes), ("free", block_id, _), ("empty_cache", _, _).
+    events: ("alloc", block_id, requested_bytes[, stream]), ("free", block_id, _), ("empty_cache", _, _);
+        `stream` (an int, 0 = the default stream) is the stream current at the allocation: the block's
+        segment belongs to it, and its free blocks serve only that stream's later requests.
     capacity_bytes: device memory the allocator may reserve; a request that cannot be met even after
         releasing cached segments is an OOM, reported with the free memory left in pieces, and ends the
         replay. None: unlimited.
@@ -717,11 +733,11 @@ def simulate_allocator(events: Iterable[tuple[str, int, int]], config: Allocator
     addresses: list[int] = []
     oom = None
     count = 0
-    for index, (action, block_id, nbytes) in enumerate(events):
+    for index, (action, block_id, nbytes, *on) in enumerate(events):
         if action == "alloc":
             if block_id in model.live:
                 raise AllocatorModelError(f"event {index}: alloc of block {block_id}, which is already live")
-            block = model.malloc(int(nbytes))
+            block = model.malloc(int(nbytes), int(on[0]) if on else 0)
             if block is None:
                 oom = model.oom_report(index, block_id, int(nbytes))
                 break

@@ -37,6 +37,12 @@ parameter's, which a loop variable holds until the reduce-scatter output exists.
 the reduce-scatter also copies its input. tests/accuracy/test_fsdp.py matches a real 2-rank gloo
 `fully_shard` step to the byte with these rules.
 
+On CUDA each buffer is allocated on the stream FSDP2 allocates it on (the all-gather output on the
+all-gather copy-in stream, the reduce-scatter output, which the sharded gradients are views of, on the
+reduce-scatter stream, everything else on the default stream); the caching-allocator model keeps a pool
+per stream (passes/allocator.py), so what one stream frees is not reused by another and reserved memory
+grows accordingly. The lifetimes above already hold what FSDP2 holds instead of `record_stream`.
+
 Not modelled: DDP's gradient bucket copies (gradient_as_bucket_view=False keeps a second copy of the
 gradients), DeepSpeed's flat partitions and bucket sizes (zero1-3 use the per-parameter rule above and
 FSDP2's unit schedule without its buffers), mixed-precision parameter copies, communication library
@@ -229,7 +235,7 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
         shard = _master_bytes(shard_bytes(shapes[sid], whole, world_size), storage.dtype, fp32_master)
         start = _BEFORE if iv.alloc_op == BEFORE_STEP else (iv.alloc_op, _ALLOC, 0)
         end = None if iv.free_op is None else (iv.free_op, _FREE, 0)
-        nbytes = whole
+        nbytes, stream = whole, _DEFAULT_STREAM
         if storage.role is StorageRole.PARAMETER and rule.parameters:
             nbytes = shard
         elif storage.role is StorageRole.OPTIMIZER_STATE and rule.optimizer_state:
@@ -240,12 +246,15 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
             reduced = grad_unit_end[sid]
             if start == _BEFORE or reduced is None or reduced[0] < start:
                 nbytes = shard         # kept from the previous step (zero_grad(set_to_none=False)): a shard
+                stream = _REDUCE_SCATTER_STREAM if rule.communication_buffers and reduced is not None else stream
             else:
                 events.interval(start, reduced[0], whole, category)
                 start, nbytes = reduced[1], shard
+                # FSDP2's reduce-scatter output (the sharded gradient) is allocated on its stream
+                stream = _REDUCE_SCATTER_STREAM if rule.communication_buffers else _DEFAULT_STREAM
         if category in model_state:
             model_state[category] += nbytes
-        events.interval(start, end, nbytes, category)
+        events.interval(start, end, nbytes, category, stream)
     if rule.parameters:
         _gathered_parameters(events, units, graph, rule, reshard_after_forward, copy_rs_input=backend == "gloo")
     peak, at_peak, phases, live_during = events.sweep(graph)
@@ -256,8 +265,14 @@ def shard_memory(policy, strategy: str, world_size: int, *, reshard_after_forwar
                          peak_op_index=op_index, by_category_at_peak=at_peak, phases=phases,
                          model_state_bytes=model_state, live_during=live_during, units=units,
                          requests=events.request_stream(),
-                         start_bytes=sum(delta for key, delta, _ in events.items if key == _BEFORE))
+                         start_bytes=sum(delta for key, delta, _, _ in events.items if key == _BEFORE))
 
+
+# The CUDA streams FSDP2 allocates on (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py): the
+# all-gather output on the all-gather copy-in stream (forward and pre-backward, implicit prefetching), the
+# reduce-scatter output (the sharded gradient) on the reduce-scatter stream; the reduce-scatter input and
+# the unsharded parameters (copy-out) on the default stream.
+_DEFAULT_STREAM, _ALL_GATHER_STREAM, _REDUCE_SCATTER_STREAM = 0, 1, 2
 
 # Event keys: (op index, slot, order). Hooks run before an op's outputs are allocated (_PRE) or after its
 # frees (_POST); pre-existing storages are allocated at _BEFORE.
@@ -271,29 +286,30 @@ _BACKWARD_END = _ROOT_FINAL + 9                 # the final callback then drops 
 
 class _Events:
     def __init__(self) -> None:
-        self.items: list[tuple[tuple, int, str]] = []
+        self.items: list[tuple[tuple, int, str, int]] = []     # (key, bytes, category, stream)
 
-    def add(self, key: tuple, delta: int, category: str) -> None:
+    def add(self, key: tuple, delta: int, category: str, stream: int = 0) -> None:
         if delta:
-            self.items.append((key, delta, category))
+            self.items.append((key, delta, category, stream))
 
-    def interval(self, start: tuple, end: tuple | None, nbytes: int, category: str) -> None:
-        self.add(start, nbytes, category)
+    def interval(self, start: tuple, end: tuple | None, nbytes: int, category: str, stream: int = 0) -> None:
+        self.add(start, nbytes, category, stream)
         if end is not None:
-            self.add(end, -nbytes, category)
+            self.add(end, -nbytes, category, stream)
 
-    def request_stream(self) -> tuple[tuple[str, int, int], ...]:
-        """The events as caching-allocator requests, in the sweep's order: each allocation is a block, and
-        a release frees the oldest live block of its category and size (blocks of one size are
-        interchangeable for the bytes; only where they land may differ)."""
-        live: dict[tuple[str, int], collections.deque] = collections.defaultdict(collections.deque)
-        out: list[tuple[str, int, int]] = []
-        for block, (key, delta, category) in enumerate(sorted(self.items, key=lambda e: (e[0], e[1] < 0))):
+    def request_stream(self) -> tuple[tuple, ...]:
+        """The events as caching-allocator requests, in the sweep's order: each allocation is a block (on
+        its stream, when not the default one), and a release frees the oldest live block of its category,
+        size and stream (blocks of one size are interchangeable for the bytes; only where they land may
+        differ)."""
+        live: dict[tuple[str, int, int], collections.deque] = collections.defaultdict(collections.deque)
+        out: list[tuple] = []
+        for block, (key, delta, category, stream) in enumerate(sorted(self.items, key=lambda e: (e[0], e[1] < 0))):
             if delta > 0:
-                live[(category, delta)].append(block)
-                out.append(("alloc", block, delta))
-            elif live[(category, -delta)]:
-                out.append(("free", live[(category, -delta)].popleft(), 0))
+                live[(category, delta, stream)].append(block)
+                out.append(("alloc", block, delta, stream) if stream else ("alloc", block, delta))
+            elif live[(category, -delta, stream)]:
+                out.append(("free", live[(category, -delta, stream)].popleft(), 0))
         return tuple(out)
 
     def sweep(self, graph: StepGraph):
@@ -305,7 +321,7 @@ class _Events:
         at_peak = dict(live)
         during = [0] * len(graph.ops)
         filled = -1                             # ops up to here have their `during` set
-        for key, delta, category in sorted(self.items, key=lambda e: (e[0], e[1] < 0)):
+        for key, delta, category, _ in sorted(self.items, key=lambda e: (e[0], e[1] < 0)):
             index = min(max(key[0], 0), len(graph.ops) - 1)
             while filled < index - 1:           # ops without events hold what was live before them
                 filled += 1
@@ -374,31 +390,32 @@ def _gathered_parameters(events: _Events, units, graph: StepGraph, rule: Shardin
     for unit in order:
         first = first_op if unit is root else unit.forward_ops[0]
         if comm:
-            events.add((first, _PRE, 0), unit.padded_bytes, "communication")
+            events.add((first, _PRE, 0), unit.padded_bytes, "communication", _ALL_GATHER_STREAM)
             if previous is not None:       # wait_for_unshard's local still holds it through the copy-out
-                events.add((first, _PRE, 2), -previous.padded_bytes, "communication")
+                events.add((first, _PRE, 2), -previous.padded_bytes, "communication", _ALL_GATHER_STREAM)
         events.add((first, _PRE, 1), unit.padded_bytes, "unsharded_parameter")
         if unit is not root and reshard_after_forward:
             events.add((unit.forward_ops[1], _POST, 0), -unit.padded_bytes, "unsharded_parameter")
         previous = unit
     if comm and previous is not None:
-        events.add((last_forward, _POST, 1), -previous.padded_bytes, "communication")
+        events.add((last_forward, _POST, 1), -previous.padded_bytes, "communication", _ALL_GATHER_STREAM)
     if last_backward is None:
         return
     # backward: blocks in reverse; each pre-backward copies its own parameters out and prefetches the next
     first_backward = min(op.index for op in graph.ops if op.phase is Phase.BACKWARD)
     backward_blocks = [u for u in reversed(blocks) if u.backward_ops is not None]
     if comm and reshard_after_forward and backward_blocks:
-        events.add((first_backward, _PRE, 3), backward_blocks[0].padded_bytes, "communication")
+        events.add((first_backward, _PRE, 3), backward_blocks[0].padded_bytes, "communication", _ALL_GATHER_STREAM)
     rs_previous = None
     for i, unit in enumerate(backward_blocks):
         start = unit.backward_ops[0]
         if reshard_after_forward:
             events.add((start, _PRE, 1), unit.padded_bytes, "unsharded_parameter")
             if comm:
-                events.add((start, _PRE, 2), -unit.padded_bytes, "communication")
+                events.add((start, _PRE, 2), -unit.padded_bytes, "communication", _ALL_GATHER_STREAM)
                 if i + 1 < len(backward_blocks):
-                    events.add((start, _PRE, 3), backward_blocks[i + 1].padded_bytes, "communication")
+                    events.add((start, _PRE, 3), backward_blocks[i + 1].padded_bytes, "communication",
+                               _ALL_GATHER_STREAM)
         end = (unit.backward_ops[1], _POST, 0)
         events.add(end, -unit.padded_bytes, "unsharded_parameter")
         if comm:
