@@ -52,6 +52,7 @@ class AnalysisOptions:
     gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
     cublas_workspace_config: str | None = None
+    cudnn_workspace_cap_bytes: int | None = None   # CUDNN_CONV_WSCAP_DBG of the run: counted per conv call
     device_memory_bytes: int | None = None # the device's memory (default: the GPU's)
     shard: str | None = None               # passes.sharding.STRATEGIES: per-rank memory on `world_size` ranks
     world_size: int | None = None
@@ -94,6 +95,9 @@ class AnalysisOptions:
         if self.device_memory_bytes is not None and not _positive_int(self.device_memory_bytes):
             raise UsageError(f"device_memory_bytes={self.device_memory_bytes!r} is not valid",
                              hint="a positive number of bytes, e.g. --device-memory 80GiB")
+        if self.cudnn_workspace_cap_bytes is not None and not _positive_int(self.cudnn_workspace_cap_bytes):
+            raise UsageError(f"cudnn_workspace_cap_bytes={self.cudnn_workspace_cap_bytes!r} is not valid",
+                             hint="a positive number of bytes, e.g. --cudnn-workspace-cap 256MiB")
         if self.world_size is not None and not _positive_int(self.world_size):
             raise UsageError(f"--world-size {self.world_size!r} is not valid", hint="a positive integer")
         _check_save_ops(self.save_ops)
@@ -191,6 +195,7 @@ class AnalysisOptions:
                 "model_args": list(self.model_args),
                 "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
                 "cublas_workspace_config": self.cublas_workspace_config,
+                "cudnn_workspace_cap_bytes": self.cudnn_workspace_cap_bytes,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
@@ -225,7 +230,7 @@ class AnalysisOptions:
                            for _ in range(a.count))
         capacity = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
         return DeviceSetup(device_label=target.label, matmul_extra=workspaces, config=parse_alloc_conf(self.alloc_conf),
-                           capacity_bytes=capacity)
+                           capacity_bytes=capacity, conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,

@@ -111,15 +111,7 @@ def _levers(args) -> int:
 
 
 def _write_visual_outputs(args, analysis, policy: str) -> None:
-    from tracer.errors import UsageError
-    from tracer.reports.units import parse_bytes
-
-    device_memory = None
-    if args.device_memory:
-        try:
-            device_memory = parse_bytes(args.device_memory)
-        except ValueError as exc:
-            raise UsageError(f"--device-memory: {exc}") from exc
+    device_memory = _size_flag(args, "device_memory")
     if args.lines:
         from tracer.reports.line_table import build_line_table, render_line_table
         sys.stdout.write("\n" + render_line_table(build_line_table(analysis, policy), top=None))
@@ -143,20 +135,28 @@ def _write_json(path: str, data: dict) -> None:
     write_output(path, json.dumps(data, indent=2), what="--json")
 
 
+def _size_flag(args, name: str) -> int | None:
+    """A SIZE flag (`80GiB`, `256MiB`) in bytes, or None when not given; UsageError names the flag."""
+    from tracer.errors import UsageError
+    from tracer.reports.units import parse_bytes
+
+    value = getattr(args, name, None)
+    if not value:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise UsageError(f"--{name.replace('_', '-')}: {exc}") from exc
+
+
 def analysis_options(args):
     """The parsed flags -> the pipeline's AnalysisOptions (every flag that changes the answer)."""
     from tracer.errors import UsageError
     from tracer.pipeline import AnalysisOptions
-    from tracer.reports.units import parse_bytes
 
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be positive integers")
-    device_memory = None
-    if getattr(args, "device_memory", None):
-        try:
-            device_memory = parse_bytes(args.device_memory)
-        except ValueError as exc:
-            raise UsageError(f"--device-memory: {exc}") from exc
+    device_memory = _size_flag(args, "device_memory")
     from tracer.cli.compare import check_target_flags
     check_target_flags(args)
     names, budgets = policy_names_and_budgets(args)
@@ -169,6 +169,7 @@ def analysis_options(args):
         config_json=args.config_json, hf_attn=args.hf_attn, hf_task=args.hf_task, capture=args.capture, moe_routing=args.moe_routing,
         target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
+        cudnn_workspace_cap_bytes=_size_flag(args, "cudnn_workspace_cap"),
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
         accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,

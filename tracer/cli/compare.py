@@ -1,7 +1,8 @@
 """Command-line flags for a CUDA target and for comparing with a real snapshot, for tracer.cli.analyze.
 
     add_target_arguments(parser)          --alloc-conf CONF (--target and --gpu: tracer.checks.options)
-                                          --cublas-workspace-config CONF  --compare PATH  --tolerance T
+                                          --cublas-workspace-config CONF  --cudnn-workspace-cap SIZE
+                                          --compare PATH  --tolerance T
                                           --compare-json PATH
     run_target_outputs(args, analysis, policy, write=sys.stdout.write) -> int
         with --compare: the comparison of the policy's device view (tracer.pipeline computes it for a CUDA
@@ -26,6 +27,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
                         help="PYTORCH_CUDA_ALLOC_CONF for the caching-allocator model, e.g. expandable_segments:True")
     parser.add_argument("--cublas-workspace-config", metavar="CONF", default=None,
                         help="CUBLAS_WORKSPACE_CONFIG of the run, e.g. :4096:8 (default: PyTorch's for the GPU)")
+    parser.add_argument("--cudnn-workspace-cap", metavar="SIZE", default=None,
+                        help="the run's cap on cuDNN convolution workspaces (CUDNN_CONV_WSCAP_DBG, e.g. 256MiB): "
+                             "counted at every convolution call, an upper bound (default: not counted, noted)")
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the prediction with a real snapshot (torch.cuda.memory._dump_snapshot pickle); "
                              "exit 1 beyond --tolerance")

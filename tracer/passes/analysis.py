@@ -111,7 +111,8 @@ def with_sharding(result: PolicyAnalysis, sharding: ShardingSetup, device: Devic
 
 def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnalysis:
     view = predict_device_memory(result, extra=device.extra_for(result.graph), config=device.config,
-                                 capacity_bytes=device.capacity_bytes)
+                                 capacity_bytes=device.capacity_bytes,
+                                 conv_workspace_cap_bytes=device.conv_workspace_cap_bytes)
     return dataclasses.replace(result, device=view)
 
 

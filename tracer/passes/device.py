@@ -25,18 +25,26 @@ Conventions:
     the optimizer replaces them); other kept storages of a copy (the loss) are freed when the next begins.
     Reserved memory only grows (no `empty_cache`), so its peak is the end of the last copy; the
     allocated peak is the maximum over all copies (they differ only by where blocks land).
+  * cuDNN convolution workspaces: every cuDNN convolution call (forward, and the data and weight gradients
+    of `convolution_backward`) allocates its workspace from the caching allocator for the call and frees it
+    after (PyTorch's `run_conv_plan`, aten/src/ATen/native/cudnn). Its size is what the execution plan
+    cuDNN's heuristics (or, with `cudnn.benchmark`, its timing) pick at run time needs: not known
+    statically. Without a cap the workspaces are left out and the view says so (its numbers are then
+    lower bounds for a step with convolutions); with `conv_workspace_cap_bytes` (the run's
+    CUDNN_CONV_WSCAP_DBG, which caps every conv workspace) each call allocates the cap, an upper bound.
 Not modelled: the layout the real warm-up steps leave (parameters allocated at model build, optimizer
-state created inside the first step), several streams, record_stream delays.
+state created inside the first step), record_stream delays.
 """
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tracer.passes.allocator import AllocatorConfig, OomReport, simulate_allocator
 from tracer.passes.liveness import BEFORE_STEP, Liveness, intervals_by_op
 
 _EXTRA_BASE = -1                      # extras get block ids -1, -2, ... (storage ids are >= 0)
+_TRANSIENT_BASE = -(1 << 40)          # per-op workspaces: block ids from here down, one per op and step copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +63,8 @@ class DeviceMemory:
     config: AllocatorConfig
     oom: OomReport | None                 # first request that does not fit capacity_bytes, if given
     capacity_bytes: int | None = None     # the device memory the step was checked against
+    conv_calls: int = 0                   # cuDNN convolution calls of the step (each allocates a workspace)
+    conv_workspace_cap_bytes: int | None = None   # counted per call when given (an upper bound); else left out
 
     @property
     def extra_bytes(self) -> int:
@@ -70,6 +80,7 @@ class DeviceSetup:
     config: AllocatorConfig = AllocatorConfig()
     capacity_bytes: int | None = None
     matmul_extra: tuple[tuple[str, int], ...] = ()   # allocated by the first cuBLAS call (its workspaces)
+    conv_workspace_cap_bytes: int | None = None      # CUDNN_CONV_WSCAP_DBG of the run; None: not known
 
     def extra_for(self, graph) -> tuple[tuple[str, int], ...]:
         """The extras a step holds: `matmul_extra` only when the step runs a cuBLAS op (a warm step finds
@@ -83,15 +94,29 @@ CUBLAS_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv"
                         "_scaled_grouped_mm"})
 
 
+# aten ops that run cuDNN convolutions on CUDA (each call allocates a workspace for its duration)
+CUDNN_CONV_OPS = frozenset({"convolution", "_convolution", "convolution_backward", "cudnn_convolution",
+                            "cudnn_convolution_transpose", "cudnn_convolution_relu", "cudnn_convolution_add_relu"})
+
+
+def conv_call_ops(graph) -> tuple[int, ...]:
+    """Indices of the step's ops that run cuDNN convolutions ("aten.convolution.default" -> "convolution")."""
+    return tuple(op.index for op in graph.ops
+                 if op.target.startswith("aten.") and op.target.split(".")[1] in CUDNN_CONV_OPS)
+
+
 def runs_cublas(graph) -> bool:
     """Whether any op of the step is a cuBLAS matmul ("aten.mm.default" -> "mm")."""
     return any(op.target.split(".")[1] in CUBLAS_OPS for op in graph.ops
                if op.target.startswith("aten.") and op.target.count(".") >= 1)
 
 
-def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
-                  steps: int = 1) -> tuple[tuple[str, int, int], ...]:
-    """The allocator request stream of `steps` consecutive copies of the step (see the module docstring)."""
+def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (), steps: int = 1,
+                  transient_at: Mapping[int, int] | None = None) -> tuple[tuple[str, int, int], ...]:
+    """The allocator request stream of `steps` consecutive copies of the step (see the module docstring).
+    `transient_at`: op index -> bytes an op allocates after its outputs and frees before the frees after it
+    (a cuDNN convolution's workspace)."""
+    transient_at = transient_at or {}
     intervals = [iv for iv in liveness.intervals if iv.alloc_op is not None and iv.nbytes > 0]
     n_ops = len(liveness.live_during)
     stride = max((iv.storage_id for iv in liveness.intervals), default=0) + 1
@@ -114,6 +139,9 @@ def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (),
             events += [("free", iv.storage_id + (copy - 1) * stride, 0) for iv in leftovers]
         for i in range(n_ops):
             events += [("alloc", block(iv), iv.nbytes) for iv in allocs_at.get(i, ())]
+            if transient_at.get(i):
+                workspace = _TRANSIENT_BASE - (copy * n_ops + i)
+                events += [("alloc", workspace, transient_at[i]), ("free", workspace, 0)]
             events += [("free", block(iv), 0) for iv in frees_at.get(i, ()) if block(iv) is not None]
         pre_ids = {sid: replacement[sid] + copy * stride if sid in replacement else b
                    for sid, b in pre_ids.items() if sid in replacement or sid in kept_pre}
@@ -136,26 +164,46 @@ def _replacements(pre, intervals) -> dict[int, int]:
 
 
 def predict_device_memory(result, *, extra: Sequence[tuple[str, int]] = (), config: AllocatorConfig = AllocatorConfig(),
-                          warm_steps: int = 2, capacity_bytes: int | None = None) -> DeviceMemory:
+                          warm_steps: int = 2, capacity_bytes: int | None = None,
+                          conv_workspace_cap_bytes: int | None = None) -> DeviceMemory:
     """Device memory of policy `result` (a PolicyAnalysis) with `extra` allocations; see the module docstring.
     The peaks come from a replay with unlimited memory, so they are whole even when the step does not
-    fit; `capacity_bytes` only decides `oom` (a second replay, run when the reserved peak exceeds it)."""
+    fit; `capacity_bytes` only decides `oom` (a second replay, run when the reserved peak exceeds it).
+    `conv_workspace_cap_bytes`: every cuDNN convolution call allocates this much for its duration (an upper
+    bound); None leaves the workspaces out (`DeviceMemory.conv_calls` says how many there are)."""
     if warm_steps < 1:
         raise ValueError("warm_steps must be at least 1")
     extra = tuple((str(label), int(nbytes)) for label, nbytes in extra)
     extra_bytes = sum(n for _, n in extra)
-    requests = step_requests(result.liveness, [n for _, n in extra], warm_steps)
+    convs = conv_call_ops(result.graph)
+    workspace_at = {i: conv_workspace_cap_bytes for i in convs} if conv_workspace_cap_bytes else {}
+    requests = step_requests(result.liveness, [n for _, n in extra], warm_steps, transient_at=workspace_at)
     replay = simulate_allocator(requests, config)
     oom = None
     if capacity_bytes is not None and replay.reserved_peak_bytes > capacity_bytes:
         oom = simulate_allocator(requests, config, capacity_bytes=capacity_bytes).oom
+    peak, phase, op_index, phases = _requested_peaks(result, workspace_at)
     return DeviceMemory(
-        policy=result.policy, extra=extra, peak_bytes=result.peak_bytes + extra_bytes, peak_phase=result.peak_phase,
-        peak_op_index=result.peak_op.index,
-        phases={name: peak.peak_bytes + extra_bytes for name, peak in result.phases.items()},
+        policy=result.policy, extra=extra, peak_bytes=peak + extra_bytes, peak_phase=phase,
+        peak_op_index=op_index, phases={name: nbytes + extra_bytes for name, nbytes in phases.items()},
         before_bytes=result.start_bytes + extra_bytes, allocated_peak_bytes=replay.allocated_peak_bytes,
         reserved_peak_bytes=replay.reserved_peak_bytes, segment_count=replay.segment_count, warm_steps=warm_steps,
-        config=config, oom=oom, capacity_bytes=capacity_bytes)
+        config=config, oom=oom, capacity_bytes=capacity_bytes, conv_calls=len(convs),
+        conv_workspace_cap_bytes=conv_workspace_cap_bytes if convs else None)
+
+
+def _requested_peaks(result, workspace_at: Mapping[int, int]) -> tuple[int, str, int, dict[str, int]]:
+    """The requested peak, its phase and op, and each phase's peak, with an op's workspace counted while
+    it runs."""
+    peak, phase, op_index = result.peak_bytes, result.peak_phase, result.peak_op.index
+    phases = {name: p.peak_bytes for name, p in result.phases.items()}
+    for i, nbytes in sorted(workspace_at.items()):
+        op = result.graph.ops[i]
+        during = result.liveness.live_during[i] + nbytes
+        phases[op.phase_name] = max(phases.get(op.phase_name, 0), during)
+        if during > peak:
+            peak, phase, op_index = during, op.phase_name, i
+    return peak, phase, op_index, phases
 
 
 def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str, graph) -> DeviceMemory:
@@ -177,4 +225,4 @@ def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str, graph) ->
         before_bytes=sharded.start_bytes + extra_bytes,
         allocated_peak_bytes=replay.allocated_peak_bytes, reserved_peak_bytes=replay.reserved_peak_bytes,
         segment_count=replay.segment_count, warm_steps=1, config=setup.config, oom=oom,
-        capacity_bytes=setup.capacity_bytes)
+        capacity_bytes=setup.capacity_bytes, conv_calls=len(conv_call_ops(graph)))   # workspaces noted, not counted

@@ -20,6 +20,13 @@ def render_device_memory(device: DeviceMemory, *, target: str = "cuda") -> str:
              f"(allocator model, cache warmed by {device.warm_steps} step{'s' if device.warm_steps > 1 else ''})"]
     for label, nbytes in _grouped(device.extra):
         lines.append(f"  + {label}: {format_bytes(nbytes)} before the step")
+    if device.conv_calls and device.conv_workspace_cap_bytes is not None:
+        lines.append(f"  + cuDNN convolution workspaces: {format_bytes(device.conv_workspace_cap_bytes)} "
+                     f"(--cudnn-workspace-cap) during each of {device.conv_calls:,} convolution calls: an upper bound")
+    elif device.conv_calls:
+        lines.append(f"  note: {device.conv_calls:,} cuDNN convolution calls each allocate a workspace for the call, "
+                     "sized by the plan cuDNN picks at run time: not counted, so these peaks are lower bounds "
+                     "(--cudnn-workspace-cap SIZE, the run's CUDNN_CONV_WSCAP_DBG, counts the cap: an upper bound)")
     if device.capacity_bytes is not None and device.oom is None:
         lines.append(f"  fits in {format_bytes(device.capacity_bytes)} of device memory "
                      f"({format_bytes(device.capacity_bytes - device.reserved_peak_bytes)} left at the reserved peak)")

@@ -83,6 +83,8 @@ def device_json(device) -> dict:
         "segment_count": device.segment_count,
         "capacity_bytes": device.capacity_bytes,
         "out_of_memory": device.oom is not None,
+        **({"cudnn_convolution_calls": device.conv_calls,
+            "cudnn_workspace_cap_bytes": device.conv_workspace_cap_bytes} if device.conv_calls else {}),
     }
 
 
