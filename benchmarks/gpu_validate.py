@@ -1,17 +1,24 @@
 """GPU validation: predicted vs measured memory of real CUDA training steps over a matrix of zoo configs.
 
-    python benchmarks/gpu_validate.py [--models llama-debug,gpt2-debug] [--batch 2] [--seq 256] [--out DIR]
-    python benchmarks/gpu_validate.py --smoke      # no GPU needed: prediction side and report on a tiny config
+    python benchmarks/gpu_validate.py [--models llama-debug,gpt2-debug] [--cnns examples/resnet50.py,...]
+                                      [--batch 2] [--seq 256] [--image 224] [--cudnn-workspace-cap SIZE] [--out DIR]
+    python benchmarks/gpu_validate.py --smoke      # no GPU needed: prediction side and report on tiny configs
 
-Matrix: models x {eager, compiled} x {fp32, bf16 autocast} x {no checkpointing, every block checkpointed},
-plus fp16 autocast with torch.amp.GradScaler (eager, scaler.scale(loss).backward(), scaler.step, update).
-Compiled + checkpointed is skipped: the tracer has no policy for checkpointing inside torch.compile.
-Each config is predicted with `--target cuda` (the GPU found, mapped to tracer's table by compute
-capability) and policy eager / compiled / full, then run for real: model, batch and foreach AdamW on the
-GPU, two warm-up steps, `reset_peak_memory_stats()`, `_record_memory_history(max_entries=1_000_000)`,
-one step (forward + loss under autocast for bf16, backward, optimizer step, zero_grad(set_to_none=True)),
-`_snapshot()` and `memory_stats()`. Blocks (the items of every nn.ModuleList) are wrapped in
-non-reentrant `torch.utils.checkpoint` for the checkpointed rows. Per config it prints the peak
+Matrix, per language model: {fp32, bf16 autocast} x {eager, torch.compile(model), block.compile() per
+block} x {no checkpointing, every block checkpointed}, and fp16 autocast with torch.amp.GradScaler (eager,
+with and without checkpointing; scaler.scale(loss).backward(), scaler.step, update); per CNN (ResNet-50
+and VGG-16 model files in examples/, images of side --image): eager in fp32 and bf16. Checkpointed rows
+exercise autocast's weight-cast cache (bf16, fp16), Inductor's partition of checkpointed blocks
+(compiled: policy compiled+full) and torchtitan's checkpoint-then-compile order (blocks: each block in
+checkpoint_wrapper, then compiled on its own; policy compiled-blocks+full). Each config is predicted with
+`--target cuda` (the GPU found, mapped to tracer's table by compute capability), then run for real:
+model, batch and foreach AdamW on the GPU, two warm-up steps, `reset_peak_memory_stats()`,
+`_record_memory_history(max_entries=1_000_000)`, one step (forward + loss under autocast, backward,
+optimizer step, zero_grad(set_to_none=True)), `_snapshot()` and `memory_stats()`. Blocks (the items of
+every nn.ModuleList) are wrapped in non-reentrant `torch.utils.checkpoint` for the checkpointed rows.
+CNN rows are predicted without cuDNN's workspaces (a lower bound) unless --cudnn-workspace-cap gives the
+run's CUDNN_CONV_WSCAP_DBG (then also set it in the environment of the run: an upper bound). FSDP2 is not
+in the matrix (it needs a process group; tests/accuracy/test_fsdp.py runs it on CPU with gloo). Per config it prints the peak
 (requested bytes, from the snapshot), its phase, per-phase peaks, allocated peak
 (`allocated_bytes.all.peak`, rounded blocks) and reserved peak (`reserved_bytes.all.peak`), predicted vs
 measured; `--out DIR` keeps each snapshot pickle and a JSON of every comparison.
@@ -40,32 +47,39 @@ class Config:
     batch: int
     seq: int
     precision: str               # fp32 | bf16 | fp16 (autocast + GradScaler)
-    mode: str                    # eager | compiled
+    mode: str                    # eager | compiled (torch.compile(model)) | blocks (block.compile() per block)
     checkpoint: bool
 
     @property
     def policy(self) -> str:
-        if self.mode == "compiled":
-            return "compiled"
-        return "full" if self.checkpoint else "eager"
+        return POLICY_OF[self.mode, self.checkpoint]
 
     @property
     def label(self) -> str:
         ckpt = " +ckpt" if self.checkpoint else ""
-        return f"{self.model} b{self.batch} s{self.seq} {self.precision} {self.mode}{ckpt}"
+        name = os.path.splitext(os.path.basename(self.model))[0] if self.model.endswith(".py") else self.model
+        return f"{name} b{self.batch} s{self.seq} {self.precision} {self.mode}{ckpt}"
 
 
-def matrix(models: list[str], batch: int, seq: int) -> list[Config]:
+POLICY_OF = {("eager", False): "eager", ("eager", True): "full", ("compiled", False): "compiled",
+             ("compiled", True): "compiled+full", ("blocks", False): "compiled-blocks",
+             ("blocks", True): "compiled-blocks+full"}
+
+
+def matrix(models: list[str], batch: int, seq: int, cnns: list[str] = (), image: int = 224) -> list[Config]:
     return [Config(m, batch, seq, p, mode, ckpt) for m in models for p in ("fp32", "bf16")
-            for mode in ("eager", "compiled") for ckpt in (False, True) if not (mode == "compiled" and ckpt)] + \
-        [Config(m, batch, seq, "fp16", "eager", False) for m in models]
+            for mode in ("eager", "compiled", "blocks") for ckpt in (False, True)] + \
+        [Config(m, batch, seq, "fp16", "eager", ckpt) for m in models for ckpt in (False, True)] + \
+        [Config(m, batch, image, p, "eager", False) for m in cnns for p in ("fp32", "bf16")]
 
 
 # ---------------------------------------------------------------------------------------------- prediction
 
-def predict(configs: list[Config], gpu: str, *, device_extras: bool = True) -> dict[Config, tuple]:
+def predict(configs: list[Config], gpu: str, *, device_extras: bool = True,
+            cudnn_workspace_cap: int | None = None) -> dict[Config, tuple]:
     """Config -> (Analysis, PolicyAnalysis, DeviceMemory); one capture per (model, batch, seq, precision).
-    `device_extras`: add the cuBLAS workspaces (off in smoke mode, whose "snapshot" is the graph's own)."""
+    `device_extras`: add the cuBLAS workspaces (off in smoke mode, whose "snapshot" is the graph's own);
+    `cudnn_workspace_cap`: the run's cap on every cuDNN convolution workspace (None: left out)."""
     from tracer.capture import CaptureOptions, capture_steps, load_model_source
     from tracer.capture.target import device_allocations, parse_target
     from tracer.passes.analysis import analyze_graphs
@@ -84,7 +98,8 @@ def predict(configs: list[Config], gpu: str, *, device_extras: bool = True) -> d
         analysis = analyze_graphs(capture_steps(load_model_source(model), options, specs))
         for cfg in members:
             result = analysis.policies[cfg.policy]
-            out[cfg] = (analysis, result, predict_device_memory(result, extra=extra))
+            out[cfg] = (analysis, result, predict_device_memory(result, extra=extra,
+                                                                conv_workspace_cap_bytes=cudnn_workspace_cap))
     return out
 
 
@@ -111,6 +126,22 @@ def wrap_blocks(model: torch.nn.Module) -> int:
     return count
 
 
+def compile_blocks(model: torch.nn.Module, *, checkpointed: bool) -> int:
+    """block.compile() on every item of every nn.ModuleList, each first wrapped by checkpoint_wrapper when
+    `checkpointed` (torchtitan's order); returns how many."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    count = 0
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for i, block in enumerate(module):
+                block = checkpoint_wrapper(block) if checkpointed else block
+                block.compile(dynamic=False)
+                module[i] = block
+                count += 1
+    return count
+
+
 def build_real_step(cfg: Config, device: str):
     """(step function, model) for a real run of `cfg` on `device`."""
     from tracer.capture import load_model_source
@@ -119,9 +150,12 @@ def build_real_step(cfg: Config, device: str):
     source = load_model_source(cfg.model)
     model = source.build_model().to(device)
     batch = tuple(t.to(device) for t in source.example_batch(cfg.batch, cfg.seq))
-    if cfg.checkpoint and not wrap_blocks(model):
-        raise SystemExit(f"{cfg.model}: no nn.ModuleList of blocks to checkpoint")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    if cfg.mode == "blocks":
+        if not compile_blocks(model, checkpointed=cfg.checkpoint):
+            raise SystemExit(f"{cfg.model}: no nn.ModuleList of blocks to compile")
+    elif cfg.checkpoint and not wrap_blocks(model):
+        raise SystemExit(f"{cfg.model}: no nn.ModuleList of blocks to checkpoint")
     fn = torch.compile(model, dynamic=False) if cfg.mode == "compiled" else model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
     autocast = (lambda: torch.autocast(device, dtype=dtype)) if dtype is not None else contextlib.nullcontext
@@ -205,8 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU only: prediction side and report on a tiny config")
     p.add_argument("--models", default="llama-debug,gpt2-debug,llama-88m")
+    p.add_argument("--cnns", default="examples/resnet50.py,examples/vgg16.py",
+                   help="CNN model files, run eager at --image (comma-separated; empty for none)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--image", type=int, default=224, help="image side of the CNN rows")
+    p.add_argument("--cudnn-workspace-cap", metavar="SIZE", default=None,
+                   help="the run's CUDNN_CONV_WSCAP_DBG (e.g. 64MiB): counted per convolution (an upper bound)")
     p.add_argument("--gpu", default=None, help="tracer GPU name (default: from the device's compute capability)")
     p.add_argument("--tolerance", type=float, default=0.02)
     p.add_argument("--top", type=int, default=5)
@@ -216,8 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     from tracer.reports.compare_text import comparison_json, render_comparison
     from tracer.reports.memviz import predicted_snapshot
 
+    from tracer.reports.units import parse_bytes
+    cap = parse_bytes(args.cudnn_workspace_cap) if args.cudnn_workspace_cap else None
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    cnns = [c if os.path.isabs(c) else os.path.join(here, c) for c in args.cnns.split(",") if c]
+    image = args.image
     if args.smoke:
         models, batch, seq, gpu = ["llama-debug"], 2, 32, args.gpu or "a100"
+        cnns, image = cnns[:1], 32
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --smoke on CPU", file=sys.stderr)
@@ -226,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         gpu = args.gpu or gpu_name_for_device()
         print(f"device: {torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
               f"predicting as {gpu}; torch {torch.__version__}")
-    configs = matrix(models, batch, seq)
+    configs = matrix(models, batch, seq, cnns, image)
     start = time.monotonic()
-    predictions = predict(configs, gpu, device_extras=not args.smoke)
+    predictions = predict(configs, gpu, device_extras=not args.smoke, cudnn_workspace_cap=cap)
     print(f"predicted {len(configs)} configs in {time.monotonic() - start:.0f} s"
           + ("; smoke: measured = the prediction's own snapshot" if args.smoke else ""))
     if args.out:

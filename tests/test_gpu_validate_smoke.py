@@ -23,19 +23,29 @@ def gpu_validate():
 def test_smoke_mode_runs_every_row_with_zero_error(gpu_validate, capsys, tmp_path):
     assert gpu_validate.main(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("llama-debug b2 s32 ")]
-    assert len(rows) == 7                               # {fp32, bf16} x {eager, eager +ckpt, compiled}, fp16 eager
+    rows = [line for line in out.splitlines() if line.startswith(("llama-debug b2 s32 ", "resnet50 b2 s32 "))]
+    # {fp32, bf16} x {eager, compiled, blocks} x {plain, +ckpt}, fp16 eager {plain, +ckpt}; ResNet-50 {fp32, bf16}
+    assert len(rows) == 16
     assert all(" +0.00% " in row for row in rows)
-    assert "0 of 7 configs beyond 2% at the peak" in out
-    assert len(list(tmp_path.glob("*.json"))) == 7 and len(list(tmp_path.glob("*.pickle"))) == 7
+    assert "0 of 16 configs beyond 2% at the peak" in out
+    assert len(list(tmp_path.glob("*.json"))) == 16 and len(list(tmp_path.glob("*.pickle"))) == 16
 
 
 def test_matrix_and_block_wrapping(gpu_validate):
-    configs = gpu_validate.matrix(["llama-debug"], 2, 32)
-    assert {(c.precision, c.mode, c.checkpoint) for c in configs} == {
-        (p, m, k) for p in ("fp32", "bf16") for m, k in (("eager", False), ("eager", True), ("compiled", False))
-    } | {("fp16", "eager", False)}
-    assert {c.policy for c in configs} == {"eager", "full", "compiled"}
-    step, model = gpu_validate.build_real_step(configs[1], "cpu")
+    configs = gpu_validate.matrix(["llama-debug"], 2, 32, ["examples/vgg16.py"], 32)
+    assert {(c.precision, c.mode, c.checkpoint) for c in configs if c.model == "llama-debug"} == {
+        (p, m, k) for p in ("fp32", "bf16") for m in ("eager", "compiled", "blocks") for k in (False, True)
+    } | {("fp16", "eager", False), ("fp16", "eager", True)}
+    assert {(c.precision, c.mode, c.checkpoint, c.seq) for c in configs if c.model != "llama-debug"} == {
+        ("fp32", "eager", False, 32), ("bf16", "eager", False, 32)}
+    assert {c.policy for c in configs} == {"eager", "full", "compiled", "compiled+full", "compiled-blocks",
+                                           "compiled-blocks+full"}
+    eager_ckpt = next(c for c in configs if (c.mode, c.checkpoint) == ("eager", True))
+    step, model = gpu_validate.build_real_step(eager_ckpt, "cpu")
     assert sum(isinstance(m, gpu_validate.Checkpointed) for m in model.modules()) == 2
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    blocks_ckpt = next(c for c in configs if (c.mode, c.checkpoint) == ("blocks", True))
+    step, model = gpu_validate.build_real_step(blocks_ckpt, "cpu")      # compiles lazily: nothing runs here
+    wrapped = [m for m in model.modules() if isinstance(m, CheckpointWrapper)]
+    assert len(wrapped) == 2 and all(m._compiled_call_impl is not None for m in wrapped)
     step()                                              # the checkpointed real step runs
