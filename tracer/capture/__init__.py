@@ -30,7 +30,7 @@ from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.target import parse_target
 from tracer.capture.policies import policy_schedule
-from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler
+from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler, uses_grad_scaler
 from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
 from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
@@ -267,8 +267,10 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     steady = options.step == "steady"
     autocast = autocast_dtype(options.precision)
     autocast = dtype_name(autocast) if autocast is not None else None
+    scaled = uses_grad_scaler(options.precision)
     first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
-                         grads_preexisting=steady and not options.zero_grad_set_to_none, autocast_dtype=autocast)
+                         grads_preexisting=steady and not options.zero_grad_set_to_none, autocast_dtype=autocast,
+                         scaled_loss=scaled)
     part, table = first.part, first.table
     if not recordings:
         recordings.append(record_optimizer_step(
@@ -278,7 +280,8 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
             grad_scaler=make_grad_scaler(options.precision)))
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
-        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast)
+        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast,
+                             scaled_loss=scaled)
         ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
@@ -304,16 +307,19 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 
 def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool,
-                 autocast_dtype: str | None) -> MicroBatch:
+                 autocast_dtype: str | None, scaled_loss: bool = False) -> MicroBatch:
     """One forward + backward over `table`, with eager's lifetimes (Python locals, backward formulas'
     temporaries, checkpointing, autocast's cast cache, tensors kept on module attributes). `autocast_dtype`: the
-    dtype name of the autocast around forward and loss, or None."""
+    dtype name of the autocast around forward and loss, or None; `scaled_loss`: the loop calls
+    `scaler.scale(loss).backward()` (GradScaler)."""
     part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
     notes = reuse_cached_casts(part.ops, table, autocast_dtype) if not schedule.compiled else ()
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
         table.update(part.seed_sid, released_after_op=last_backward)
+    if scaled_loss and last_backward is not None:
+        _loss_as_the_loop_holds_it(part, table, last_backward)
     if not schedule.compiled:          # compiled code keeps no Python locals alive
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in input_values(d)))
@@ -341,6 +347,20 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         eager_checkpoint_semantics(part.ops, table, remade)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     return MicroBatch(part=part, table=table, kept=kept, notes=notes)
+
+
+def _loss_as_the_loop_holds_it(part, table: StorageTable, last_backward: int) -> None:
+    """`loss = model(...)` then `scaler.scale(loss).backward()`: the loop's `loss` (the unscaled one) lives
+    through the step, the scaled temporary only until backward returns. The graph's loss output is the
+    scaled one (the capture scales it, tracer/capture/precision.py): the step's loss becomes its input."""
+    producer = next((d for d in part.ops if d.phase is Phase.FORWARD
+                     and any(v.storage_id == part.loss_sid for v in d.outputs)), None)
+    if producer is None or producer.target not in ("aten.mul.Tensor", "aten.mul.Scalar") or producer.is_view:
+        return
+    unscaled = input_values(producer)[0].storage_id
+    table.update(unscaled, persistent=True, name="loss")
+    table.update(part.loss_sid, persistent=False, name="scaler.scale(loss)", released_after_op=last_backward)
+    part.loss_sid = unscaled
 
 
 def _python_holds(cap, ops, table: StorageTable, forward: list, *,
