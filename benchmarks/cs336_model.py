@@ -1,7 +1,7 @@
 """The CS336 "basics" Transformer LM, written from the description of the two real CUDA snapshots it was
 recorded in (the snapshots' README, beside the checkout in ../shared/snapshots when the tests read them).
 
-A tracer model file (README "Model files") for the two shared CUDA snapshots: size "medium" (vocab 10,000,
+A tracer model file (docs/guides/model-files.md) for the two shared CUDA snapshots: size "medium" (vocab 10,000,
 d_model 1,024, 24 pre-norm blocks, 16 heads of 64, SwiGLU d_ff 4,096, untied embedding and output
 projection, RoPE theta 10,000, no biases, no dropout; 423,183,360 parameters), batch 4, the course's own
 AdamW in Python (state created lazily at the first step), cross-entropy written by hand.

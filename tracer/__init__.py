@@ -6,7 +6,7 @@ Public API:
             checkpoint_every=1, save_policy=None, save_ops=(), hf_config=(), config_json=None,
             hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",
             cublas_workspace_config=None, device_memory_bytes=None, workers=1) -> Analysis
-`model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (README, "Model files"), or
+`model` is a zoo name (see `tracer.models.ZOO`), a path to a model file (docs/guides/model-files.md), or
 `hf:<model_type>` (a transformers model built from its config: hf_config, config_json, hf_attn, hf_task); `policies` names any of eager, compiled, selective, full (`analysis.policies[name]`; a
 compiled policy with a memory budget is keyed `compiled@<budget>`). The default target is a CUDA step on
 the default GPU (h100): each policy then carries `.device` (requested, allocated and reserved peaks);

@@ -1,4 +1,4 @@
-"""The versioned JSON report (schema documented in README.md, "JSON schema").
+"""The versioned JSON report (schema documented in docs/guides/reports.md, "JSON schema").
 
 Version 1: {schema_version, tracer_version, torch_version, config, capture_notes, parameter_count,
 frozen_parameter_count, policies: {<name>: {peak_bytes, peak_phase, peak_op, phases: {<phase>: {peak_bytes}},
