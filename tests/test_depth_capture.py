@@ -144,7 +144,7 @@ def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ
     with the reason, and blocks that agree are synthesized with a note naming where the check ran."""
     from tracer.depth_capture import BASE_DEPTH, CutSteps, check_synthesis, find_block_list
     from tracer.pipeline import AnalysisOptions, capture_graphs, load_source
-    from tracer.planning import cut_source
+    from tracer.depth_capture import cut_source
 
     def cut_base(**keywords):
         options = AnalysisOptions(batch=1, seq=16, policies=("full",), target="cpu", **keywords)

@@ -57,13 +57,39 @@ class CutSteps:
     prepared: "PreparedSynthesis | None" = None     # prepare_synthesis(base), made while `check` was captured
 
 
+def cut_source(source, depth: int, seen: dict):
+    """`source` whose build_model() keeps the first `depth` blocks of the repeated block list; records the
+    list's path and full length in `seen`."""
+    def build_model():
+        model = source.build_model()
+        path, blocks = _block_list(model)
+        seen.update(path=path, depth=len(blocks))
+        if depth < len(blocks):
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, name, type(blocks)(list(blocks)[:depth]))
+        return model
+    return dataclasses.replace(source, build_model=build_model)
+
+
+def _block_list(model) -> tuple[str, object]:
+    from torch import nn
+    best = None
+    for path, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 \
+                and len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
+            best = (path, module)
+    if best is None:
+        from tracer.passes.depth import DepthError
+        raise DepthError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks")
+    return best
+
+
 def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
     """The block list to synthesize `source`'s depth from, or None (no repeated block list, or at most
     `BASE_DEPTH + CHECK_DEPTH` blocks: the two cut captures would cost as much as the full one): found by
     building the model cut to `BASE_DEPTH` under fake tensors."""
     from tracer.capture.build import probe_build
     from tracer.passes.depth import DepthError
-    from tracer.planning import cut_source
 
     seen: dict = {}
     try:
@@ -78,7 +104,6 @@ def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[Ste
                 say: Callable[[str], None] = lambda message: None) -> CutSteps:
     """`capture(source)` of `source` cut to `BASE_DEPTH`, then to `CHECK_DEPTH` blocks; a TracerError is
     kept in the result (the caller captures in full and says why)."""
-    from tracer.planning import cut_source
 
     say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {blocks.depth} blocks under fake "
         "tensors ...")

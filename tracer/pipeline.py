@@ -314,7 +314,7 @@ def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | No
     """A spawned process's job: the graphs of `model`'s policy specs at `indices` (None: all), of the model
     cut to `depth` blocks (None: in full)."""
     from tracer.capture.model_input import running_user_code
-    from tracer.planning import cut_source
+    from tracer.depth_capture import cut_source
 
     source = load_source(model, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
@@ -347,7 +347,7 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps, prepare_synthesis
     from tracer.errors import TracerError
-    from tracer.planning import cut_source
+    from tracer.depth_capture import cut_source
 
     everything = tuple(range(len(options.policy_specs(model_save_policy=source.save_policy))))
     say(f"capturing {source.name} cut to {BASE_DEPTH} and (in a second process) {CHECK_DEPTH} of its "
@@ -403,7 +403,7 @@ def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: i
     """`capture_variants`' graphs of `source` with its block list cut to `depth` blocks (one of the two cut
     captures of a deep model, made where the caller chooses)."""
     from tracer.capture.model_input import running_user_code
-    from tracer.planning import cut_source
+    from tracer.depth_capture import cut_source
 
     capture = _variant_capture(source, variants, on_progress or (lambda message: None))
     with running_user_code(source.name):

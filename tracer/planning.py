@@ -24,6 +24,7 @@ from typing import Callable
 from tracer.errors import TracerError, UsageError
 from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
+from tracer.depth_capture import cut_source
 from tracer.policies import ALL_POLICIES
 
 # `tracer.analyze`'s options that choose how an hf: model is built (load_model_source's keywords)
@@ -248,32 +249,6 @@ def _sample_sizes(dimension: str, seq: int, multiple: int) -> list[int]:
         raise UsageError(f"--fit at a fixed batch samples seq/4, seq/2 and seq: --seq {seq} is too short",
                          hint="give a --seq of at least 4 (times the multiple)")
     return sizes
-
-
-def cut_source(source, depth: int, seen: dict):
-    """`source` whose build_model() keeps the first `depth` blocks of the repeated block list; records the
-    list's path and full length in `seen`."""
-    def build_model():
-        model = source.build_model()
-        path, blocks = _block_list(model)
-        seen.update(path=path, depth=len(blocks))
-        if depth < len(blocks):
-            parent, _, name = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, name, type(blocks)(list(blocks)[:depth]))
-        return model
-    return dataclasses.replace(source, build_model=build_model)
-
-
-def _block_list(model) -> tuple[str, object]:
-    from torch import nn
-    best = None
-    for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2 \
-                and len({type(m) for m in module}) == 1 and (best is None or len(module) > len(best[1])):
-            best = (path, module)
-    if best is None:
-        raise DepthError(f"{type(model).__name__} has no nn.ModuleList or nn.Sequential of repeated blocks")
-    return best
 
 
 def analyze_model(model, *, batch: int, seq: int, policies: tuple[str, ...],

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
-from tracer.capture.caller_held import extra_bytes
+from tracer.capture.loop_declarations import extra_bytes
 from tracer.errors import ModelInputError
 from tracer.passes.analysis import analyze_graphs
 from truth import assert_step_exact, measure_step

@@ -12,7 +12,7 @@ from tracer.depth_capture import first_difference
 from tracer.passes.depth import DepthError
 from tracer.passes.depth_graph import synthesize_depth
 from tracer.pipeline import analyze_captured, load_source, options_from_keywords
-from tracer.planning import cut_source
+from tracer.depth_capture import cut_source
 
 LLAMA6 = os.path.join(os.path.dirname(__file__), "..", "fixtures", "llama6_debug.py")
 

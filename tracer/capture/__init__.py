@@ -401,7 +401,8 @@ def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int
 
 def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept) -> tuple[str, ...]:
     """What the model file says its training loop holds, put on the step's storages (caller_held.py)."""
-    from tracer.capture.caller_held import extra_bytes, hold_caller_tensors
+    from tracer.capture.caller_held import hold_caller_tensors
+    from tracer.capture.loop_declarations import extra_bytes
     extra = 0 if source.extra_resident_bytes is None else extra_bytes(source.extra_resident_bytes, source.name,
                                                                       options.batch, options.seq)
     return tuple(hold_caller_tensors(ops, table, kept=kept, extra_resident_bytes=extra,

@@ -32,6 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from tracer.capture.meta import is_static_input
 from tracer.capture.source import module_from_stack
 
 
@@ -126,7 +127,7 @@ def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: lis
     for i, node in enumerate(primals):
         env[node] = graph.placeholder(f"primals_{i + 1}")
         env[node].meta.update(val=node.meta.get("val"), desc=node.meta.get("desc"))
-        if type(node.meta.get("desc")).__name__ in ("ParamAOTInput", "BufferAOTInput"):
+        if is_static_input(node.meta.get("desc")):
             static.append(i)
     for i, node in enumerate(tangents):
         env[node] = graph.placeholder(f"tangents_{i + 1}")

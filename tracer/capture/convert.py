@@ -30,7 +30,9 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.inplace import in_place_writes, input_copies_written_back
-from tracer.capture.joint import FRAME_HELD_KEY, PARTIAL_HELD_KEY, JointCapture
+from tracer.capture.joint import JointCapture
+from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
+                                 is_gradient_output, is_input_mutation_output, is_parameter_input, loss_output_index)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
@@ -38,10 +40,6 @@ from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
 _GETITEM = operator.getitem
 # meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
-REGION_KEY = "tracer_checkpoint_region"     # the reentrant region a forward op, or its rerun, belongs to
-RERUN_KEY = "tracer_rerun"                  # a reentrant region's forward op run again inside backward: its name
-HELD_KEY = "tracer_held_to_region_end"      # a rerun value the region's backward holds until it ends
-FORWARD_VALUE_KEY = "tracer_forward_value"  # a backward placeholder for a forward node's value, not saved: its name
 SEED_OP_NAME = "loss_grad_seed"
 
 
@@ -146,7 +144,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
                            phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
         primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
-                        if type(d).__name__ == "ParamAOTInput" and out is not None]
+                        if is_parameter_input(d) and out is not None]
     return _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting,
                                  compiled=schedule.compiled)
 
@@ -159,17 +157,11 @@ def _output_args(gm: fx.GraphModule) -> list:
     return list(_output_node(gm).args[0])
 
 
-def loss_output_index(descs: list) -> int:
-    """The loss is the module's output 0; the buffers a forward updates (BatchNorm's running stats) come
-    before it in the joint's outputs."""
-    return next((i for i, d in enumerate(descs) if type(d).__name__ == "PlainAOTOutput" and d.idx == 0), 0)
-
-
 def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) -> None:
     """A buffer the forward updates (`running_mean`), or a user input (`labels.masked_fill_(...)`), is written
     in place in eager: the graph's new value of it is never a storage of its own."""
     for out, desc in zip(outs, descs):
-        if type(desc).__name__ == "InputMutationAOTOutput" and isinstance(values.get(out), TensorValue) \
+        if is_input_mutation_output(desc) and isinstance(values.get(out), TensorValue) \
                 and not table.get(values[out].storage_id).preexisting:       # not the input's own storage
             table.update(values[out].storage_id, fused=True, name=f"{_input_name(desc.mutated_input)} (updated in place)")
 
@@ -183,7 +175,7 @@ def _input_name(desc) -> str:
 
 def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
     return [(d.grad_of.target, out) for out, d in zip(outs, descs)
-            if type(d).__name__ == "GradAOTOutput" and out is not None]
+            if is_gradient_output(d) and out is not None]
 
 
 def _is_rng_wrapper(node: fx.Node) -> bool:
@@ -495,7 +487,7 @@ def _in_reentrant_region(cap, leaf) -> bool:
 
 def _forward_leaf(cap, desc):
     """The lifted leaf (tracer/capture/forward_leaves.py) a placeholder's descriptor names, if any."""
-    target = getattr(desc, "target", None) if type(desc).__name__ == "ParamAOTInput" else None
+    target = getattr(desc, "target", None) if is_parameter_input(desc) else None
     return next((leaf for leaf in cap.forward_leaves if leaf.fqn == target), None)
 
 

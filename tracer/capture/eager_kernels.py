@@ -135,7 +135,7 @@ def upsampling_as_in_eager():
 def _cpu_dropout(input, p: float):
     """ATen's CPU dropout (`_dropout_impl`): a noise tensor of the input's dtype, filled and scaled in place."""
     import torch.fx.traceback as fx_traceback
-    from tracer.capture.inplace import INPLACE_CALL_KEY
+    from tracer.capture.meta import INPLACE_CALL_KEY
 
     if p == 1:
         return input * torch.zeros((), dtype=input.dtype, device=input.device)
@@ -328,7 +328,7 @@ def _in_place(fn, *args):
     """`fn(*args)`, an in-place call, marked as one for tracer/capture/inplace.py with an id of its own (the
     model's torch call, `_VF.gru`, holds many)."""
     import torch.fx.traceback as fx_traceback
-    from tracer.capture.inplace import INPLACE_CALL_KEY
+    from tracer.capture.meta import INPLACE_CALL_KEY
     with fx_traceback.annotate({INPLACE_CALL_KEY: f"{fn.__name__}_{next(_inplace_ids)}"}):
         return fn(*args)
 

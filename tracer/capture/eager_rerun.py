@@ -21,11 +21,8 @@ import operator
 
 import torch
 
-from tracer.capture.convert import FORWARD_VALUE_KEY
+from tracer.capture.meta import BACKWARD_REGION_KEY, FORWARD_VALUE_KEY, MEMBER_KEY, TWIN_KEY
 
-BACKWARD_REGION_KEY = "tracer_backward_of_region"   # a backward node of a checkpointed region's forward op
-MEMBER_KEY = "tracer_region_member"                 # a forward node of a checkpointed region (outputs included)
-TWIN_KEY = "tracer_twin_of"                         # a region output's recomputed twin: the output's node name
 
 
 def rerun_as_eager(joint: torch.fx.GraphModule, backward: torch.fx.GraphModule, parameters: frozenset[str]) -> None:

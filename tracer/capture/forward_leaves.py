@@ -83,7 +83,7 @@ def _called_from_model_code() -> bool:
 def lift_forward_leaves(gm: torch.fx.GraphModule, tensors: list[torch.Tensor], fake_mode) -> tuple[ForwardLeaf, ...]:
     """Each recorded tensor that owns its storage (the first node whose value lives in that storage made
     it, with the same layout) becomes a parameter of `gm` in place of that node. Returns the lifted leaves."""
-    from tracer.capture.joint import CHECKPOINT_KEY
+    from tracer.capture.meta import CHECKPOINT_KEY
     first_node: dict[int, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         for value in flat_tensors(node.meta.get("val")):

@@ -30,14 +30,13 @@ import itertools
 import torch
 import torch.fx as fx
 
+from tracer.capture.meta import FORMULA_WRITE_KEY, INPLACE_CALL_KEY
 from tracer.capture.storages import storage_key
 
 _aten = torch.ops.aten
 _SCATTERS = frozenset({_aten.select_scatter.default, _aten.slice_scatter.default, _aten.diagonal_scatter.default,
                        _aten.as_strided_scatter.default})
 _WRITES = _SCATTERS | {_aten.copy.default}
-INPLACE_CALL_KEY = "tracer_inplace_call"      # meta["custom"] key on the nodes of an in-place torch call
-FORMULA_WRITE_KEY = "tracer_formula_write"    # meta["custom"] key: an in-place aten op of a backward formula
 
 # Tensor methods named with a trailing underscore that change no tensor data (not in-place ops)
 _NOT_INPLACE = frozenset({"requires_grad_", "share_memory_", "retain_grad_", "pin_memory_"})

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from tracer.capture.build import step_module
-from tracer.capture.inplace import INPLACE_CALL_KEY, formula_writes_marked, is_inplace_call
+from tracer.capture.inplace import formula_writes_marked, is_inplace_call
+from tracer.capture.meta import CHECKPOINT_KEY, FRAME_HELD_KEY, INPLACE_CALL_KEY, PARTIAL_HELD_KEY
 from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
@@ -184,7 +185,7 @@ def _failing_custom_backward(exc: BaseException) -> str | None:
 
 
 def _returns_scalar_loss(joint: torch.fx.GraphModule) -> bool:
-    from tracer.capture.convert import loss_output_index
+    from tracer.capture.meta import loss_output_index
     output = next(iter(joint.graph.find_nodes(op="output")))
     node = output.args[0][loss_output_index(output.meta.get("desc") or [])]
     val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
@@ -541,7 +542,6 @@ class CheckpointCall:
         return f"{what}{where}, {'reentrant' if self.reentrant else 'non-reentrant'}, {self.policy}"
 
 
-CHECKPOINT_KEY = "tracer_checkpoint"
 
 
 def _checkpointed_callable(fn, names: dict[int, str]) -> tuple[str, str, str | None]:
@@ -653,8 +653,6 @@ def _tag_checkpoint_regions():
         ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = real_generator, real_function
 
 
-PARTIAL_HELD_KEY = "tracer_partial_held"    # a view of a tensor a reentrant region's functools.partial binds
-FRAME_HELD_KEY = "tracer_frame_held"        # (region, shape, dtype, node) of a tensor a non-reentrant frame holds
 
 
 def _mark_frame_held(region: int, call) -> None:

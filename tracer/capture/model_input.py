@@ -233,7 +233,7 @@ def _check_keywords(build: Callable, keywords: dict, name: str, build_name: str)
 
 def _caller_held(module, path: str) -> dict:
     """What the model file declares its training loop holds (tracer/capture/caller_held.py)."""
-    from tracer.capture.caller_held import keep_function
+    from tracer.capture.loop_declarations import keep_function
     extra = getattr(module, "extra_resident_bytes", None)
     if extra is not None and not callable(extra) and (not isinstance(extra, int) or isinstance(extra, bool)
                                                       or extra < 0):

@@ -28,9 +28,10 @@ import operator
 
 import torch
 
-from tracer.capture.convert import (HELD_KEY, fill_rng_wrapper_values, REGION_KEY, RERUN_KEY, Schedule,
-                                    restore_rng_wrapper_meta, target_name)
-from tracer.capture.eager_rerun import BACKWARD_REGION_KEY, MEMBER_KEY, TWIN_KEY, rerun_as_eager
+from tracer.capture.convert import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta, target_name
+from tracer.capture.eager_rerun import rerun_as_eager
+from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
+    is_parameter_input, is_static_input
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -72,7 +73,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     joint = _lazy_copy(cap.joint)
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
     static = [i for i, p in enumerate(placeholders)
-              if type(p.meta.get("desc")).__name__ in ("ParamAOTInput", "BufferAOTInput")]
+              if is_static_input(p.meta.get("desc"))]
     output = next(iter(joint.graph.find_nodes(op="output")))
     num_fwd = sum(1 for d in output.meta["desc"] if d is not None and type(d).__name__ != "GradAOTOutput")
     if user_calls:
@@ -112,7 +113,7 @@ def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> f
     is an activation)."""
     leaves = {leaf.fqn for leaf in cap.forward_leaves}
     return frozenset(p.name for p in joint.graph.find_nodes(op="placeholder")
-                     if type(p.meta.get("desc")).__name__ == "ParamAOTInput" and p.meta["desc"].target not in leaves)
+                     if is_parameter_input(p.meta.get("desc")) and p.meta["desc"].target not in leaves)
 
 
 def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,
@@ -220,7 +221,7 @@ def _tag_user_regions(joint: torch.fx.GraphModule, calls, fake_mode, *, whole_re
     nodes (`meta["custom"]`), or, where a capture path kept no stamps (strict export, torch.compile), by
     the checkpointed module's path. Returns notes for regions that cannot be simulated as written.
     `whole_regions`: inside torch.compile (`_tag_regions`)."""
-    from tracer.capture.joint import CHECKPOINT_KEY
+    from tracer.capture.meta import CHECKPOINT_KEY
     forward = _forward_nodes(joint)
     region_of_node = {node: (node.meta.get("custom") or {}).get(CHECKPOINT_KEY) for node in forward}
     notes = []

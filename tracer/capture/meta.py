@@ -1,0 +1,65 @@
+"""What the capture's stages write on fx nodes and read back: the node-meta keys and the AOT autograd
+descriptor predicates, in one place below every stage (model input, build, joint trace, policies, conversion,
+lifetimes), so that no stage imports a later one to read what an earlier one wrote.
+
+Keys on `node.meta` (or `node.meta["custom"]`, where torch.export carries user annotations through):
+
+    CHECKPOINT_KEY       the index of the torch.utils.checkpoint call a forward node ran inside (export's trace)
+    PARTIAL_HELD_KEY     a view of a tensor a reentrant region's functools.partial binds
+    FRAME_HELD_KEY       (region, shape, dtype, node) of a tensor a non-reentrant region's frame holds
+    REGION_KEY           the reentrant region a forward op, or its rerun, belongs to
+    RERUN_KEY            a reentrant region's forward op run again inside backward: its name
+    HELD_KEY             a rerun value the region's backward holds until it ends
+    FORWARD_VALUE_KEY    a backward placeholder for a forward node's value, not saved: its name
+    BACKWARD_REGION_KEY  a backward node of a checkpointed region's forward op
+    MEMBER_KEY           a forward node of a checkpointed region (outputs included)
+    TWIN_KEY             a region output's recomputed twin: the output's node name
+    INPLACE_CALL_KEY     ("custom") the nodes of one in-place torch call
+    FORMULA_WRITE_KEY    ("custom") an in-place aten op of a backward formula
+
+Descriptors (`meta["desc"]` of the joint's placeholders and outputs, torch._functorch's AOT descriptors) are
+told apart by class name, as torch 2.13 names them; the predicates below are the only place that does.
+"""
+from __future__ import annotations
+
+CHECKPOINT_KEY = "tracer_checkpoint"
+PARTIAL_HELD_KEY = "tracer_partial_held"
+FRAME_HELD_KEY = "tracer_frame_held"
+REGION_KEY = "tracer_checkpoint_region"
+RERUN_KEY = "tracer_rerun"
+HELD_KEY = "tracer_held_to_region_end"
+FORWARD_VALUE_KEY = "tracer_forward_value"
+BACKWARD_REGION_KEY = "tracer_backward_of_region"
+MEMBER_KEY = "tracer_region_member"
+TWIN_KEY = "tracer_twin_of"
+INPLACE_CALL_KEY = "tracer_inplace_call"
+FORMULA_WRITE_KEY = "tracer_formula_write"
+
+
+def _kind(desc) -> str:
+    return type(desc).__name__
+
+
+def is_parameter_input(desc) -> bool:
+    """A placeholder for a parameter (a leaf the forward makes is lifted to one too: see forward_leaves)."""
+    return _kind(desc) == "ParamAOTInput"
+
+
+def is_static_input(desc) -> bool:
+    """A placeholder for a parameter or a buffer: a static input of a compiled graph."""
+    return _kind(desc) in ("ParamAOTInput", "BufferAOTInput")
+
+
+def is_gradient_output(desc) -> bool:
+    return _kind(desc) == "GradAOTOutput"
+
+
+def is_input_mutation_output(desc) -> bool:
+    """An output that writes a buffer or a user input the forward updated in place."""
+    return _kind(desc) == "InputMutationAOTOutput"
+
+
+def loss_output_index(descs: list) -> int:
+    """The loss is the module's output 0; the buffers a forward updates (BatchNorm's running stats) come
+    before it in the joint's outputs."""
+    return next((i for i, d in enumerate(descs) if _kind(d) == "PlainAOTOutput" and d.idx == 0), 0)
