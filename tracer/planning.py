@@ -25,7 +25,7 @@ from tracer.errors import TracerError, UsageError
 from tracer.passes.depth import DepthError, DepthEstimate, extrapolate_depth
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
 from tracer.depth_capture import cut_source
-from tracer.policies import ALL_POLICIES
+from tracer.policies import ALL_POLICIES, parse_policy_label
 
 # `tracer.analyze`'s options that choose how an hf: model is built (load_model_source's keywords)
 HF_OPTIONS = ("hf_config", "config_json", "hf_attn", "hf_task", "model_args")   # what loading the model reads
@@ -196,7 +196,7 @@ class _Runner:
     def _run(self, size: int, labels):
         """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`)."""
         kwargs = {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
-        names = tuple(dict.fromkeys(label.split("@")[0] for label in labels))
+        names = tuple(dict.fromkeys(parse_policy_label(label)[0] for label in labels))
         self.say(f"fit: analysis {self.runs + 1} at {self.dimension} {size} ({', '.join(names)}) ...")
         analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
         self.runs += 1

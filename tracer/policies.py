@@ -81,6 +81,18 @@ POLICIES = tuple(POLICY_REGISTRY)
 ALL_POLICIES = ("eager", "compiled", "selective", "full")          # --policy all
 
 
+def policy_label(name: str, memory_budget: float | None = None) -> str:
+    """The key an analysis gives a policy: its name, or `name@budget` for a compiled policy under
+    `--memory-budget` (`compiled@0.5`)."""
+    return name if memory_budget is None else f"{name}@{memory_budget:g}"
+
+
+def parse_policy_label(label: str) -> tuple[str, float | None]:
+    """`compiled@0.5` -> ("compiled", 0.5); `eager` -> ("eager", None): policy_label's inverse."""
+    name, _, budget = label.partition("@")
+    return name, (float(budget) if budget else None)
+
+
 def policy_named(name: str) -> Policy:
     """The registry entry; raises UsageError listing the valid names."""
     if name not in POLICY_REGISTRY:
@@ -105,9 +117,7 @@ class PolicySpec:
 
     @property
     def label(self) -> str:
-        if self.memory_budget is not None:
-            return f"{self.name}@{self.memory_budget:g}"
-        return self.name
+        return policy_label(self.name, self.memory_budget)
 
     @property
     def policy(self) -> Policy:

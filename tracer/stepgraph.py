@@ -23,6 +23,9 @@ class Phase(str, enum.Enum):
     OPTIMIZER = "optimizer"
 
 
+PHASE_NAMES = tuple(p.value for p in Phase)      # ("forward", "backward", "optimizer"), in step order
+
+
 class StorageRole(str, enum.Enum):
     """What a storage is, as known at capture time (activation vs temporary is decided by the passes)."""
     PARAMETER = "parameter"

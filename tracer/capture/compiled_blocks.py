@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from tracer.capture.meta import is_static_input
+from tracer.passes.blocks import block_of
 from tracer.capture.source import module_from_stack
 
 
@@ -60,8 +61,10 @@ def _is_backward(node: fx.Node) -> bool:
 
 def _block_nodes(joint: fx.GraphModule, blocks: list[str]) -> dict[str, tuple[list, list]]:
     """block -> (forward nodes, backward nodes) in joint order."""
+    members = frozenset(blocks)
+
     def block_of_path(path: str) -> str | None:
-        return next((b for b in blocks if path == b or path.startswith(b + ".")), None)
+        return block_of(path, members) or None
 
     out: dict[str, tuple[list, list]] = {b: ([], []) for b in blocks}
     block_of_seq: dict[int, str] = {}

@@ -35,7 +35,7 @@ from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGIO
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
-from tracer.passes.blocks import most_frequent_blocks
+from tracer.passes.blocks import block_of, most_frequent_blocks
 from tracer.policies import PolicySpec, save_policy_label, save_predicate
 
 
@@ -174,8 +174,7 @@ def _check_checkpoints_inside_blocks(calls, blocks: list[str], spec: PolicySpec)
     for call in calls:
         whole_block = call.module in blocks and (
             call.written == "module" or call.target.rsplit(".", 1)[-1] in _CALL_ENTRIES)
-        inside = call.module is not None and not whole_block and \
-            any(call.module == block or call.module.startswith(block + ".") for block in blocks)
+        inside = call.module is not None and not whole_block and block_of(call.module, blocks) != ""
         if call.reentrant or not inside:
             how = ("is reentrant" if call.reentrant else "wraps a whole block from outside it" if whole_block
                    else "is not inside a block")

@@ -48,6 +48,7 @@ import re
 
 from tracer.errors import UsageError
 from tracer.passes.analysis import Analysis, PolicyAnalysis
+from tracer.policies import parse_policy_label
 from tracer.reports.json_report import SCHEMA_VERSION
 
 FORMAT_VERSION = 1
@@ -392,8 +393,9 @@ def options_from_baseline(baseline: dict, given: dict):
             recorded[key] = tuple(value)
     if "policies" not in recorded:                       # a baseline from before settings were recorded
         labels = list(baseline.get("baseline", {}).get("policies", {}))
-        recorded["policies"] = tuple(dict.fromkeys(label.split("@")[0] for label in labels)) or ("eager",)
-        budgets = tuple(float(label.split("@")[1]) for label in labels if "@" in label)
+        parsed = [parse_policy_label(label) for label in labels]
+        recorded["policies"] = tuple(dict.fromkeys(name for name, _ in parsed)) or ("eager",)
+        budgets = tuple(budget for _, budget in parsed if budget is not None)
         if budgets:
             recorded["memory_budgets"] = budgets
     if "gpu" in given and "target" not in given and isinstance(recorded.get("target"), str):

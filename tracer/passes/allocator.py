@@ -220,6 +220,13 @@ def _roundup_power2_next_division(nbytes: int, divisions: int) -> int:
     return -(-nbytes // step) * step
 
 
+def is_unsplit_tail(is_small: bool, gap_bytes: int) -> bool:
+    """Whether a free gap right after a block belongs to the block: the large pool never keeps a free block of
+    1 MiB (kSmallSize) or less (a split leaves more than 1 MiB, frees and merges only grow blocks), so such a
+    gap in a large segment is the tail of a block handed out whole (`should_split` said no)."""
+    return not is_small and 0 < gap_bytes <= SMALL_SIZE_BYTES
+
+
 def segment_size(rounded_bytes: int) -> int:
     """cudaMalloc size on a cache miss (upstream `get_allocation_size`)."""
     if rounded_bytes <= SMALL_SIZE_BYTES:

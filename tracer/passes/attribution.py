@@ -123,7 +123,7 @@ def _line_label(producer: OpNode | None, category: str) -> tuple[str, SourceLoc 
 
 def _layer_label(storage, producer: OpNode | None, category: str) -> str:
     if producer is None:
-        if category in ("parameter", "gradient", "optimizer_state") and storage.name:
+        if category in MODEL_STATE_CATEGORIES and storage.name:
             return layer_of(storage.name.rsplit(".", 1)[0]) or "(root)"
         return f"({category})"
     if producer.phase is Phase.OPTIMIZER:

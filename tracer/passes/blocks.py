@@ -32,9 +32,11 @@ def most_frequent_blocks(module_paths) -> list[str]:
     return [b for b in seen if b.rsplit(".", 1)[0] == top]
 
 
-def block_of(module: str, blocks: list[str] | set[str]) -> str:
+def block_of(module: str, blocks: list[str] | set[str] | frozenset[str]) -> str:
+    """The outermost of `blocks` that `module` is or lies inside ("" when none); blocks may be any module
+    paths (a `--blocks` glob's matches), not only `prefix.N`."""
     parts = module.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit() and (path := ".".join(parts[:i + 1])) in blocks:
+    for i in range(1, len(parts) + 1):
+        if (path := ".".join(parts[:i])) in blocks:
             return path
     return ""

@@ -29,11 +29,12 @@ import os
 from collections.abc import Mapping
 
 from tracer.passes.device import DeviceMemory
+from tracer.stepgraph import PHASE_NAMES
 from tracer.snapshots.reader import BEFORE_TRACE, NO_USER_FRAME, SnapshotReading, is_user_frame
 
 BEFORE_ROW = "(before the step)"
 BACKWARD_ROW = "(allocated in backward)"
-ORIGINS = ("before the step", "forward", "backward", "optimizer")
+ORIGINS = ("before the step",) + PHASE_NAMES
 
 
 @dataclasses.dataclass(frozen=True)

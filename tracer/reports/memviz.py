@@ -37,7 +37,7 @@ from __future__ import annotations
 import bisect
 import pickle
 
-from tracer.passes.allocator import MIB, AllocatorConfig, round_size, simulate_allocator
+from tracer.passes.allocator import AllocatorConfig, is_unsplit_tail, round_size, simulate_allocator
 from tracer.passes.analysis import Analysis
 from tracer.passes.device import step_requests
 from tracer.passes.liveness import BEFORE_STEP, intervals_by_op
@@ -128,7 +128,7 @@ def _segment(seg, live, address: dict[int, int], block_frames: dict[int, list], 
             blocks.append(_block(cursor, start - cursor, 0, "inactive", []))
         size = round_size(nbytes)
         following = address[live[k + 1][0]] if k + 1 < len(live) else end
-        if not seg.is_small and 0 < following - (start + size) <= MIB:
+        if is_unsplit_tail(seg.is_small, following - (start + size)):
             size = following - start                        # unsplit tail: the allocator handed out the whole block
         blocks.append(_block(start, size, nbytes, "active_allocated", block_frames.get(sid, [])))
         cursor = start + size

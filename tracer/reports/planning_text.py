@@ -3,6 +3,7 @@ parallelism (`render_sharding`), and a deep model extrapolated from shallow copi
 from __future__ import annotations
 
 from tracer.reports.units import format_bytes, format_flops
+from tracer.stepgraph import PHASE_NAMES
 
 
 def render_fit(report) -> str:
@@ -52,7 +53,7 @@ def render_depth(report, *, top: int = 5) -> str:
              f"  {'policy':<12} {'peak':>12} {'phase':<10} {'forward':>12} {'backward':>12} {'optimizer':>12} "
              f"{'saved':>12} {'recompute':>10}"]
     for label, e in report.policies.items():
-        phases = [format_bytes(e.phases[p]) if p in e.phases else "-" for p in ("forward", "backward", "optimizer")]
+        phases = [format_bytes(e.phases[p]) if p in e.phases else "-" for p in PHASE_NAMES]
         lines.append(f"  {label:<12} {format_bytes(e.peak_bytes):>12} {e.peak_phase:<10} "
                      + " ".join(f"{p:>12}" for p in phases)
                      + f" {format_bytes(e.saved_activation_bytes):>12} {format_flops(e.recompute_flops):>10}")

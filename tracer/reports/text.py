@@ -5,7 +5,7 @@ import re
 
 from tracer.passes.analysis import Analysis, PolicyAnalysis
 from tracer.passes.attribution import CATEGORIES, LayerBytes, frozen_parameter_bytes
-from tracer.policies import policy_named
+from tracer.policies import parse_policy_label, policy_named
 from tracer.reports.line_table import short_label
 from tracer.reports.units import format_bytes, format_flops
 
@@ -52,7 +52,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}")
     lines += ["", f"FLOPs: step {format_flops(result.step_flops)}, recomputed {format_flops(result.recompute_flops)}"
               + _unknown_note(result)]
-    lines += ["", "not modelled: " + policy_named(policy.split("@")[0]).not_modelled]
+    lines += ["", "not modelled: " + policy_named(parse_policy_label(policy)[0]).not_modelled]
     return "\n".join(lines) + "\n"
 
 
@@ -97,7 +97,7 @@ def render_policy_table(analysis: Analysis) -> str:
     unknown = {t for r in analysis.policies.values() for t, _ in r.flops.unknown_ops}
     if unknown:
         lines.append(f"\nops without a FLOP formula (not counted): {', '.join(sorted(unknown))}")
-    names = dict.fromkeys(label.split("@")[0] for label in analysis.policies)
+    names = dict.fromkeys(parse_policy_label(label)[0] for label in analysis.policies)
     lines += ["", "not modelled:"] + [f"  {name}: {policy_named(name).not_modelled}" for name in names]
     return "\n".join(lines) + "\n"
 

@@ -763,7 +763,8 @@ def replay_inputs(data: dict, *, device: int | None = None, source: str = "<snap
     Raises:
         SnapshotError: the trace frees or maps segments, so the start state cannot be rebuilt.
     """
-    round_size = round_size or (lambda n: max(512, -(-n // 512) * 512))
+    from tracer.passes.allocator import SMALL_SIZE_BYTES, is_unsplit_tail, round_size as allocator_round_size
+    round_size = round_size or allocator_round_size
     dev, trace, segments = _device_view(data, device, source)
     bad = sorted({e.action for e in trace if e.action in ("segment_free", "segment_map", "segment_unmap")})
     if bad:
@@ -793,11 +794,11 @@ def replay_inputs(data: dict, *, device: int | None = None, source: str = "<snap
             if size is None:
                 size = round_size(requested)
                 gap = (starts[k + 1][0] if k + 1 < len(starts) else end) - (addr + size)
-                if not seg.is_small and 0 < gap <= 2**20:
+                if is_unsplit_tail(seg.is_small, gap):
                     size += gap
-                elif not seg.is_small and gap > 2**20:
+                elif not seg.is_small and gap > SMALL_SIZE_BYTES:
                     tail = _first_alloc_in(trace, addr + size, addr + size + gap, pre_freed[addr].end)
-                    if tail is not None and tail - (addr + size) <= 2**20:
+                    if tail is not None and tail - (addr + size) <= SMALL_SIZE_BYTES:
                         size = tail - addr
                     else:
                         ambiguous += 1
