@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from tracer.choices import DEFAULT_TARGET
+from tracer.checks.options import MODEL_DEFAULTS
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
                    "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets")
@@ -24,14 +24,15 @@ _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AnalysisOptions:
-    """Every setting that changes the answer, in one place (the JSON report's `config` records them)."""
-    batch: int = 2
-    seq: int = 1024
-    precision: str = "fp32"
-    optimizer: str = "adamw"
-    foreach: bool = True
-    step: str = "steady"
-    zero_grad_set_to_none: bool = True
+    """Every setting that changes the answer, in one place (the JSON report's `config` records them). The
+    model options' defaults are their table's (tracer/checks/options.py `MODEL_OPTIONS`)."""
+    batch: int = MODEL_DEFAULTS["batch"]
+    seq: int = MODEL_DEFAULTS["seq"]
+    precision: str = MODEL_DEFAULTS["precision"]
+    optimizer: str = MODEL_DEFAULTS["optimizer"]
+    foreach: bool = MODEL_DEFAULTS["foreach"]
+    step: str = MODEL_DEFAULTS["step"]
+    zero_grad_set_to_none: bool = MODEL_DEFAULTS["zero_grad"] == "none"
     policies: tuple[str, ...] = ("eager",)
     memory_budgets: tuple[float | None, ...] = (None,)   # compiled: one compiled policy per budget
     blocks: str | None = None
@@ -42,14 +43,14 @@ class AnalysisOptions:
     hf_config: tuple[str, ...] = ()
     model_args: tuple[str, ...] = ()       # "KEY=VALUE" keywords of a model file's build_model (or named factory)
     config_json: str | None = None
-    hf_attn: str = "sdpa"
+    hf_attn: str = MODEL_DEFAULTS["hf_attn"]
     hf_task: str | None = None             # hf: the head (tracer.models.hf.TASKS); None: the architecture's default
-    capture: str = "auto"
-    moe_routing: str = "balanced"          # balanced | worst | JSON file of per-expert counts (capture/routing.py)
-    accumulate: int = 1                    # micro-batches of `batch` per optimizer step (capture/accumulation.py)
-    offload: str | None = None             # optimizer | optimizer+params: held in host memory (capture/offload.py)
-    target: str = DEFAULT_TARGET           # "cuda", "cuda:<gpu>" or "cpu"
-    gpu: str | None = None                 # for a cuda target (default DEFAULT_GPU)
+    capture: str = MODEL_DEFAULTS["capture"]
+    moe_routing: str = MODEL_DEFAULTS["moe_routing"]      # balanced | worst | JSON file (capture/routing.py)
+    accumulate: int = MODEL_DEFAULTS["accumulate"]        # micro-batches per optimizer step (capture/accumulation.py)
+    offload: str | None = MODEL_DEFAULTS["offload"]       # optimizer | optimizer+params (capture/offload.py)
+    target: str = MODEL_DEFAULTS["target"]                # "cuda", "cuda:<gpu>" or "cpu"
+    gpu: str | None = MODEL_DEFAULTS["gpu"]               # for a cuda target (None: DEFAULT_GPU)
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
     cublas_workspace_config: str | None = None
     cudnn_workspace_cap_bytes: int | None = None   # CUDNN_CONV_WSCAP_DBG of the run: counted per conv call
@@ -58,11 +59,11 @@ class AnalysisOptions:
     world_size: int | None = None
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
     fsdp_mixed_precision: bool = False     # fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
-    lora_rank: int | None = None           # LoRA adapters of this rank on the model (capture/lora.py); None: off
-    lora_targets: tuple[str, ...] = ()     # modules to adapt; (): capture/lora.py's default targets
-    tp: int = 1                            # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
-    sp: bool = False                       # with tp: Megatron sequence parallelism
-    full_capture: bool = False             # capture every block, not a few blocks and a synthesized depth
+    lora_rank: int | None = MODEL_DEFAULTS["lora_rank"]   # LoRA rank (capture/lora.py); None: off
+    lora_targets: tuple[str, ...] = MODEL_DEFAULTS["lora_targets"]  # (): capture/lora.py's default targets
+    tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
+    sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
+    full_capture: bool = MODEL_DEFAULTS["full_capture"]   # every block captured, no synthesized depth
 
     def __post_init__(self):
         self.validate()

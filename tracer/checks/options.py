@@ -92,6 +92,7 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "the 6 synthesized equal the 6 captured op for op (else captured in full, with a note)"),
 )
 OPTION_NAMES = tuple(o.name for o in MODEL_OPTIONS)
+MODEL_DEFAULTS = {o.name: o.default for o in MODEL_OPTIONS}   # AnalysisOptions' defaults (tracer/pipeline.py)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = False) -> None:

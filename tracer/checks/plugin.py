@@ -35,13 +35,15 @@ import os
 
 import pytest
 
+from tracer.checks.options import MODEL_DEFAULTS
 from tracer.passes.attribution import CATEGORIES
 
 # the bill's categories a marker can budget: all but what the training loop holds (caller_held)
 BUDGET_CATEGORIES = tuple(c for c in CATEGORIES if c != "caller_held")
-MARKER_HELP = ("memory_budget(model, peak=None, <category>=None, policy='eager', batch=2, seq=1024, precision='fp32', "
-               "optimizer='adamw', foreach=True, step='steady', zero_grad='none'): fail the test if one "
-               "training step of `model` exceeds a memory budget (tracer, no GPU)")
+MARKER_HELP = ("memory_budget(model, peak=None, <category>=None, policy='eager', "
+               + ", ".join(f"{name}={MODEL_DEFAULTS[name]!r}"
+                           for name in ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad"))
+               + "): fail the test if one training step of `model` exceeds a memory budget (tracer, no GPU)")
 _CACHE = pytest.StashKey[dict]()
 
 
