@@ -111,3 +111,35 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_what_the_capture_stages_share_imports_nothing_of_tracer():
     assert import_graph()["tracer.capture.meta"] == set()
+
+
+# tracer/capture's spine: each stage imports only the stages before it (and itself). A new module of the
+# capture takes its place here.
+CAPTURE_STAGES = (
+    ("what every stage reads", {"meta", "source", "storages", "precision", "process_state", "target", "pylocals",
+                                "kernel_scratch"}),
+    ("the model input", {"model_input", "loop_declarations", "routing"}),
+    ("building the model on fake tensors", {"build", "lora"}),
+    ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
+                                 "dynamo_joint"}),
+    ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks",
+                                                                  "eager_rerun", "policies"}),
+    ("conversion to ops over storages", {"convert", "splice"}),
+    ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held"}),
+    ("the step around it: optimizer, accumulation, offload", {"optimizer", "recorder", "bnb8bit", "lion",
+                                                              "accumulation", "offload"}),
+    ("the dispatch front end and the entry point", {"dispatch", ""}),
+)
+
+
+def test_every_capture_stage_imports_only_earlier_stages():
+    stage_of = {(f"tracer.capture.{name}" if name else "tracer.capture"): i
+                for i, (_, names) in enumerate(CAPTURE_STAGES) for name in names}
+    graph = import_graph()
+    capture_modules = {m for m in graph if m == "tracer.capture" or m.startswith("tracer.capture.")}
+    assert capture_modules == set(stage_of), (
+        f"place these in CAPTURE_STAGES: {sorted(capture_modules - set(stage_of))}; "
+        f"gone: {sorted(set(stage_of) - capture_modules)}")
+    upward = [f"{m} ({CAPTURE_STAGES[stage_of[m]][0]}) -> {t} ({CAPTURE_STAGES[stage_of[t]][0]})"
+              for m in capture_modules for t in graph[m] if t in stage_of and stage_of[t] > stage_of[m]]
+    assert not upward, "imports of a later stage: " + "; ".join(sorted(upward))

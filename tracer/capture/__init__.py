@@ -10,6 +10,15 @@ when all fail, the whole step run op by op on fake tensors (`dispatch.py`: eager
 no recompute policies); a direct trace that fails inside a custom autograd Function's backward goes straight
 to it (export would replace that backward by its forward's: joint.py `_failing_custom_backward`). The
 report's capture path and notes say which rung was used and why.
+
+The modules are stages, each importing only those before it (tests/test_package_imports.py holds the list):
+what every stage reads (meta.py: the fx-meta keys and AOT descriptor predicates; source, storages,
+precision, target, ...) -> the model input (model_input, loop_declarations, routing) -> building the model
+on fake tensors (build, lora) -> tracing the joint graph (joint, dynamo_joint, forward_leaves, inplace,
+eager_kernels, python_lifetimes) -> scheduling (schedule, policies, inductor_plan, compiled_blocks,
+eager_rerun) -> conversion to ops over storages (convert, splice) -> eager lifetimes (formulas, calls,
+eager_checkpoint, autocast_cache, caller_held) -> the step around it (optimizer, recorder, accumulation,
+offload, bnb8bit, lion) -> the dispatch front end and this module, which runs them in that order.
 """
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: lis
 
 def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tuple[CompiledRegion, ...]:
     """Every block's region, partitioned and planned as block.compile() has Inductor compile it."""
-    from tracer.capture.convert import fill_rng_wrapper_values
+    from tracer.capture.schedule import fill_rng_wrapper_values
     from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_graph
 
     regions = []

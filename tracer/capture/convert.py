@@ -31,8 +31,10 @@ import torch.fx as fx
 
 from tracer.capture.inplace import in_place_writes, input_copies_written_back
 from tracer.capture.joint import JointCapture
+from tracer.capture.schedule import Schedule, fill_rng_wrapper_meta, input_nodes, is_rng_wrapper
 from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
-                                 is_gradient_output, is_input_mutation_output, is_parameter_input, loss_output_index)
+                                 is_gradient_output, is_input_mutation_output, is_parameter_input, loss_output_index,
+                                 target_name)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
@@ -41,20 +43,6 @@ from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 _GETITEM = operator.getitem
 # meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
 SEED_OP_NAME = "loss_grad_seed"
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """How to read the step: the joint graph alone, or a (forward, backward) partition of it."""
-    joint: fx.GraphModule
-    forward: fx.GraphModule | None = None
-    backward: fx.GraphModule | None = None
-    num_forward_outputs: int = 1
-    compiled: bool = False            # one compiled autograd node: grads ready when the backward returns
-    notes: tuple[str, ...] = ()       # how the policy was applied, for the report
-    forward_plan: Any = None          # inductor_plan.GraphPlan of `forward` (compiled): order and storages
-    backward_plan: Any = None
-    regions: tuple = ()               # block.compile(): compiled_blocks.CompiledRegion per block of the joint
 
 
 @dataclasses.dataclass
@@ -178,69 +166,6 @@ def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
             if is_gradient_output(d) and out is not None]
 
 
-def _is_rng_wrapper(node: fx.Node) -> bool:
-    return getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state")
-
-
-def fill_rng_wrapper_values(gm: fx.GraphModule, fake_mode) -> None:
-    """`_fill_rng_wrapper_meta` for every wrapper of `gm` that has no value yet (before Inductor plans it)."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and _is_rng_wrapper(node) and node.meta.get("val") is None:
-            _fill_rng_wrapper_meta(node, fake_mode)
-
-
-_WRAPPED_OP_META = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "ac_graph_id")
-
-
-def restore_rng_wrapper_meta(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
-    """The partitioner replaces each recomputed random op (dropout, attention with dropout) by a wrapper
-    node without meta: run_and_save_rng_state in the forward, whose `[1]` item gets the op's meta, and
-    run_with_rng_state in the backward, which gets none. Give each wrapper the wrapped op's source meta
-    (its stack trace, module, torch call, sequence number, region): the backward's from the forward wrapper
-    of the same op on the same arguments (the partitioner keeps the joint's node names)."""
-    by_call: dict[tuple, dict] = {}
-    for node in forward.graph.nodes:
-        if node.op != "call_function" or getattr(node.target, "__name__", "") != "run_and_save_rng_state":
-            continue
-        item = next((u for u in node.users if u.target is _GETITEM and u.args[1] == 1), None)
-        if item is None:
-            continue
-        meta = {k: item.meta[k] for k in _WRAPPED_OP_META if k in item.meta}
-        for key, value in meta.items():
-            node.meta.setdefault(key, value)
-        by_call[_wrapped_call(node.args[0], node.args[1:])] = meta
-    for node in backward.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "run_with_rng_state":
-            for key, value in by_call.get(_wrapped_call(node.args[1], node.args[2:]), {}).items():
-                node.meta.setdefault(key, value)
-
-
-def _wrapped_call(op, args) -> tuple:
-    return (op, tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in args))
-
-
-def _fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
-    """Checkpointing wraps random ops in run_and_save_rng_state(op, *args) -> (rng_state, out) and
-    run_with_rng_state(rng_state, op, *args) -> out; the partitioner leaves these nodes without meta.
-    Their values come from running the wrapped op on fake inputs; the saved CPU RNG state is a uint8
-    tensor of torch.get_rng_state()'s size. Attribution comes from the wrapped op (`restore_rng_wrapper_meta`),
-    else falls back to the first input's line and module."""
-    saving = node.target.__name__ == "run_and_save_rng_state"
-    op, args = (node.args[0], node.args[1:]) if saving else (node.args[1], node.args[2:])
-    fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
-    fake_kwargs = fx.node.map_arg(dict(node.kwargs), lambda n: n.meta.get("val"))
-    with fake_mode:
-        out = op(*fake_args, **fake_kwargs)
-        rng_state = torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
-    node.meta["val"] = (rng_state, out) if saving else out
-    source = next((n for n in _input_nodes(node) if n.meta.get("stack_trace")), None)
-    if source is not None:
-        for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "seq_nr", "ac_graph_id"):
-            if key in source.meta:
-                node.meta.setdefault(key, source.meta[key])
-    node.meta["wrapped_target"] = op
-
-
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
                    fake_mode=None, regions: tuple = ()):
     """`regions` (block.compile()): each region's nodes are replaced by its compiled forward, run where its
@@ -274,8 +199,8 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         if node_phase is Phase.BACKWARD and tangent[0] is not None and tangent[0] not in values:
             ops.append(_tangent_op(tangent, table, values))
         recomputed = partitioned and node_phase is Phase.BACKWARD and not tagged_backward
-        if _is_rng_wrapper(node):
-            _fill_rng_wrapper_meta(node, fake_mode)
+        if is_rng_wrapper(node):
+            fill_rng_wrapper_meta(node, fake_mode)
         if node in input_copies:
             written = values[input_copies[node]].storage_id
             written_inputs.add(written)
@@ -512,7 +437,7 @@ def _convert_node(node: fx.Node, phase: Phase, recomputed: bool, table: StorageT
     if output_sids is not None:
         return _planned_node(node, phase, recomputed, table, values, output_sids)
     inputs = {}
-    for arg in _input_nodes(node):
+    for arg in input_nodes(node):
         val, tv = arg.meta.get("val"), values.get(arg)
         if isinstance(val, torch.Tensor) and isinstance(tv, TensorValue):
             inputs.setdefault(storage_key(val), tv.storage_id)
@@ -600,12 +525,6 @@ def _unwrapped_kwargs(node: fx.Node) -> dict:
     if node.meta.get("wrapped_target") is not None and node.target.__name__ == "run_with_rng_state":
         return {**node.kwargs, "rng_state": node.args[0]}
     return dict(node.kwargs)
-
-
-def _input_nodes(node: fx.Node) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg((node.args, node.kwargs), found.append)
-    return found
 
 
 def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting, *,
@@ -747,12 +666,6 @@ def _plain(obj, values):
     if isinstance(obj, (int, float, bool, str)) or obj is None:
         return obj
     return str(obj)
-
-
-def target_name(target) -> str:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
-    return getattr(target, "__name__", str(target))
 
 
 def input_values(d: OpDraft) -> tuple:

@@ -22,6 +22,8 @@ told apart by class name, as torch 2.13 names them; the predicates below are the
 """
 from __future__ import annotations
 
+import torch
+
 CHECKPOINT_KEY = "tracer_checkpoint"
 PARTIAL_HELD_KEY = "tracer_partial_held"
 FRAME_HELD_KEY = "tracer_frame_held"
@@ -63,3 +65,10 @@ def loss_output_index(descs: list) -> int:
     """The loss is the module's output 0; the buffers a forward updates (BatchNorm's running stats) come
     before it in the joint's outputs."""
     return next((i for i, d in enumerate(descs) if _kind(d) == "PlainAOTOutput" and d.idx == 0), 0)
+
+
+def target_name(target) -> str:
+    """An fx node's target as the step graph names it: "aten.mm.default", else its __name__."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
+    return getattr(target, "__name__", str(target))

@@ -28,10 +28,10 @@ import operator
 
 import torch
 
-from tracer.capture.convert import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta, target_name
+from tracer.capture.schedule import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta
 from tracer.capture.eager_rerun import rerun_as_eager
 from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
-    is_parameter_input, is_static_input
+    is_parameter_input, is_static_input, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError

@@ -20,7 +20,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.convert import OpDraft, plain_value, target_name
+from tracer.capture.convert import OpDraft, plain_value
+from tracer.capture.meta import target_name
 from tracer.capture.pylocals import is_assertion
 from tracer.capture.source import loc_from_python_stack
 from tracer.capture.storages import StorageTable
