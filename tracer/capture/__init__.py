@@ -336,18 +336,16 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         # eager's own autograd graph: the joint as traced, no block compiled (a compiled block saves its own set)
         joint_as_traced = schedule.forward is None and not schedule.regions
         holds, saved_until = _python_holds(cap, part.ops, table, forward, joint_as_traced=joint_as_traced)
-        for sid, op_index in holds.items():
-            table.update(sid, held_until_op=op_index)
         recompute_local_holds(part.ops, table, holds)
-        for sid, op_index in saved_until.items():       # autograd's own saved references (eager's saved set)
-            held = table.get(sid).held_until_op
-            table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
-        for extra in (expression_holds(part.ops, cap.python_backward_nodes),     # C++ backward formulas' temporaries
-                      call_holds(part.ops),                       # torch calls' arguments and C++ kernels' locals
-                      autocast_cache_holds(part.ops, table, autocast_dtype)):   # autocast's weight-cast cache
-            for sid, op_index in extra.items():
-                held = table.get(sid).held_until_op
-                table.update(sid, held_until_op=max(op_index, held if held is not None else -1))
+        # eager's hold rules, each storage id -> the last op through which something holds it; merged by
+        # extending only (a new rule is one entry here)
+        for rule_holds in (holds,                                       # the forward's Python locals
+                           saved_until,                                 # autograd's own saved references
+                           expression_holds(part.ops, cap.python_backward_nodes),  # backward formulas' temporaries
+                           call_holds(part.ops),                        # torch calls' arguments, C++ kernels' locals
+                           autocast_cache_holds(part.ops, table, autocast_dtype)):   # autocast's weight-cast cache
+            for sid, op_index in rule_holds.items():
+                table.hold_until(sid, op_index)
         leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
         _eager_saved_for_shape(part.ops, _requiring_grad(part.ops, table, leaves))
         _eager_reduced_loss_storages(part.ops, table)

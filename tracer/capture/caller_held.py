@@ -114,7 +114,7 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
                  for v in input_values(d) if v.storage_id in made_in_forward}
         for sid in saved:
             if table.get(sid).role is StorageRole.INTERMEDIATE:
-                table.update(sid, held_until_op=max(last, table.get(sid).held_until_op or -1))
+                table.hold_until(sid, last)
         notes.append("loss.backward(retain_graph=True): every tensor saved for backward is held until the end of "
                      "the step (retain_graph)")
     return notes

@@ -243,8 +243,7 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
     for placeholder in placeholders:
         if placeholder.name.startswith("tangents") and isinstance(values.get(placeholder), TensorValue):
             sid = values[placeholder].storage_id
-            held = table.get(sid).held_until_op
-            table.update(sid, held_until_op=max(len(ops) - 1, held if held is not None else -1))
+            table.hold_until(sid, len(ops) - 1)
     joint_outputs = region.backward_outputs if backward else region.forward_outputs
     for joint_node, out in zip(joint_outputs, _output_args(gm)):
         values[joint_node] = values[out]

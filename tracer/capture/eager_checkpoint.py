@@ -65,8 +65,7 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
             end = recompute_end.get(region, first_backward) if reached else \
                 max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
             for value in d.outputs:
-                held = table.get(value.storage_id).held_until_op
-                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
+                table.hold_until(value.storage_id, end)
     _hold_reentrant_values(ops, table, backward_end)
     # the frame dies when the region's recompute and backward have run
     frame_end = {region: max(recompute_end.get(region, first_backward), backward_end.get(region, -1))
@@ -112,8 +111,7 @@ def _hold_frame_values(ops: list[OpDraft], table: StorageTable, frame_end: dict[
         for value in ops[i].outputs:
             end, storage = ends.get((value.shape, value.dtype)), table.get(value.storage_id)
             if end is not None and storage.role is StorageRole.INTERMEDIATE:
-                held = storage.held_until_op
-                table.update(value.storage_id, held_until_op=max(end, held if held is not None else -1))
+                table.hold_until(value.storage_id, end)
 
 
 def _remade_leaves(ops: list[OpDraft], table: StorageTable, region_of_leaf: dict[int, int],
@@ -157,8 +155,7 @@ def recompute_local_holds(ops: list[OpDraft], table: StorageTable, holds: dict[i
             until = next((forward_twin[j] for j in range(held, last_forward[region] + 1) if j in forward_twin),
                          recompute_end[region])
             until = min(until, recompute_end[region])
-            previous = table.get(twin_value.storage_id).held_until_op
-            table.update(twin_value.storage_id, held_until_op=max(until, previous if previous is not None else -1))
+            table.hold_until(twin_value.storage_id, until)
 
 
 def _recomputed_twins(ops: list[OpDraft]) -> dict[int, int]:
@@ -265,7 +262,7 @@ def _hold_reentrant_values(ops: list[OpDraft], table: StorageTable, backward_end
         for value in held:
             storage = table.get(value.storage_id)
             if storage.role is StorageRole.INTERMEDIATE:
-                table.update(value.storage_id, held_until_op=max(backward_end[region], storage.held_until_op or -1))
+                table.hold_until(value.storage_id, backward_end[region])
 
 
 def _reentrant_ops(ops: list[OpDraft]):

@@ -84,6 +84,11 @@ class StorageTable:
         for k, v in fields.items():
             setattr(self._entries[sid], k, v)
 
+    def hold_until(self, sid: int, op_index: int) -> None:
+        """Something holds storage `sid` at least through op `op_index`: its hold only ever extends."""
+        held = self._entries[sid].held_until_op
+        self._entries[sid].held_until_op = op_index if held is None else max(held, op_index)
+
     def get(self, sid: int) -> _Entry:
         return self._entries[sid]
 
