@@ -25,7 +25,7 @@ from torch import nn
 
 from tracer.capture.build import step_module
 from tracer.capture.inplace import formula_writes_marked, is_inplace_call
-from tracer.capture.meta import CHECKPOINT_KEY, FRAME_HELD_KEY, INPLACE_CALL_KEY, PARTIAL_HELD_KEY
+from tracer.capture.meta import CHECKPOINT_KEY, FRAME_HELD_KEY, INPLACE_CALL_KEY, MODULE_CALL_ENTRIES, PARTIAL_HELD_KEY
 from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
@@ -562,7 +562,7 @@ def _checkpointed_callable(fn, names: dict[int, str]) -> tuple[str, str, str | N
         method = getattr(fn, "__name__", "")
         if written:
             return written, f"{type(owner).__qualname__}.{method}", names.get(id(owner))
-        if method in ("forward", "__call__", "_call_impl", "_wrapped_call_impl"):
+        if method in MODULE_CALL_ENTRIES:
             return "module", names.get(id(owner)) or "(the model)", names.get(id(owner))
         return "method", name, names.get(id(owner))
     return written or "function", name, None

@@ -37,6 +37,9 @@ TWIN_KEY = "tracer_twin_of"
 INPLACE_CALL_KEY = "tracer_inplace_call"
 FORMULA_WRITE_KEY = "tracer_formula_write"
 
+# the names a module's call goes through, as a function (`functools.partial(layer.__call__, ...)`)
+MODULE_CALL_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")
+
 
 def _kind(desc) -> str:
     return type(desc).__name__

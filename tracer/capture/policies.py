@@ -31,7 +31,7 @@ import torch
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta
 from tracer.capture.eager_rerun import rerun_as_eager
 from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
-    is_parameter_input, is_static_input, target_name
+    MODULE_CALL_ENTRIES, is_parameter_input, is_static_input, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -173,7 +173,7 @@ def _check_checkpoints_inside_blocks(calls, blocks: list[str], spec: PolicySpec)
     backward, which is not modelled), one outside every block or not located, and a reentrant one."""
     for call in calls:
         whole_block = call.module in blocks and (
-            call.written == "module" or call.target.rsplit(".", 1)[-1] in _CALL_ENTRIES)
+            call.written == "module" or call.target.rsplit(".", 1)[-1] in MODULE_CALL_ENTRIES)
         inside = call.module is not None and not whole_block and block_of(call.module, blocks) != ""
         if call.reentrant or not inside:
             how = ("is reentrant" if call.reentrant else "wraps a whole block from outside it" if whole_block
@@ -182,9 +182,6 @@ def _check_checkpoints_inside_blocks(calls, blocks: list[str], spec: PolicySpec)
                              "only non-reentrant checkpointing inside a compiled block is modelled",
                              hint="checkpoint inside each block (torchtitan's checkpoint_wrapper before "
                                   "torch.compile), or use --policy compiled-blocks+full, compiled, or eager")
-
-
-_CALL_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")     # a module's call, as a function
 
 
 def _lazy_copy(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
