@@ -110,22 +110,19 @@ def _levers(args) -> int:
     return int(ExitCode.OK)
 
 
-def _write_visual_outputs(args, analysis, policy: str) -> None:
+def _write_outputs(args, analysis, policy: str) -> None:
+    """The single output flags, then --report: every output from the one table (tracer.reports.report_dir).
+    --lines and --report show every line (top=None): --top is the text report's."""
+    from tracer.cli.args import flag_dest
+    from tracer.reports.report_dir import OUTPUTS, Rendering, write_report_dir
+
     device_memory = _size_flag(args, "device_memory")
-    if args.lines:
-        from tracer.reports.line_table import build_line_table, render_line_table
-        sys.stdout.write("\n" + render_line_table(build_line_table(analysis, policy), top=None))
-    if args.plot:
-        from tracer.reports.timeline import render_timeline
-        render_timeline(analysis, args.plot, device_memory_bytes=device_memory)
-    if args.graph:
-        from tracer.reports.layer_graph import render_layer_graph, write_layer_graph
-        write_layer_graph(render_layer_graph(analysis, layer=args.graph_layer, policy=policy), args.graph)
-    if args.export_snapshot:
-        from tracer.reports.memviz import write_memviz_snapshot
-        write_memviz_snapshot(analysis, args.export_snapshot, policy=policy)
+    rendering = Rendering(analysis, policy=policy, layer=args.graph_layer, device_memory_bytes=device_memory)
+    for output in OUTPUTS:
+        value = output.flag and getattr(args, flag_dest(output.flag))
+        if value:
+            output.write(rendering, value)
     if args.report:
-        from tracer.reports.report_dir import write_report_dir
         write_report_dir(analysis, args.report, policy=policy, layer=args.graph_layer,
                          device_memory_bytes=device_memory)
 
@@ -207,7 +204,7 @@ def _run(args) -> int:
     if args.save_baseline:
         from tracer.checks import save_baseline
         save_baseline(analysis, args.save_baseline, top=args.top)
-    _write_visual_outputs(args, analysis, shown or next(iter(analysis.policies)))
+    _write_outputs(args, analysis, shown or next(iter(analysis.policies)))
     code = run_target_outputs(args, analysis, shown or next(iter(analysis.policies)))
     progress.done()
     return code

@@ -6,7 +6,9 @@
     add_output_group(parser)                        --json --report --plot --graph --export-snapshot ...
     add_display_group(parser)                       --lines --top --verbose --quiet --progress
     deprecated_alias(group, old, new)               a hidden old spelling that prints a note and still works
-    check_output_paths(args)                        before any analysis: every output path is writable
+    check_output_paths(args)                        before any analysis: every output path is writable (--json,
+                                                    the table of outputs' PATH flags, --save-baseline, ...)
+    flag_dest(flag)                                 where argparse stores a flag: --export-snapshot -> export_snapshot
 
 `only_given`: a flag not on the command line leaves no attribute (`tracer check` then takes the baseline's
 setting). Nothing here imports torch: `python -m tracer --help` must stay fast (tests/cli/test_help.py).
@@ -142,22 +144,33 @@ class _DeprecatedAlias(argparse.Action):
 
 def deprecated_alias(group, old: str, new: str, **kwargs) -> None:
     """`old` keeps working (hidden from --help) for the flag `new`, with a deprecation note."""
-    group.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=_DeprecatedAlias, new_flag=new,
+    group.add_argument(old, dest=flag_dest(new), action=_DeprecatedAlias, new_flag=new,
                        default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
 
 
-_OUTPUT_FILES = ("json", "plot", "graph", "export_snapshot", "save_baseline", "compare_json")
+def flag_dest(flag: str) -> str:
+    """The attribute argparse stores a flag in: `--export-snapshot` -> `export_snapshot`."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _output_path_flags() -> tuple[str, ...]:
+    """Every flag that names a file to write, in --help's order: the PATH flags of the table of outputs
+    (tracer.reports.report_dir) and what the command line writes itself (the JSON report, the baseline, the
+    comparison)."""
+    from tracer.reports.report_dir import OUTPUTS
+
+    table = tuple(output.flag for output in OUTPUTS if output.flag and not output.switch)
+    return ("--json", *table, "--save-baseline", "--compare-json")
 
 
 def check_output_paths(args) -> None:
     """Before any analysis: output paths may name folders that do not exist yet (`--plot out/step.png`):
     create them; every output's folder must be writable and the path must not be a folder (--report: must
     not be a file)."""
-    for name in _OUTPUT_FILES:
-        path = getattr(args, name, None)
+    for flag in _output_path_flags():
+        path = getattr(args, flag_dest(flag), None)
         if not path:
             continue
-        flag = f"--{name.replace('_', '-')}"
         if os.path.isdir(path):
             raise UsageError(f"{flag} {path} is a folder", hint="give a file path")
         _writable_folder(flag, os.path.dirname(path) or ".")

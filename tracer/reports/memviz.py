@@ -27,6 +27,7 @@ Contract:
           do, so stack-based phase readers classify it. Blocks that exist before the step carry one frame
           naming their category and storage ("parameter blocks.0.attn.wq.weight (allocated before the step)").
         * `time_us` is the op index (ops are not timed).
+    snapshot_bytes(snapshot) -> bytes                                 the snapshot pickled, as its file holds it
     write_memviz_snapshot(analysis, path, policy="eager") -> dict    pickles it to `path` and returns it.
 
 Not modelled: several devices or streams, `record_stream` delays (frees complete at once), CUDA-graph pools,
@@ -163,8 +164,12 @@ def _frames(op: OpNode | None) -> list[dict]:
     return frames
 
 
+def snapshot_bytes(snapshot: dict) -> bytes:
+    return pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def write_memviz_snapshot(analysis: Analysis, path, policy: str = "eager") -> dict:
     data = predicted_snapshot(analysis, policy)
     from tracer.outputs import write_output
-    write_output(path, pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL), what="the snapshot")
+    write_output(path, snapshot_bytes(data), what="the snapshot")
     return data
