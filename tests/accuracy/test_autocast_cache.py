@@ -72,9 +72,10 @@ def test_cached_casts_live_until_the_autocast_region_exits(precision, checkpoint
     assert _live_when_forward_ends(predicted) == measured.forward_end_bytes + scaled_loss_bytes
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, not the cache's: in a reentrant region's backward under "
-                   "autocast, a block with three linear layers reading one input is predicted 8,192 B high "
-                   "(one bf16 (2, 32, 64) activation); the same step in fp32 is exact")
+@pytest.mark.xfail(strict=True, reason="known gap: a reentrant rerun's input is a detached leaf, so the two "
+                   "layers that read it share one cached bf16 copy; eager sums their bf16 gradients in that "
+                   "copy's cast-back node before one cast, the traced backward casts each back and sums in "
+                   "float32: 8,192 B (one bf16 (2, 32, 64) gradient) over; the same step in fp32 is exact")
 def test_reentrant_backward_under_autocast():
     source = _fixture(checkpoint="reentrant")
     _assert_phases_exact(_predict(source, "bf16"), _measure(source, "bf16"))

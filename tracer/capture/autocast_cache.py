@@ -20,11 +20,13 @@ Copies that autograd saves live on after the cache lets go; that is the saved-te
 Compiled code (a whole compiled step, or a compiled block's own graphs) is traced with the cache off and
 frees its casts where Inductor's plan does: nothing here applies to it.
 
-Eligible: `_to_copy` of a graph input that is a trainable parameter, float32 in, the autocast dtype out,
-made by an autocast op and not by the model's own `.to(...)`/`.half()`/`.type_as(...)` call, which is
-never cached (told apart by the Python call export records for the op; on capture paths that record
-none, every eligible cast is taken as autocast's). Frozen parameters (LoRA's base weights), buffers and
-inputs are never cached.
+Eligible: a `_to_copy` float32 -> the autocast dtype made by an autocast op, not by the model's own
+`.to(...)`/`.half()`/`.type_as(...)` call, which is never cached (told apart by the Python call export
+records for the op; on capture paths that record none, every such cast is taken as autocast's), of a leaf
+that requires grad: a trainable parameter itself (a graph input, not a view of one), or, in a reentrant
+checkpoint's rerun, the region's input itself, which CheckpointFunction reruns as a detached leaf with the
+input's requires_grad (two layers of a block reading it share one low-precision copy there). Frozen
+parameters (LoRA's base weights), buffers and batch tensors are never cached.
 
 A later cast of the same parameter inside one region returns the cached copy (`reuse_cached_casts`): the
 joint graph, traced with the cache off, casts a shared weight (a block called twice, ALBERT's layers) once
@@ -52,13 +54,9 @@ def autocast_cache_holds(ops: list[OpDraft], table: StorageTable, autocast_dtype
     """storage id of a cached cast copy -> the last op of the autocast region that cached it."""
     if autocast_dtype is None:
         return {}
-    holds: dict[int, int] = {}
     region_end = _region_ends(ops)
-    for i, d in enumerate(ops):
-        region = _region_of(d)
-        if region is not None and _is_cached_cast(d, table, autocast_dtype):
-            holds[d.outputs[0].storage_id] = region_end[region]
-    return holds
+    return {ops[i].outputs[0].storage_id: region_end[region]
+            for i, region, _ in _cached_casts(ops, table, autocast_dtype)}
 
 
 def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None) -> tuple[str, ...]:
@@ -70,13 +68,13 @@ def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: 
     first_copy: dict[tuple, int] = {}
     shared: dict[str, None] = {}
     renamed = _Renames()
+    cached = {i: (region, leaf) for i, region, leaf in _cached_casts(ops, table, autocast_dtype)}
     for i, d in enumerate(ops):
         if renamed:
             d = ops[i] = _remapped(d, renamed)
-        region = _region_of(d)
-        if region is None or not _is_cached_cast(d, table, autocast_dtype):
+        if i not in cached:
             continue
-        key = (region, input_values(d)[0].storage_id)
+        key = cached[i]
         copy = d.outputs[0].storage_id
         if key not in first_copy:
             first_copy[key] = copy
@@ -84,7 +82,9 @@ def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: 
         renamed[copy] = first_copy[key]
         table.update(copy, nbytes=0)
         ops[i] = dataclasses.replace(_remapped(d, renamed), is_view=True)
-        shared.setdefault(table.get(input_values(d)[0].storage_id).name, None)
+        leaf = table.get(input_values(d)[0].storage_id)
+        shared.setdefault(leaf.name if leaf.role is StorageRole.PARAMETER and leaf.name else
+                          "a reentrant region's input" if d.rerun else "a leaf", None)
     if not shared:
         return ()
     names = ", ".join(list(shared)[:4]) + (f" and {len(shared) - 4} more" if len(shared) > 4 else "")
@@ -126,12 +126,41 @@ def _region_ends(ops: list[OpDraft]) -> dict:
     return ends
 
 
-def _is_cached_cast(d: OpDraft, table: StorageTable, autocast_dtype: str) -> bool:
-    if not d.casts_graph_input or len(d.outputs) != 1 or d.outputs[0].dtype != autocast_dtype:
+def _cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str):
+    """(op index, its autocast region, the storage of the leaf it casts) for every cast autocast caches."""
+    made_in_rerun: dict = {}          # a reentrant rerun's region -> storages its ops made so far (views too)
+    forward_call = {d.name: d.torch_call for d in ops if d.phase is Phase.FORWARD and not d.recomputed}
+    for i, d in enumerate(ops):
+        region = _region_of(d)
+        call = forward_call.get(d.rerun_of) if d.rerun else d.torch_call     # a rerun runs its forward's call
+        if region is not None and _is_autocast_copy(d, autocast_dtype, call):
+            leaf = input_values(d)[0].storage_id
+            if _casts_trainable_parameter(d, table) or \
+                    (d.rerun and leaf not in made_in_rerun.get(region, ()) and _requires_grad(leaf, ops, table)):
+                yield i, region, leaf
+        if d.rerun:
+            made_in_rerun.setdefault(region, set()).update(v.storage_id for v in d.outputs)
+
+
+def _is_autocast_copy(d: OpDraft, autocast_dtype: str, torch_call: str | None) -> bool:
+    """A float32 -> autocast-dtype `_to_copy` made by an autocast op (not by the model's own cast call)."""
+    if d.target != "aten._to_copy.default" or len(d.outputs) != 1 or d.outputs[0].dtype != autocast_dtype:
         return False
-    source = input_values(d)[0]
-    entry = table.get(source.storage_id)
-    if entry.role is not StorageRole.PARAMETER or entry.frozen or source.dtype != "float32":
+    values = input_values(d)
+    if not values or values[0].dtype != "float32":
         return False
-    call = (d.torch_call or "").rsplit("_", 1)[0]
-    return call not in _EXPLICIT_CAST_CALLS
+    return (torch_call or "").rsplit("_", 1)[0] not in _EXPLICIT_CAST_CALLS
+
+
+def _casts_trainable_parameter(d: OpDraft, table: StorageTable) -> bool:
+    entry = table.get(input_values(d)[0].storage_id)
+    return d.casts_graph_input and entry.role is StorageRole.PARAMETER and not entry.frozen
+
+
+def _requires_grad(sid: int, ops: list[OpDraft], table: StorageTable) -> bool:
+    """A reentrant region's input is rerun as `detach()` with its requires_grad: it does when a forward op
+    with an autograd node made it (not a batch tensor, not a buffer)."""
+    if table.get(sid).role is not StorageRole.INTERMEDIATE:
+        return False
+    return any(d.phase is Phase.FORWARD and not d.recomputed and d.seq_nr is not None
+               and any(v.storage_id == sid for v in d.outputs) for d in ops)
