@@ -60,9 +60,9 @@ def autocast_cache_holds(ops: list[OpDraft], table: StorageTable, autocast_dtype
 
 
 def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None) -> tuple[str, ...]:
-    """In place: a cached cast of a parameter already cast in the same region becomes a view of the first
-    copy, and every later op reads that copy; the second copy's storage is left with no bytes and no op.
-    Returns a note naming the parameters whose copy was reused (their backward is approximate), or ()."""
+    """In place: a cached cast of a leaf already cast in the same region becomes a view of the first copy,
+    and every later op reads that copy; the second copy's storage is left with no bytes and no op.
+    Returns a note naming the leaves whose copy was reused (their backward is approximate), or ()."""
     if autocast_dtype is None:
         return ()
     first_copy: dict[tuple, int] = {}
