@@ -107,6 +107,17 @@ def test_a_users_bitsandbytes_optimizer_is_simulated(tmp_path):
     assert any("bitsandbytes.AdamW8bit" in note for note in result.graph.config.notes)
 
 
+def test_a_32bit_bitsandbytes_optimizer_keeps_fp32_moments_and_says_so(tmp_path):
+    """bitsandbytes' AdamW32bit (and AdamW with optim_bits=32) keeps two fp32 moments per parameter, no
+    absmax, no qmaps; the report's note names that layout, not the 8-bit one."""
+    path = tmp_path / "net_bnb32.py"
+    path.write_text(LINEAR + BNB_STUB.replace("class AdamW8bit", "class AdamW32bit").format(cls="AdamW32bit"))
+    result, states = _state(path)
+    assert sum(s.nbytes for s in states) == 2 * 4 * (1_024_000 + 1000 + 3000)
+    note = next(n for n in result.graph.config.notes if "bitsandbytes.AdamW32bit" in n)
+    assert "fp32 moments" in note and "uint8" not in note
+
+
 def test_an_unmodelled_bitsandbytes_optimizer_is_refused(tmp_path):
     path = tmp_path / "net_ademamix.py"
     stub = BNB_STUB.replace("class AdamW8bit", "class AdEMAMix8bit").format(cls="AdEMAMix8bit")

@@ -116,9 +116,14 @@ class SimulatedBnbOptimizer(torch.optim.Optimizer):
             state[f"absmax{i}"] = torch.zeros(blocks, dtype=torch.float32)
 
     def notes(self) -> tuple[str, ...]:
-        out = [f"{self.label}: bitsandbytes' state layout (uint8 moments, one fp32 absmax per {BLOCK_SIZE} values, "
-               f"fp32 state below {MIN_8BIT_SIZE:,} elements, two shared 256-value qmaps); its fused CUDA kernel "
-               "dequantises in registers, so the step's temporaries are not modelled (none full-size)"]
+        if self.layout.eight_bit:
+            layout = (f"uint8 moments, one fp32 absmax per {BLOCK_SIZE} values, fp32 state below "
+                      f"{MIN_8BIT_SIZE:,} elements, two shared 256-value qmaps")
+        else:
+            layout = "fp32 moments of each parameter's shape (32-bit state: no quantisation, no absmax or qmaps)"
+        kernel = "dequantises in registers" if self.layout.eight_bit else "updates each parameter in place"
+        out = [f"{self.label}: bitsandbytes' state layout ({layout}); its fused CUDA kernel {kernel}, so the "
+               "step's temporaries are not modelled (none full-size)"]
         if self.layout.paged:
             out.append(f"{self.label}: paged state (state1/state2 of parameters with >= {PAGED_MIN_NUMEL:,} "
                        "elements) lives in CUDA unified memory, paged to the host under pressure: counted as "
