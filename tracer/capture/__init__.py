@@ -322,7 +322,9 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
     dtype name of the autocast around forward and loss, or None; `scaled_loss`: the loop calls
     `scaler.scale(loss).backward()` (GradScaler)."""
     part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
-    notes = reuse_cached_casts(part.ops, table, autocast_dtype) if not schedule.compiled else ()
+    leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
+    requiring_grad = _requiring_grad(part.ops, table, leaves)
+    notes = reuse_cached_casts(part.ops, table, autocast_dtype, requiring_grad) if not schedule.compiled else ()
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
@@ -343,11 +345,10 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
                            saved_until,                                 # autograd's own saved references
                            expression_holds(part.ops, cap.python_backward_nodes),  # backward formulas' temporaries
                            call_holds(part.ops),                        # torch calls' arguments, C++ kernels' locals
-                           autocast_cache_holds(part.ops, table, autocast_dtype)):   # autocast's weight-cast cache
+                           autocast_cache_holds(part.ops, table, autocast_dtype, requiring_grad)):  # autocast's cache
             for sid, op_index in rule_holds.items():
                 table.hold_until(sid, op_index)
-        leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
-        _eager_saved_for_shape(part.ops, _requiring_grad(part.ops, table, leaves))
+        _eager_saved_for_shape(part.ops, requiring_grad)
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}

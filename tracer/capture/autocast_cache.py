@@ -50,16 +50,19 @@ from tracer.stepgraph import Phase, StorageRole
 _EXPLICIT_CAST_CALLS = frozenset({"to", "type", "type_as", "half", "bfloat16", "float", "double", "_to_copy"})
 
 
-def autocast_cache_holds(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None) -> dict[int, int]:
-    """storage id of a cached cast copy -> the last op of the autocast region that cached it."""
+def autocast_cache_holds(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None,
+                         requiring_grad: frozenset[int]) -> dict[int, int]:
+    """storage id of a cached cast copy -> the last op of the autocast region that cached it.
+    `requiring_grad`: the storages whose forward values require grad."""
     if autocast_dtype is None:
         return {}
     region_end = _region_ends(ops)
     return {ops[i].outputs[0].storage_id: region_end[region]
-            for i, region, _ in _cached_casts(ops, table, autocast_dtype)}
+            for i, region, _ in _cached_casts(ops, table, autocast_dtype, requiring_grad)}
 
 
-def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None) -> tuple[str, ...]:
+def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None,
+                       requiring_grad: frozenset[int]) -> tuple[str, ...]:
     """In place: a cached cast of a leaf already cast in the same region becomes a view of the first copy,
     and every later op reads that copy; the second copy's storage is left with no bytes and no op.
     Returns a note naming the leaves whose copy was reused (their backward is approximate), or ()."""
@@ -68,7 +71,7 @@ def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: 
     first_copy: dict[tuple, int] = {}
     shared: dict[str, None] = {}
     renamed = _Renames()
-    cached = {i: (region, leaf) for i, region, leaf in _cached_casts(ops, table, autocast_dtype)}
+    cached = {i: (region, leaf) for i, region, leaf in _cached_casts(ops, table, autocast_dtype, requiring_grad)}
     for i, d in enumerate(ops):
         if renamed:
             d = ops[i] = _remapped(d, renamed)
@@ -126,8 +129,10 @@ def _region_ends(ops: list[OpDraft]) -> dict:
     return ends
 
 
-def _cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str):
-    """(op index, its autocast region, the storage of the leaf it casts) for every cast autocast caches."""
+def _cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str, requiring_grad: frozenset[int]):
+    """(op index, its autocast region, the storage of the leaf it casts) for every cast autocast caches. A
+    reentrant region's input is rerun as `detach()` with its requires_grad: a leaf requiring grad when the
+    forward value did (not a batch tensor, not a buffer)."""
     made_in_rerun: dict = {}          # a reentrant rerun's region -> storages its ops made so far (views too)
     forward_call = {d.name: d.torch_call for d in ops if d.phase is Phase.FORWARD and not d.recomputed}
     for i, d in enumerate(ops):
@@ -136,7 +141,8 @@ def _cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str):
         if region is not None and _is_autocast_copy(d, autocast_dtype, call):
             leaf = input_values(d)[0].storage_id
             if _casts_trainable_parameter(d, table) or \
-                    (d.rerun and leaf not in made_in_rerun.get(region, ()) and _requires_grad(leaf, ops, table)):
+                    (d.rerun and leaf not in made_in_rerun.get(region, ()) and leaf in requiring_grad
+                     and table.get(leaf).role is StorageRole.INTERMEDIATE):
                 yield i, region, leaf
         if d.rerun:
             made_in_rerun.setdefault(region, set()).update(v.storage_id for v in d.outputs)
@@ -156,11 +162,3 @@ def _casts_trainable_parameter(d: OpDraft, table: StorageTable) -> bool:
     entry = table.get(input_values(d)[0].storage_id)
     return d.casts_graph_input and entry.role is StorageRole.PARAMETER and not entry.frozen
 
-
-def _requires_grad(sid: int, ops: list[OpDraft], table: StorageTable) -> bool:
-    """A reentrant region's input is rerun as `detach()` with its requires_grad: it does when a forward op
-    with an autograd node made it (not a batch tensor, not a buffer)."""
-    if table.get(sid).role is not StorageRole.INTERMEDIATE:
-        return False
-    return any(d.phase is Phase.FORWARD and not d.recomputed and d.seq_nr is not None
-               and any(v.storage_id == sid for v in d.outputs) for d in ops)

@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from tracer.errors import ModelRunError
 from tracer.stepgraph import Phase
 
 

@@ -33,15 +33,14 @@ from tracer.capture.inplace import in_place_writes, input_copies_written_back
 from tracer.capture.joint import JointCapture
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_meta, input_nodes, is_rng_wrapper
 from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
-                                 is_gradient_output, is_input_mutation_output, is_parameter_input, loss_output_index,
-                                 target_name)
+                                 is_gradient_output, is_input_mutation_output, is_parameter_input, is_static_input,
+                                 is_tangent_input, loss_output_index, target_name)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
 from tracer.stepgraph import Phase, SourceLoc, StorageRole, TensorValue
 
 _GETITEM = operator.getitem
-# meta keys of the capture's own joint-graph rewrites (tracer.capture.policies, reentrant checkpointing)
 SEED_OP_NAME = "loss_grad_seed"
 
 
@@ -366,7 +365,6 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
     tangent = (None, None)
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = descs.get(node.name)
-        kind = type(desc).__name__
         val = node.meta.get("val")
         leaf = _forward_leaf(cap, desc)
         if leaf is not None:
@@ -376,19 +374,19 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
                             name=f"leaf made in forward{_at(leaf.source)}")
             table.alias(leaf.tensor, sid)
             values[node] = table.value(val, sid)
-        elif kind == "ParamAOTInput" or kind == "BufferAOTInput":
+        elif is_static_input(desc):
             owner = cap.param_by_fqn.get(desc.target)
             if owner is None:
                 owner = cap.buffer_by_fqn.get(desc.target)
             sid = sid_by_param_id.get(id(owner))
             if sid is None:
-                role = StorageRole.PARAMETER if kind == "ParamAOTInput" else StorageRole.BUFFER
+                role = StorageRole.PARAMETER if is_parameter_input(desc) else StorageRole.BUFFER
                 sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(desc.target),
                                 frozen=role is StorageRole.PARAMETER and not owner.requires_grad)
                 sid_by_param_id[id(owner)] = sid
                 table.alias(owner, sid)
             values[node] = table.value(val, sid)
-        elif kind == "TangentAOTInput":
+        elif is_tangent_input(desc):
             tangent = (node, val)          # made by the synthetic ones_like op at the start of backward
         elif isinstance(val, torch.Tensor):
             sid = table.lookup(val)

@@ -30,7 +30,7 @@ import itertools
 import torch
 import torch.fx as fx
 
-from tracer.capture.meta import FORMULA_WRITE_KEY, INPLACE_CALL_KEY
+from tracer.capture.meta import FORMULA_WRITE_KEY, INPLACE_CALL_KEY, is_input_mutation_output
 from tracer.capture.storages import storage_key
 
 _aten = torch.ops.aten
@@ -125,7 +125,7 @@ def input_copies_written_back(gm: fx.GraphModule, writes: dict[fx.Node, fx.Node]
     order = {node: pos for pos, node in enumerate(gm.graph.nodes)}
     copies = {}
     for out, desc in zip(output.args[0] if output is not None else (), descs):
-        if type(desc).__name__ != "InputMutationAOTOutput" or not _is_tensor_node(out):
+        if not is_input_mutation_output(desc) or not _is_tensor_node(out):
             continue
         node = out
         while node.op == "call_function" and node.target is not _aten.clone.default:

@@ -55,6 +55,11 @@ def is_static_input(desc) -> bool:
     return _kind(desc) in ("ParamAOTInput", "BufferAOTInput")
 
 
+def is_tangent_input(desc) -> bool:
+    """The placeholder of the gradient that starts backward (the loss's tangent)."""
+    return _kind(desc) == "TangentAOTInput"
+
+
 def is_gradient_output(desc) -> bool:
     return _kind(desc) == "GradAOTOutput"
 
