@@ -100,15 +100,18 @@ CUDNN_CONV_OPS = frozenset({"convolution", "_convolution", "convolution_backward
 
 
 def conv_call_ops(graph) -> tuple[int, ...]:
-    """Indices of the step's ops that run cuDNN convolutions ("aten.convolution.default" -> "convolution")."""
-    return tuple(op.index for op in graph.ops
-                 if op.target.startswith("aten.") and op.target.split(".")[1] in CUDNN_CONV_OPS)
+    """Indices of the step's ops that run cuDNN convolutions."""
+    return tuple(op.index for op in graph.ops if _aten_packet(op.target) in CUDNN_CONV_OPS)
+
+
+def _aten_packet(target: str) -> str | None:
+    """"aten.mm.default" -> "mm"; None for an op outside aten."""
+    return target.split(".")[1] if target.startswith("aten.") and target.count(".") >= 1 else None
 
 
 def runs_cublas(graph) -> bool:
-    """Whether any op of the step is a cuBLAS matmul ("aten.mm.default" -> "mm")."""
-    return any(op.target.split(".")[1] in CUBLAS_OPS for op in graph.ops
-               if op.target.startswith("aten.") and op.target.count(".") >= 1)
+    """Whether any op of the step is a cuBLAS matmul."""
+    return any(_aten_packet(op.target) in CUBLAS_OPS for op in graph.ops)
 
 
 def step_requests(liveness: Liveness, extra_nbytes: Sequence[int] = (), steps: int = 1,
