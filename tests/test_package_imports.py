@@ -122,7 +122,7 @@ CAPTURE_STAGES = (
     ("building the model on fake tensors", {"build", "lora"}),
     ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
                                  "dynamo_joint"}),
-    ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks",
+    ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks", "triton_target",
                                                                   "eager_rerun", "policies"}),
     ("conversion to ops over storages", {"convert", "splice"}),
     ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held"}),

@@ -24,17 +24,18 @@ class GpuSpec:
     sm: tuple[int, int]               # compute capability (major, minor)
     memory_bytes: int
     description: str
+    sm_count: int                     # streaming multiprocessors (Inductor sizes split reductions by it)
 
 
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("v100", (7, 0), 32 * _GIB, "Volta V100 32GB"),
-    GpuSpec("t4", (7, 5), 16 * _GIB, "Turing T4 16GB"),
-    GpuSpec("a100", (8, 0), 80 * _GIB, "Ampere A100 80GB"),
-    GpuSpec("a10g", (8, 6), 24 * _GIB, "Ampere A10G 24GB"),
-    GpuSpec("l4", (8, 9), 24 * _GIB, "Ada L4 24GB"),
-    GpuSpec("h100", (9, 0), 80 * _GIB, "Hopper H100 80GB"),
-    GpuSpec("h200", (9, 0), 141 * 10**9, "Hopper H200 141GB"),
-    GpuSpec("b200", (10, 0), 180 * 10**9, "Blackwell B200 180GB"),
+    GpuSpec("v100", (7, 0), 32 * _GIB, "Volta V100 32GB", 80),
+    GpuSpec("t4", (7, 5), 16 * _GIB, "Turing T4 16GB", 40),
+    GpuSpec("a100", (8, 0), 80 * _GIB, "Ampere A100 80GB", 108),
+    GpuSpec("a10g", (8, 6), 24 * _GIB, "Ampere A10G 24GB", 80),
+    GpuSpec("l4", (8, 9), 24 * _GIB, "Ada L4 24GB", 58),
+    GpuSpec("h100", (9, 0), 80 * _GIB, "Hopper H100 80GB", 132),
+    GpuSpec("h200", (9, 0), 141 * 10**9, "Hopper H200 141GB", 132),
+    GpuSpec("b200", (10, 0), 180 * 10**9, "Blackwell B200 180GB", 148),
 )}
 DEFAULT_GPU = "h100"                 # the GPU a prediction is for unless --gpu names another
 DEFAULT_TARGET = "cuda"              # what every command predicts unless --target cpu

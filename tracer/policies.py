@@ -44,8 +44,9 @@ class Policy:
 _KERNEL_SCRATCH = "kernel scratch"
 _EAGER_CHECKPOINT = "checkpointing is simulated as eager non-reentrant torch.utils.checkpoint"
 _INDUCTOR = ("kernel scratch of extern kernels other than CPU fp32 flash attention (oneDNN, CUDA or bf16 "
-             "attention); Inductor's plan is its CPU backend's (on a CUDA "
-             "target Triton's fusion differs); CUDA graphs")
+             "attention); for a CUDA target Inductor's Triton plan is made without a GPU, so what Inductor "
+             "decides by timing kernels is given, not measured (pad_mm: planned both ways, see the notes; "
+             "max-autotune's templates); CUDA graphs")
 
 POLICY_REGISTRY: dict[str, Policy] = {p.name: p for p in (
     Policy("eager", None, False, "what eager autograd saves and frees",

@@ -172,14 +172,67 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         for request_options, spec in requests:
             if on_policy is not None:
                 on_policy(spec.label)
+            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
+            target = parse_target(request_options.target)
+            if target.is_cuda and (spec.policy.compiled or spec.policy.compiled_blocks):
+                out.append(_compiled_for_cuda(cap, source, request_options, spec, target.gpu, kept))
+                continue
             if spec not in schedules:
                 schedules[spec] = policy_schedule(cap, spec)
-            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
             out.append(_step_for_policy(cap, source, request_options, spec, schedules[spec],
                                         recordings.setdefault(step_key, []), kept))
         return tuple(out)
     finally:
         cap.exit_stack.close()
+
+
+def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, gpu, kept) -> StepGraph:
+    """A compiled policy for a CUDA target, planned by Inductor's Triton scheduling for `gpu` in a forked
+    child (capture/triton_target.py). pad_mm's decisions that Inductor times on the GPU are planned both
+    ways: the step is the padded plan, and a note gives the unpadded plan's own peaks. Without triton (or
+    a compiler) here, the C++ plan with a note saying so."""
+    from tracer.capture.inductor_plan import planned_peak_bytes
+    from tracer.capture.triton_target import (TRITON_REQUIREMENT, TritonPlanError, in_forked_process,
+                                              install_cuda_planning, retarget_to_cuda, triton_unavailable)
+
+    unavailable = triton_unavailable()
+    if unavailable is not None:
+        graph = _step_for_policy(cap, source, options, spec, policy_schedule(cap, spec), [], kept)
+        return _with_notes(graph, (f"compiled plan: Inductor's C++ scheduling stands in for Triton's, which "
+                                   f"CUDA runs: {unavailable}; Triton fuses, splits reductions and reuses "
+                                   f"buffers by its own rules (install {TRITON_REQUIREMENT} for its plan)",))
+
+    def plan(pad: bool):
+        def work():
+            decisions = install_cuda_planning(gpu, pad_decision=pad)
+            retarget_to_cuda(cap.joint, cap.fake_mode)
+            schedule = policy_schedule(cap, spec)
+            graph = _step_for_policy(cap, source, options, spec, schedule, [], kept)
+            plans = [(schedule.forward_plan, schedule.backward_plan)] + [
+                (region.forward_plan, region.backward_plan) for region in schedule.regions]
+            peaks = tuple(max((planned_peak_bytes(p[i]) for p in plans if p[i] is not None), default=0)
+                          for i in (0, 1))
+            return graph, tuple(decisions.timed_pad_mm), peaks
+        try:
+            return in_forked_process(work)
+        except TritonPlanError as exc:
+            raise CaptureError(f"Inductor's Triton plan for {gpu.description} failed: {exc}",
+                               hint="use --target cpu for the C++ plan, or report the model") from None
+
+    graph, timed, (forward_peak, backward_peak) = plan(True)
+    notes = (f"compiled plan: Inductor's Triton scheduling for the {gpu.description} ({gpu.sm_count} SMs, "
+             f"sm{gpu.sm[0]}{gpu.sm[1]}), planned without a GPU; no kernel compiled",)
+    if timed:
+        _, _, (forward_unpadded, backward_unpadded) = plan(False)
+        notes += (f"pad_mm: Inductor times {len(timed)} unaligned matmul(s) on the GPU to decide whether to pad "
+                  f"them; planned padded. Unpadded, the compiled graphs' own buffers peak at "
+                  f"{forward_unpadded:,} B (forward) and {backward_unpadded:,} B (backward) instead of "
+                  f"{forward_peak:,} B and {backward_peak:,} B",)
+    return _with_notes(graph, notes)
+
+
+def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:
+    return dataclasses.replace(graph, config=dataclasses.replace(graph.config, notes=graph.config.notes + notes))
 
 
 def _refuse_overwritten_saved_values(cap) -> None:

@@ -34,7 +34,7 @@ from tracer.capture.joint import JointCapture
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_meta, input_nodes, is_rng_wrapper
 from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
                                  is_gradient_output, is_input_mutation_output, is_parameter_input, is_static_input,
-                                 is_tangent_input, loss_output_index, target_name)
+                                 is_tangent_input, loss_output_index, rng_wrapped_call, target_name)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors, storage_key
@@ -116,6 +116,8 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
                 tangent = (node, node.meta.get("val"))
             elif FORWARD_VALUE_KEY in node.meta:      # a parameter an eager recompute reads (policies.py)
                 values[node] = values[forward_nodes[node.meta[FORWARD_VALUE_KEY]]]
+            elif isinstance(node.meta.get("val"), torch.Generator):
+                values[node] = _generator_state(node.meta["val"])
             else:
                 saved_inputs.append(node)
         saved_outputs = fw_out[schedule.num_forward_outputs:]
@@ -129,7 +131,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         else:
             _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
                            phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
-        primal_descs = [descs[n.name] for n in schedule.forward.graph.find_nodes(op="placeholder")]
+        primal_descs = [descs.get(n.name) for n in schedule.forward.graph.find_nodes(op="placeholder")]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
                         if is_parameter_input(d) and out is not None]
     return _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting,
@@ -225,7 +227,9 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
     saved = iter(saved_values)
     for placeholder in placeholders:
         kind, _, number = placeholder.name.rpartition("_")
-        if kind == "tangents":
+        if isinstance(placeholder.meta.get("val"), torch.Generator):
+            values[placeholder] = _generator_state(placeholder.meta["val"])
+        elif kind == "tangents":
             values[placeholder] = values[region.tangents[int(number) - 1]]
         elif backward:
             values[placeholder] = next(saved)
@@ -394,9 +398,17 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
                 sid = table.add(val, StorageRole.INPUT, preexisting=True, persistent=True,
                                 name=f"input {getattr(desc, 'idx', '?')}")
             values[node] = table.value(val, sid)
+        elif isinstance(val, torch.Generator):
+            values[node] = _generator_state(val)
         else:
             values[node] = val
     return tangent
+
+
+def _generator_state(generator: torch.Generator) -> str:
+    """A generator's state that a replayed random op reads (CUDA's graph-safe RNG: the seed and offset, held
+    on the host), as plain data."""
+    return f"<{generator.device} generator state>"
 
 
 def _in_reentrant_region(cap, leaf) -> bool:
@@ -512,16 +524,14 @@ def _casts_graph_input(node: fx.Node) -> bool:
 
 
 def _unwrapped_args(node: fx.Node) -> tuple:
-    if "wrapped_target" not in node.meta:
-        return node.args
-    return node.args[1:] if node.target.__name__ == "run_and_save_rng_state" else node.args[2:]
+    call = rng_wrapped_call(node) if "wrapped_target" in node.meta else None
+    return node.args if call is None else call[1]
 
 
 def _unwrapped_kwargs(node: fx.Node) -> dict:
-    """run_with_rng_state reads the saved RNG state: keep it as an input (a keyword the formulas ignore)."""
-    if node.meta.get("wrapped_target") is not None and node.target.__name__ == "run_with_rng_state":
-        return {**node.kwargs, "rng_state": node.args[0]}
-    return dict(node.kwargs)
+    """A replayed random op reads the saved RNG state: kept as an input (a keyword the formulas ignore)."""
+    call = rng_wrapped_call(node) if "wrapped_target" in node.meta else None
+    return dict(node.kwargs) if call is None else call[2]
 
 
 def _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting, *,

@@ -12,9 +12,10 @@ order and buffer planning, run on the captured joint under fake tensors, without
     kernels that compute them, and one `PlannedStorage` per allocation with the kernel step that allocates
     it and the step after which the wrapper drops its last reference.
 
-The scheduler is Inductor's CPU (C++) backend for every target: a CUDA run fuses with Triton's rules, keeps
-no kernel-local buffers of the C++ backend's outer-loop fusion, and may pick Triton templates under
-max-autotune; those differences are not modelled (the report says so for a CUDA target).
+The scheduler is the one of the graph's device: Inductor's CPU (C++) backend for CPU values, and its Triton
+backend for a CUDA target, whose joint tracer.capture.triton_target retargets to fake cuda values in a
+forked child where Inductor's CUDA path is made to run without a GPU (Triton's fusion, reductions split by
+the GPU's SM count, its buffer reuse). Triton templates under max-autotune are not modelled.
 Kernel-internal scratch of the CPU flash-attention kernels is sized by tracer.capture.kernel_scratch
 (`GraphPlan.scratch`); that of other extern kernels (oneDNN, CUDA attention) is not modelled, nor are CUDA
 graphs and `config.memory_planning` (off by default). Measured (benchmarks/compiled_vs_profiler.py, batch
@@ -55,6 +56,17 @@ class GraphPlan:
     input_release_step: dict                           # placeholder node -> step after which the graph frees it
     steps: int
     scratch: dict = dataclasses.field(default_factory=dict)   # fx node -> bytes of each kernel-internal scratch
+
+
+def planned_peak_bytes(plan: GraphPlan) -> int:
+    """The most bytes the graph's own allocations (`plan.storages`: not its inputs) hold at once, over its
+    kernel steps; a storage counts from its allocating step through its release step."""
+    held = [0] * (plan.steps + 1)
+    for storage in plan.storages:
+        last = plan.steps if storage.release_step is None else storage.release_step
+        for step in range(storage.alloc_step, last + 1):
+            held[step] += storage.nbytes
+    return max(held, default=0)
 
 
 def inductor_partition(joint: fx.GraphModule, fake_mode, *, num_fwd_outputs: int, static_inputs: list[int]):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from tracer.capture.meta import rng_wrapped_call
+
 _FLASH_FORWARD = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 _FLASH_BACKWARD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
 _KV_BLOCK_ROWS = 512
@@ -41,12 +43,8 @@ def scratch_allocations(node: fx.Node, threads: int) -> tuple[int, ...]:
 
 def _kernel_call(node: fx.Node) -> tuple[str, tuple]:
     """(aten overload name, its arguments) of the kernel the node runs, through checkpointing's RNG wrappers."""
-    name = getattr(node.target, "__name__", "")
-    if name == "run_and_save_rng_state":
-        return str(node.args[0]), node.args[1:]
-    if name == "run_with_rng_state":
-        return str(node.args[1]), node.args[2:]
-    return str(node.target), node.args
+    call = rng_wrapped_call(node)
+    return (str(node.target), node.args) if call is None else (str(call[0]), call[1])
 
 
 def _query_block_rows(query_len: int) -> int:

@@ -80,3 +80,19 @@ def target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"aten.{target._opname}.{target._overloadname}" if target.namespace == "aten" else str(target)
     return getattr(target, "__name__", str(target))
+
+
+def rng_wrapped_call(node) -> tuple | None:
+    """(op, args, kwargs) that a recomputed random op's wrapper runs, or None for any other node. The
+    partitioner wraps a random op that backward recomputes: on the CPU (and for the C++ plan)
+    `run_and_save_rng_state(op, *args) -> (state, out)` and `run_with_rng_state(state, op, *args)`, whose
+    saved state is kept as an `rng_state` keyword; on CUDA `graphsafe_run_with_rng_state(op, *args,
+    rng_state=generator)` in forward and backward alike (the generator's state is a graph input)."""
+    name = getattr(node.target, "__name__", "")
+    if name == "run_and_save_rng_state":
+        return node.args[0], node.args[1:], dict(node.kwargs)
+    if name == "run_with_rng_state":
+        return node.args[1], node.args[2:], {**node.kwargs, "rng_state": node.args[0]}
+    if name == "graphsafe_run_with_rng_state":
+        return node.args[0], node.args[1:], dict(node.kwargs)
+    return None

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from tracer.capture.meta import rng_wrapped_call
+
 _GETITEM = operator.getitem
 
 
@@ -33,7 +35,7 @@ class Schedule:
 
 
 def is_rng_wrapper(node: fx.Node) -> bool:
-    return getattr(node.target, "__name__", "") in ("run_and_save_rng_state", "run_with_rng_state")
+    return node.op == "call_function" and rng_wrapped_call(node) is not None
 
 
 def fill_rng_wrapper_values(gm: fx.GraphModule, fake_mode) -> None:
@@ -80,12 +82,13 @@ def fill_rng_wrapper_meta(node: fx.Node, fake_mode) -> None:
     tensor of torch.get_rng_state()'s size. Attribution comes from the wrapped op (`restore_rng_wrapper_meta`),
     else falls back to the first input's line and module."""
     saving = node.target.__name__ == "run_and_save_rng_state"
-    op, args = (node.args[0], node.args[1:]) if saving else (node.args[1], node.args[2:])
+    op, args, kwargs = rng_wrapped_call(node)
     fake_args = fx.node.map_arg(args, lambda n: n.meta.get("val"))
-    fake_kwargs = fx.node.map_arg(dict(node.kwargs), lambda n: n.meta.get("val"))
+    fake_kwargs = fx.node.map_arg({k: v for k, v in kwargs.items() if k != "rng_state"},
+                                  lambda n: n.meta.get("val"))
     with fake_mode:
         out = op(*fake_args, **fake_kwargs)
-        rng_state = torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8)
+        rng_state = torch.empty(torch.get_rng_state().numel(), dtype=torch.uint8) if saving else None
     node.meta["val"] = (rng_state, out) if saving else out
     source = next((n for n in input_nodes(node) if n.meta.get("stack_trace")), None)
     if source is not None:

@@ -29,12 +29,14 @@ Conventions (one FLOP = one multiply or add; a fused multiply-add counts 2):
     times grad_output) and for dropout (mask, scale).
     `_foreach_*` ops: the same constant per element, elements summed over the first tensor list.
   * Reductions: per *input* element: 1 for sum/mean/amax/..., 2 for norms, 3 for var/std/logsumexp;
-    softmax and log_softmax 5 (max, sub, exp, sum, div or log-sub); their backward 4.
+    softmax and log_softmax 5 (max, sub, exp, sum, div or log-sub); their backward 4; Inductor's
+    prepare_softmax_online (max and sum of exp in one pass) 4.
   * Normalizations, per input element: 5 (mean, sub, square, sum, scale; 3 for RMS norm, 2 for batch
     norm in eval) + 1 for the weight + 1 for the bias when present. Backward (by output_mask):
     8 for grad_input, 2 for grad_weight, 1 for grad_bias.
   * Losses: nll_loss forward/backward 1 per target element; mse_loss 3, its backward 2, per element.
-    embedding_dense_backward: 1 per grad_output element (the scatter-add); embedding itself is a gather.
+    embedding_dense_backward: 1 per grad_output element (the scatter-add), and so Inductor's
+    _unsafe_masked_index_put_accumulate per value added; embedding itself is a gather.
   * Fused Adam/AdamW: 13 per parameter element, + 1 (AdamW) or 2 (Adam) with weight_decay, + 1 amsgrad.
   * Zero cost (`ZERO_COST_OPS`): views and reshapes, data movement (clone, copy_, _to_copy, cat, stack,
     gather, embedding, padding), factories and fills, RNG, scalar reads, asserts, getitem. Moving or
@@ -69,13 +71,13 @@ ZERO_COST_OPS: frozenset[str] = frozenset({
     "aten.clone", "aten.copy", "aten.copy_", "aten._to_copy", "aten.lift_fresh_copy", "aten.cat",
     "aten.stack", "aten.constant_pad_nd", "aten.repeat", "aten.flip", "aten.roll", "aten.slice_backward",
     "aten.select_backward", "aten.slice_scatter", "aten.select_scatter", "aten.embedding",
-    "aten.index_select", "aten.gather", "aten.index", "aten._foreach_copy_",
+    "aten.index_select", "aten.gather", "aten.index", "aten._foreach_copy_", "prims.convert_element_type",
     # factories, fills, random numbers
     "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.zeros", "aten.zeros_like", "aten.ones",
     "aten.ones_like", "aten.full", "aten.full_like", "aten.new_empty", "aten.new_empty_strided",
     "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.arange", "aten.scalar_tensor", "aten.fill",
     "aten.fill_", "aten.zero_", "aten._foreach_zero_", "aten.rand", "aten.randn", "aten.randint",
-    "aten.rand_like", "aten.randn_like", "aten.bernoulli", "aten.uniform_", "aten.normal_",
+    "aten.rand_like", "aten.randn_like", "aten.bernoulli", "aten.uniform_", "aten.normal_", "prims.iota",
     # scalars, shapes, asserts, bookkeeping
     "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
     "aten.sym_storage_offset", "aten._assert_tensor_metadata", "aten._assert_async", "aten._assert_scalar",
@@ -386,6 +388,8 @@ flop_formula("aten.norm", "aten.linalg_vector_norm")(_per_input_element(2))
 flop_formula("aten.var", "aten.std", "aten.var_mean", "aten.std_mean", "aten.logsumexp")(_per_input_element(3))
 flop_formula("aten._softmax", "aten._log_softmax")(_per_input_element(5))
 flop_formula("aten._softmax_backward_data", "aten._log_softmax_backward_data")(_per_input_element(4))
+# Inductor's decomposition of softmax on GPUs: the row max and the sum of exp(x - max) in one pass
+flop_formula("prims.prepare_softmax_online")(_per_input_element(4))
 
 
 # ------------------------------------------------------------------------------------- normalizations
@@ -437,6 +441,8 @@ flop_formula("aten.mse_loss_backward")(_per_input_element(2, input_at=1))
 flop_formula("aten.embedding_dense_backward")(_per_input_element(1))
 flop_formula("aten.index_add", "aten.index_add_")(_per_input_element(1, input_at=3))
 flop_formula("aten.scatter_add", "aten.scatter_add_")(_per_input_element(1, input_at=3))
+# (self, mask, indices, values): Inductor's decomposition of an embedding's backward adds each value in
+flop_formula("aten._unsafe_masked_index_put_accumulate")(_per_input_element(1, input_at=3))
 
 
 @flop_formula("aten._fused_adam_", "aten._fused_adamw_", "aten._fused_adam", "aten._fused_adamw")

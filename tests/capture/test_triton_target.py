@@ -1,0 +1,127 @@
+"""How a compiled step for a CUDA target is planned by Inductor's Triton scheduling on this CPU-only build
+(tracer.capture.triton_target): in a forked child, with the `--gpu` model's properties, nothing compiled,
+and pad_mm's timed decisions planned both ways. No GPU checks these plans here; what is tested is that the
+plan is Triton's (not the C++ plan), that it follows the GPU model, and that nothing leaks into the parent."""
+import os
+
+import pytest
+import torch
+
+from tracer.capture import CaptureOptions, PolicySpec, capture_step, load_model_source
+from tracer.capture import triton_target
+from tracer.capture.triton_target import device_properties, in_forked_process, install_cuda_planning
+from tracer.choices import GPUS
+from tracer.errors import UsageError
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+BIAS_ROWS = os.path.join(FIXTURES, "bias_gradient_rows.py")
+UNALIGNED_VOCAB = os.path.join(FIXTURES, "unaligned_vocab_head.py")
+
+pytestmark = pytest.mark.skipif(triton_target.triton_unavailable() is not None,
+                                reason=f"no Triton plan here: {triton_target.triton_unavailable()}")
+
+
+def _compiled(model, *, gpu="h100", seq=64, policy="compiled", **options):
+    return capture_step(load_model_source(model), CaptureOptions(seq=seq, target=f"cuda:{gpu}", **options),
+                        PolicySpec(name=policy))
+
+
+def _planned_storages(graph) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of every buffer the compiled graphs allocate, in plan order."""
+    return [(s.shape, s.dtype) for s in graph.storages if s.name.startswith("inductor ")]
+
+
+def test_the_forked_child_returns_its_answer_and_raises_its_errors():
+    assert in_forked_process(lambda: {"pid": os.getpid()})["pid"] != os.getpid()
+
+    def refuse():
+        raise UsageError("a refused model", hint="fix it")
+    with pytest.raises(UsageError, match="a refused model") as refused:
+        in_forked_process(refuse)
+    assert refused.value.hint == "fix it"
+
+    def bug():
+        return {}["missing"]
+    with pytest.raises(KeyError) as raised:
+        in_forked_process(bug)
+    assert "in the planning process" in "".join(getattr(raised.value, "__notes__", []))
+
+
+def test_the_child_sees_the_gpu_model_and_the_parent_is_left_as_it_was():
+    """Inductor reads the SM count that sizes split reductions through DeviceProperties.create."""
+    def seen():
+        install_cuda_planning(GPUS["t4"], pad_decision=True)
+        from torch._inductor.runtime.hints import DeviceProperties
+        props = DeviceProperties.create(torch.device("cuda", 0))
+        with torch._subclasses.fake_tensor.FakeTensorMode():
+            x = torch.empty(4, 8, device="cuda")
+            indexed = tuple((~(x > 0))[1:, :3].shape)         # C++ device guards on a fake cuda tensor
+        return torch.cuda.is_available(), props.multi_processor_count, props.cc, indexed
+
+    assert in_forked_process(seen) == (True, 40, 75, (3, 3))
+    assert not torch.cuda.is_available()
+    assert device_properties(GPUS["h100"]).multi_processor_count == 132
+
+
+@pytest.fixture(scope="module")
+def bias_rows_plans():
+    """The bias-gradient model (64 sums over 65,536 rows) planned for two GPUs with Triton, and with C++."""
+    triton = {gpu: _compiled(BIAS_ROWS, gpu=gpu, seq=32768) for gpu in ("h100", "t4")}
+    available = triton_target.triton_unavailable
+    triton_target.triton_unavailable = lambda: "a test asks for the C++ plan"
+    try:
+        cpp = _compiled(BIAS_ROWS, seq=32768)
+    finally:
+        triton_target.triton_unavailable = available
+    return triton, cpp
+
+
+def _partial_sums(graph) -> list[int]:
+    """Bytes of the compiled graphs' buffers other than the layer's (65,536, 64) output: the bias gradient's
+    partial sums (Inductor's buffers with no tensor of the graph behind them have a byte shape)."""
+    return [s.nbytes for s in graph.storages if s.name.startswith("inductor ") and s.shape != (65536, 64)]
+
+
+def test_a_cuda_target_is_planned_by_triton_and_the_report_says_so(bias_rows_plans):
+    triton, cpp = bias_rows_plans
+    assert any(note.startswith("compiled plan: Inductor's Triton scheduling for the Hopper H100 80GB (132 SMs")
+               for note in triton["h100"].config.notes)
+    assert any("Inductor's C++ scheduling stands in for Triton's, which CUDA runs: a test asks for the C++ plan"
+               in note for note in cpp.config.notes)
+    assert _planned_storages(triton["h100"]) != _planned_storages(cpp)
+
+
+def test_the_split_reduction_follows_the_gpus_sm_count(bias_rows_plans):
+    """Triton splits the bias gradient's 65,536-row sum into partial sums, 64 fp32 per split, with more
+    splits on the H100's 132 SMs than on the T4's 40; the C++ plan sums it in one kernel."""
+    triton, cpp = bias_rows_plans
+    splits = {gpu: max(_partial_sums(graph)) // (64 * 4) for gpu, graph in triton.items()}
+    assert all(max(_partial_sums(graph)) % (64 * 4) == 0 for graph in triton.values())
+    assert splits["h100"] > splits["t4"] > 1
+    assert _partial_sums(cpp) == []
+
+
+def test_a_timed_pad_mm_decision_is_planned_both_ways():
+    """GPT-2's 50,257-token head: Inductor times padding on the GPU; the step is the padded plan and the note
+    gives the unpadded plan's own peaks, which differ."""
+    graph = _compiled(UNALIGNED_VOCAB, seq=256)
+    note = next(n for n in graph.config.notes if n.startswith("pad_mm:"))
+    assert "planned padded" in note
+    numbers = [int(word.replace(",", "")) for word in note.replace("(", " ").split() if word[:1].isdigit()]
+    unpadded, padded = numbers[-4:-2], numbers[-2:]
+    assert unpadded != padded
+
+
+def test_an_aligned_model_needs_no_timed_decision():
+    graph = _compiled(BIAS_ROWS, seq=64)
+    assert not any(n.startswith("pad_mm:") for n in graph.config.notes)
+
+
+@pytest.mark.parametrize("policy", ["compiled+full", "compiled-blocks+full"])
+def test_checkpointed_random_ops_replay_from_the_generator_state(policy):
+    """On CUDA the partitioner replays a recomputed dropout from the generator's cloned state, a graph input
+    on the host: no RNG state tensor is saved (the C++ plan saves the CPU generator's 5,056 B state)."""
+    graph = _compiled("gpt2-debug", seq=32, policy=policy)
+    assert any(op.target.endswith("_scaled_dot_product_efficient_attention.default") and op.recomputed
+               for op in graph.ops)
+    assert not [s for s in graph.storages if s.nbytes == torch.get_rng_state().numel()]

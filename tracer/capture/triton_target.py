@@ -1,0 +1,430 @@
+"""Inductor's Triton (CUDA) plan of a compiled step, made on a CPU-only build of torch without a GPU.
+
+For a CUDA target, torch.compile lowers through Inductor's Triton scheduling, not its C++ one: Triton fuses
+by its own rules, splits large reductions into partial sums sized by the GPU's SM count, and reuses freed
+buffers differently, so the buffers a compiled graph allocates differ from the C++ plan's (on a small MLP +
+attention model the backward's own buffers peak 7% lower in fp32, 18% in bf16). Inductor's Triton path runs
+on the CPU build once five things a CPU build lacks are supplied; nothing is compiled or run on a device:
+
+  1. **a CUDA device guard**: the CPU build registers no `DeviceGuardImpl` for CUDA, so every C++ path that
+     opens a device guard on a fake cuda tensor (indexing, `~mask`, which Inductor's decompositions call)
+     raises "PyTorch is not linked with support for cuda devices". A 20-line C++ guard that does nothing
+     (one device, one stream, events that are always ready) is compiled once with g++ against c10's
+     headers (about 1 s) into tracer's cache directory and registered through c10's `registerDeviceGuard`.
+  2. **constant folding on the CPU**: Inductor's uniform-value constant folder evaluates one-element
+     constants for real (`UniformValueConstantFolder`); those real ops run on the CPU, only their value is
+     kept, and the folded constant keeps its cuda device.
+  3. **device queries**: `torch.cuda`'s queries (available, one device, its properties and capability) and
+     Inductor's CUDA device interface answer for the `--gpu` model (`device_properties`): SM count,
+     compute capability, warp size, threads per SM. Fake tensors keep avoiding device initialisation.
+  4. **Triton's driver**: an active driver that names the GPU target (`GPUTarget("cuda", sm, 32)`) and
+     refuses to launch or time anything (the real one loads libcuda).
+  5. **decisions Inductor times on the GPU**: `pad_mm` pads an unaligned, compute-bound matmul when timing
+     both versions on the device says padding is faster. Inductor's own rules before the timing (forced
+     padding, the bf16 large-K rule, "not compute bound: keep") are run as they are; where only the timing
+     is left, the decision is given (`pad_decision`) and recorded, and the caller plans both answers.
+
+The patches change process-wide state, so a plan runs in a forked child of the capturing process
+(`in_forked_process`): the child inherits the captured joint, retargets it to fake cuda tensors
+(`retarget_to_cuda`), plans and converts it, and sends the finished (plain, picklable) result back.
+
+Not modelled here: decisions under `max_autotune` (Triton templates), `benchmark_fusion` and
+`benchmark_epilogue_fusion` (off by default), CUDA graphs. `triton_unavailable()` says why a plan cannot be
+made here (no triton, no C++ compiler, a CUDA build of torch, no fork); the caller then plans with the C++
+backend and says so in the report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+from tracer.choices import GpuSpec
+
+TRITON_REQUIREMENT = "triton==3.7.1"      # what torch 2.13.0's CUDA wheels install (their metadata pins it)
+
+_GUARD_SOURCE = r"""
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+namespace {
+using namespace c10;
+using namespace c10::impl;
+// A device guard for CUDA that does nothing: one device, one stream, events that are always complete.
+struct NoCudaGuard final : public DeviceGuardImplInterface {
+  DeviceType type() const override { return DeviceType::CUDA; }
+  Device exchangeDevice(Device) const override { return Device(DeviceType::CUDA, 0); }
+  Device getDevice() const override { return Device(DeviceType::CUDA, 0); }
+  void setDevice(Device) const override {}
+  void uncheckedSetDevice(Device) const noexcept override {}
+  Stream getStream(Device) const noexcept override { return Stream(Stream::UNSAFE, Device(DeviceType::CUDA, 0), 0); }
+  Stream exchangeStream(Stream) const noexcept override { return Stream(Stream::UNSAFE, Device(DeviceType::CUDA, 0), 0); }
+  DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void**, const Stream&, const DeviceIndex, const EventFlag) const override {}
+  void block(void*, const Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const DeviceIndex) const noexcept override {}
+};
+}
+extern "C" int tracer_register_no_cuda_guard() {
+  if (hasDeviceGuardImpl(DeviceType::CUDA)) return 0;
+  static NoCudaGuard guard;
+  registerDeviceGuard(DeviceType::CUDA, &guard);
+  return 1;
+}
+"""
+
+
+class TritonPlanError(RuntimeError):
+    """The Triton plan could not be made in the child process (the message says why)."""
+
+
+def triton_unavailable() -> str | None:
+    """Why a Triton plan cannot be made in this process, or None when it can."""
+    import importlib.util
+
+    import torch
+    if torch.version.cuda is not None:
+        return "this torch is a CUDA build (the planning patches are for the CPU build)"
+    if not hasattr(os, "fork"):
+        return "this platform has no fork()"
+    if importlib.util.find_spec("triton") is None:
+        return f"triton is not installed (pip install {TRITON_REQUIREMENT})"
+    if _compiler() is None:
+        return "no C++ compiler (g++ or $CXX) to build the planning device guard"
+    return None
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+# ---------------------------------------------------------------------------------------------- GPU model
+@dataclasses.dataclass(frozen=True)
+class DeviceProperties:
+    """What `torch.cuda.get_device_properties` answers for a GPU, the fields Inductor reads."""
+    name: str
+    major: int
+    minor: int
+    multi_processor_count: int
+    total_memory: int
+    max_threads_per_multi_processor: int
+    warp_size: int = 32
+    max_threads_per_block: int = 1024
+    regs_per_multiprocessor: int = 65536
+    shared_memory_per_block: int = 48 * 1024
+    shared_memory_per_block_optin: int = 48 * 1024
+    shared_memory_per_multiprocessor: int = 64 * 1024
+    is_integrated: int = 0
+    is_multi_gpu_board: int = 0
+    uuid: str = "00000000-0000-0000-0000-000000000000"
+    pci_bus_id: int = 0
+    pci_device_id: int = 0
+    pci_domain_id: int = 0
+
+    @property
+    def gcnArchName(self) -> str:                       # noqa: N802 - torch's name; Inductor's cache key reads it
+        return self.name
+
+
+def device_properties(gpu: GpuSpec) -> DeviceProperties:
+    """The `--gpu` model as CUDA describes it; threads per SM by compute capability (CUDA C++ Programming
+    Guide, "Technical Specifications per Compute Capability": 1024 on 7.5, 1536 on 8.6 and 8.9, else 2048)."""
+    threads = {(7, 5): 1024, (8, 6): 1536, (8, 9): 1536}.get(gpu.sm, 2048)
+    # shared memory per SM and the most one block may opt in to, KiB (the same table)
+    shared_kib, optin_kib = {(7, 0): (96, 96), (7, 5): (64, 64), (8, 0): (164, 163), (8, 6): (100, 99),
+                             (8, 9): (100, 99), (9, 0): (228, 227), (10, 0): (228, 227)}.get(gpu.sm, (64, 48))
+    return DeviceProperties(name=gpu.description, major=gpu.sm[0], minor=gpu.sm[1],
+                            multi_processor_count=gpu.sm_count, total_memory=gpu.memory_bytes,
+                            max_threads_per_multi_processor=threads,
+                            shared_memory_per_block_optin=optin_kib * 1024,
+                            shared_memory_per_multiprocessor=shared_kib * 1024)
+
+
+# ---------------------------------------------------------------------------------------------- the patches
+@dataclasses.dataclass
+class PlanDecisions:
+    """What the planning patches decided instead of a GPU: pad_mm's timed decisions, one text per matmul."""
+    pad_decision: bool
+    timed_pad_mm: list[str] = dataclasses.field(default_factory=list)
+
+
+def install_cuda_planning(gpu: GpuSpec, *, pad_decision: bool) -> PlanDecisions:
+    """Apply the five planning patches for `gpu` to this process (for a forked child: they are not undone)."""
+    import torch
+    if torch.version.cuda is not None:
+        raise TritonPlanError("a CUDA build of torch: the planning patches are for the CPU build only")
+    _register_device_guard()
+    _fold_constants_on_cpu()
+    props = device_properties(gpu)
+    _answer_device_queries(props)
+    _set_triton_driver(props)
+    _forget_device_answers()
+    decisions = PlanDecisions(pad_decision)
+    _give_pad_mm_decisions(decisions)
+    return decisions
+
+
+def _guard_library() -> str:
+    """The compiled guard, built once per torch version and source into tracer's cache directory."""
+    import torch
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    key = hashlib.sha256(f"{torch.__version__}|{abi}|{_GUARD_SOURCE}".encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("TRACER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tracer"), "cuda_guard")
+    library = os.path.join(cache, f"no_cuda_guard-{key}.so")
+    if os.path.exists(library):
+        return library
+    os.makedirs(cache, exist_ok=True)
+    source = os.path.join(cache, f"no_cuda_guard-{key}.cpp")
+    with open(source, "w") as f:
+        f.write(_GUARD_SOURCE)
+    partial = f"{library}.{os.getpid()}"
+    command = [_compiler(), "-shared", "-fPIC", "-O1", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-I{include}", source, f"-L{lib_dir}", "-lc10", f"-Wl,-rpath,{lib_dir}", "-o", partial]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise TritonPlanError(f"building the planning device guard failed: {done.stderr.strip()[-400:]}")
+    os.replace(partial, library)          # atomic: a concurrent build never leaves a half-written library
+    return library
+
+
+def _register_device_guard() -> None:
+    import ctypes
+    ctypes.CDLL(_guard_library()).tracer_register_no_cuda_guard()
+
+
+def _fold_constants_on_cpu() -> None:
+    """Inductor's uniform-value constant folder runs its one-element constants for real, with the fake mode
+    off (torch/_inductor/fx_passes/joint_graph.py, `_deduce_value`, `_add_peephole_patterns`): they run on
+    the CPU and only their value is read."""
+    import torch
+    from torch._inductor.fx_passes import joint_graph
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CudaConstantsOnCpu(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+                kwargs["device"] = torch.device("cpu")
+            if func is torch.ops.prims.device_put.default:
+                args = (args[0], torch.device("cpu")) + tuple(args[2:])
+            return func(*args, **kwargs)
+
+    folder = joint_graph.UniformValueConstantFolder
+    for name in ("_deduce_value", "_add_peephole_patterns"):
+        original = getattr(folder, name)
+
+        def on_cpu(self, *args, _original=original):
+            with CudaConstantsOnCpu():
+                return _original(self, *args)
+
+        setattr(folder, name, functools.wraps(original)(on_cpu))
+
+
+def _answer_device_queries(props: DeviceProperties) -> None:
+    """torch.cuda's queries, and the copies Inductor's CUDA device interface took of them at import."""
+    import torch
+    import torch._dynamo.device_interface as device_interface
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class HostGeneratorForCuda(torch.Generator):
+        """A host generator that says it is cuda:0's: what a replayed random op reads its state from."""
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        def clone_state(self):
+            return HostGeneratorForCuda()
+
+    capability = (props.major, props.minor)
+    answers = dict(
+        is_available=lambda: True, device_count=lambda: 1, current_device=lambda: 0,
+        get_device_properties=lambda device=None: props, get_device_capability=lambda device=None: capability,
+        get_device_name=lambda device=None: props.name, is_bf16_supported=lambda including_emulation=True: props.major >= 8,
+        set_device=lambda device: None, _exchange_device=lambda device: 0, _maybe_exchange_device=lambda device: 0,
+        # a recomputed random op's saved state: CUDA's generator state is 16 bytes (seed, offset) on the host
+        get_rng_state=lambda device="cuda": torch.zeros(16, dtype=torch.uint8),
+        set_rng_state=lambda state, device="cuda": None,
+        # a checkpointed random op is replayed from the generator's cloned state (graph-safe RNG
+        # functionalization), a graph input with no device memory: a host generator stands in
+        _get_generator=lambda device=None: HostGeneratorForCuda(),
+    )
+    interface = device_interface.CudaInterface
+    for name, answer in answers.items():
+        setattr(torch.cuda, name, answer)
+        if hasattr(interface, name):
+            setattr(interface, name, staticmethod(answer))
+    torch.cuda.default_generators = (HostGeneratorForCuda(),)
+    interface.get_compute_capability = staticmethod(lambda device=None: props.major * 10 + props.minor)
+    device_interface.caching_worker_device_properties["cuda"] = [props]
+    device_interface.caching_worker_current_devices["cuda"] = 0
+    # fake tensors read is_available() to decide whether constants may be made on the device: there is none
+    FakeTensorMode.avoid_device_init = property(lambda self: True)
+
+
+def _set_triton_driver(props: DeviceProperties) -> None:
+    """Triton's active driver: names the target, never launches or times a kernel."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import GPUDriver
+    from triton.backends.nvidia.driver import ty_to_cpp
+    from triton.runtime.driver import driver
+
+    capability = props.major * 10 + props.minor
+
+    class PlanningDriver(GPUDriver):
+        @classmethod
+        def is_active(cls):
+            return True
+
+        def __init__(self):
+            self.get_device_capability = lambda device=None: (props.major, props.minor)
+            self.get_current_stream = lambda device=None: 0
+            self.get_current_device = lambda: 0
+            self.set_current_device = lambda device: None
+
+        def get_current_target(self):
+            return GPUTarget("cuda", capability, props.warp_size)
+
+        def get_active_torch_device(self):
+            return torch.device("cuda", 0)
+
+        def get_device_interface(self):
+            return torch.cuda
+
+        def map_python_to_cpp_type(self, ty):
+            return ty_to_cpp(ty)
+
+        def get_benchmarker(self):
+            raise TritonPlanError("a kernel timing was requested while planning without a GPU")
+
+        def get_empty_cache_for_benchmark(self):
+            raise TritonPlanError("a kernel timing was requested while planning without a GPU")
+
+    driver.set_active(PlanningDriver())
+
+
+def _forget_device_answers() -> None:
+    """Answers the process cached before the patches (this process, or the one it was forked from, may have
+    asked "is there triton? a GPU? which?" and cached "no"): every functools cache of the modules that ask."""
+    import importlib
+    for name in ("torch.utils._triton", "torch._inductor.utils", "torch._inductor.runtime.hints",
+                 "torch._dynamo.device_interface", "torch._inductor.codegen.common"):
+        module = importlib.import_module(name)
+        for value in list(vars(module).values()):
+            for cached in (value, *vars(value).values()) if isinstance(value, type) else (value,):
+                cached = getattr(cached, "__func__", cached)
+                if callable(getattr(cached, "cache_clear", None)):
+                    cached.cache_clear()
+
+
+def _give_pad_mm_decisions(decisions: PlanDecisions) -> None:
+    """pad_mm's `_should_pad` runs Inductor's rules as they are, up to its timing cache lookup, which is
+    where the GPU would be asked: the lookup answers `decisions.pad_decision` and records the matmul. The
+    on-disk memoizer around `_should_pad` is bypassed (a given answer must not be stored as a measured one)."""
+    import inspect
+
+    from torch._inductor.fx_passes import pad_mm
+
+    rules = inspect.unwrap(pad_mm._should_pad)
+
+    def timed_decision(key: str) -> bool:
+        decisions.timed_pad_mm.append(key)
+        return decisions.pad_decision
+
+    pad_mm.get_cached_should_pad = timed_decision
+    pad_mm._should_pad = rules
+
+
+# ---------------------------------------------------------------------------------------------- the graph
+def retarget_to_cuda(gm, fake_mode) -> None:
+    """Every fake tensor value of `gm` moved to fake `cuda:0` (same size, stride and dtype; nothing runs) and
+    every `torch.device('cpu')` argument rewritten; the capture traced on CPU fakes with CUDA's ops."""
+    import torch
+    import torch.fx as fx
+    from torch.utils._pytree import tree_map
+
+    cuda = torch.device("cuda", 0)
+
+    def moved(value):
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=cuda)
+        return value
+
+    def device_arg(arg):
+        return cuda if isinstance(arg, torch.device) and arg.type == "cpu" else arg
+
+    with fake_mode:
+        for node in gm.graph.nodes:
+            if "val" in node.meta:
+                node.meta["val"] = tree_map(moved, node.meta["val"])
+            if node.op == "call_function":
+                node.args = fx.node.map_aggregate(node.args, device_arg)
+                node.kwargs = fx.node.map_aggregate(node.kwargs, device_arg)
+    gm.recompile()
+
+
+# ---------------------------------------------------------------------------------------------- the child
+def in_forked_process(work):
+    """`work()` run in a forked child of this process; its return value (picklable) comes back, and so does
+    an exception it raises. The child shares nothing with this process afterwards, so patches it applies
+    stay there. Raises TritonPlanError when the child dies without an answer."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                         # the child
+        os.close(read_end)
+        code = 0
+        try:
+            try:
+                _one_intra_op_thread()
+                payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as exc:                 # noqa: BLE001 - everything goes back to the parent
+                payload = _pickled_error(exc)
+            with os.fdopen(write_end, "wb") as pipe:
+                pipe.write(payload)
+        except BaseException:                            # noqa: BLE001
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        payload = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not payload:
+        raise TritonPlanError(f"the planning process ended without an answer (wait status {status})")
+    kind, value = pickle.loads(payload)
+    if kind == "error":
+        raise value
+    return value
+
+
+def _one_intra_op_thread() -> None:
+    """The parent's OpenMP worker threads do not exist in a forked child, and a real CPU op that opens a
+    parallel region there waits for them forever (libgomp): the child runs its few real ops (constant
+    folding, example values) on one thread."""
+    import torch
+    torch.set_num_threads(1)
+
+
+def _pickled_error(exc: BaseException) -> bytes:
+    """The exception itself when it survives pickling (tracer's errors do), else a TritonPlanError with its
+    text and the innermost lines of its traceback."""
+    import traceback
+    from tracer.errors import TracerError
+    if not isinstance(exc, TracerError):          # a bug's traceback from the child, for --verbose
+        exc.add_note("in the planning process:\n" + "".join(traceback.format_tb(exc.__traceback__)))
+    try:
+        payload = pickle.dumps(("error", exc), protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(payload)
+        return payload
+    except Exception:                                    # noqa: BLE001 - an exception that does not pickle
+        where = "".join(traceback.format_tb(exc.__traceback__)[-3:])
+        return pickle.dumps(("error", TritonPlanError(f"{type(exc).__name__}: {exc}\n{where}")))
