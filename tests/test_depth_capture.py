@@ -56,8 +56,8 @@ def test_a_deep_model_is_synthesized_and_reports_as_its_full_capture():
                                       dict(shard="fsdp", world_size=4, target="cuda"),
                                       dict(optimizer="adamw8bit", target="cpu")], ids=["accumulate", "fsdp", "adamw8bit"])
 def test_micro_batches_and_sharding_report_as_the_full_capture(keywords):
-    """adamw8bit: the simulated fused step reads no moment as a tensor, so block 1's state is paired with
-    block 2's by name."""
+    """adamw8bit on the CPU: bitsandbytes' CPU kernels, traced, make the same temporaries for every block's
+    parameters, so block 1's state and temporaries are paired with block 2's."""
     synthesized, captured = _both(LLAMA12, batch=2, seq=16, **keywords)
     assert NOTE in synthesized.graph.config.notes
     _assert_same_reports(synthesized, captured)

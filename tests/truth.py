@@ -407,3 +407,44 @@ def _choose_balanced(x: torch.Tensor, indices: torch.Tensor, k: int, *, values: 
 def is_topk_router(module: torch.nn.Module) -> bool:
     """A transformers mixture-of-experts router (MixtralTopKRouter, Qwen2MoeTopKRouter, ...)."""
     return type(module).__name__.endswith("TopKRouter")
+
+
+def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer) -> dict[str, int]:
+    """Peak bytes per phase (forward, backward, optimizer) of one real steady CPU step (one warm-up step
+    first), read from the CPU allocator's own events (torch.profiler, profile_memory=True): what a
+    dispatch-level tracker cannot see is counted too (tensors a custom op's kernel makes and frees inside
+    its call, compiled code). The bytes held when the step starts are the unique storages of the
+    parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from tracer.capture.optimizer import optimizer_held_tensors
+
+    def step(ranged: bool):
+        def phase(name):
+            return record_function(f"phase:{name}") if ranged else contextlib.nullcontext()
+        with phase("forward"):
+            loss = model(*batch)
+        with phase("backward"):
+            loss.backward()
+            del loss
+        with phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    step(ranged=False)
+    held = [*model.parameters(), *model.buffers(), *_batch_tensors(batch),
+            *(tensor for tensor, _ in optimizer_held_tensors(optimizer))]
+    live = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
+    del held
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(ranged=True)
+    events = list(prof.profiler.kineto_results.events())
+    ranges = {e.name().removeprefix("phase:"): (e.start_ns(), e.start_ns() + e.duration_ns())
+              for e in events if e.name().startswith("phase:")}
+    peaks = dict.fromkeys(ranges, 0)
+    for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        phase = next((name for name, (a, b) in ranges.items() if a <= start <= b), None)
+        if phase is not None:
+            peaks[phase] = max(peaks[phase], live)
+    return peaks

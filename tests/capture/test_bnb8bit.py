@@ -1,6 +1,7 @@
-"""bitsandbytes' 8-bit AdamW, simulated: its state bytes are the published layout's (uint8 moments, one fp32
-absmax per 256 values, fp32 moments below 4,096 elements, two shared 256-value qmaps), and a user's
-make_optimizer returning a bitsandbytes optimizer is recognised by its class and simulated."""
+"""bitsandbytes' 8-bit AdamW for a CUDA target, simulated: its state bytes are the published layout's (uint8
+moments, one fp32 absmax per 256 values, fp32 moments below 4,096 elements, two shared 256-value qmaps), and
+a user's make_optimizer returning a bitsandbytes optimizer is recognised by its class and simulated. (For a
+CPU target the classes run with their CPU kernels traced: tests/accuracy/test_optimizer_kernels.py.)"""
 import math
 import textwrap
 
@@ -44,7 +45,7 @@ def _published_state_bytes(numels) -> int:
 
 
 def _state(model_file, optimizer="adamw"):
-    options = CaptureOptions(batch=2, seq=8, optimizer=optimizer, target="cpu")
+    options = CaptureOptions(batch=2, seq=8, optimizer=optimizer, target="cuda")
     result = analyze_graph(capture_step(load_model_source(str(model_file)), options)).policies["eager"]
     states = [s for s in result.graph.storages if s.role.value == "optimizer_state"]
     return result, states
@@ -74,7 +75,7 @@ def test_state_bytes_equal_the_published_layout(tmp_path, name):
 def test_first_step_creates_the_8bit_state_in_the_step(tmp_path):
     path = tmp_path / "net.py"
     path.write_text(LINEAR)
-    options = CaptureOptions(batch=2, seq=8, optimizer="adamw8bit", step="first", target="cpu")
+    options = CaptureOptions(batch=2, seq=8, optimizer="adamw8bit", step="first", target="cuda")
     result = analyze_graph(capture_step(load_model_source(str(path)), options)).policies["eager"]
     created = [s for s in result.graph.storages if s.role.value == "optimizer_state"]
     assert created and not any(s.preexisting for s in created)

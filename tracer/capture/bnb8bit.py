@@ -1,5 +1,9 @@
-"""bitsandbytes' 8-bit optimizers, simulated: their state is created with bitsandbytes' dtypes and shapes
-and their step runs no aten op (bitsandbytes' kernels are CUDA-only and bitsandbytes is never imported).
+"""bitsandbytes' optimizers for a CUDA target, simulated: their state is created with bitsandbytes' dtypes
+and shapes and their step runs no aten op (the fused CUDA kernels allocate nothing full-size). For a CPU
+target the classes run as they are: bitsandbytes' CPU kernels are Python code registered through
+torch.library, which the optimizer recorder traces (capture/recorder.py): they dequantise each
+parameter's moments to fp32, copy its gradient and the parameter to fp32, update, write back and
+requantise, so the step's peak holds those copies of the largest parameter.
 
 The layout modelled is bitsandbytes 0.50's `Optimizer2State` / `Optimizer1State.init_state` with the
 defaults (optim_bits=8, block_wise=True, min_8bit_size=4096, percentile_clipping=100, max_unorm=0):
@@ -81,9 +85,10 @@ class SimulatedBnbOptimizer(torch.optim.Optimizer):
     """A bitsandbytes optimizer's state, created lazily in step() as bitsandbytes creates it; step()
     updates nothing (the fused kernel's work allocates nothing)."""
 
-    def __init__(self, params, layout: BnbLayout, *, label: str):
+    def __init__(self, params, layout: BnbLayout, *, label: str, cpu_kernels_missing: bool = False):
         super().__init__(params, dict(lr=1e-3))
         self.layout, self.label = layout, label
+        self.cpu_kernels_missing = cpu_kernels_missing
         self._qmaps: list[torch.Tensor] = []
 
     @torch.no_grad()
@@ -124,11 +129,24 @@ class SimulatedBnbOptimizer(torch.optim.Optimizer):
         kernel = "dequantises in registers" if self.layout.eight_bit else "updates each parameter in place"
         out = [f"{self.label}: bitsandbytes' state layout ({layout}); its fused CUDA kernel {kernel}, so the "
                "step's temporaries are not modelled (none full-size)"]
+        if self.cpu_kernels_missing:
+            out.append(f"{self.label}: bitsandbytes is not installed here, so its CPU kernels (fp32 copies of "
+                       "the moments, the gradient and the parameter per parameter) are not traced; "
+                       "pip install bitsandbytes for them")
         if self.layout.paged:
             out.append(f"{self.label}: paged state (state1/state2 of parameters with >= {PAGED_MIN_NUMEL:,} "
                        "elements) lives in CUDA unified memory, paged to the host under pressure: counted as "
                        "resident on the device")
         return tuple(out)
+
+
+def installed_class(name: str):
+    """bitsandbytes' class behind `--optimizer name` when bitsandbytes is installed, else None."""
+    import importlib.util
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    import bitsandbytes.optim
+    return {"adamw8bit": bitsandbytes.optim.AdamW8bit, "paged-adamw8bit": bitsandbytes.optim.PagedAdamW8bit}[name]
 
 
 STANDARD = {"adamw8bit": BnbLayout(states=2, eight_bit=True, paged=False),

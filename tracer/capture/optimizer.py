@@ -29,11 +29,14 @@ from tracer.stepgraph import StorageRole, TensorValue
 from tracer.choices import OPTIMIZERS  # noqa: E402 - the names, without torch, for the CLI
 
 
-def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.Optimizer | None:
+def make_standard_optimizer(name: str, params, *, foreach: bool,
+                            kernels_run: bool = False) -> torch.optim.Optimizer | None:
     """The optimizer of `--optimizer name`. `sgd` keeps its old meaning (momentum 0.9, = sgd-momentum);
     adafactor-hf is transformers' Adafactor as its docs advise for fine-tuning (scale_parameter=False,
     relative_step=False, lr=1e-3: the relative step reads a tensor's value, which fake tensors lack);
-    adamw8bit and paged-adamw8bit are bitsandbytes' AdamW8bit and PagedAdamW8bit, simulated (bnb8bit.py)."""
+    adamw8bit and paged-adamw8bit are bitsandbytes' AdamW8bit and PagedAdamW8bit: the classes themselves
+    when their kernels run here (`kernels_run`, a CPU target) and bitsandbytes is installed, else simulated
+    by their state layout (bnb8bit.py; the CUDA kernels allocate nothing)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
     if name == "adam":
@@ -51,8 +54,10 @@ def make_standard_optimizer(name: str, params, *, foreach: bool) -> torch.optim.
         from tracer.capture.lion import Lion
         return Lion(params, lr=1e-4)
     if name in ("adamw8bit", "paged-adamw8bit"):
-        from tracer.capture.bnb8bit import STANDARD, SimulatedBnbOptimizer
-        return SimulatedBnbOptimizer(params, STANDARD[name], label=name)
+        from tracer.capture.bnb8bit import STANDARD, SimulatedBnbOptimizer, installed_class
+        real = installed_class(name) if kernels_run else None
+        return real(params, lr=1e-3) if real is not None else SimulatedBnbOptimizer(
+            params, STANDARD[name], label=name, cpu_kernels_missing=kernels_run)
     if name == "none":
         return None
     raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
@@ -86,14 +91,18 @@ class OptimizerChain:
         return tuple(note for opt in self.optimizers for note in optimizer_notes(opt))
 
 
-def as_optimizer(made):
+def as_optimizer(made, *, kernels_run: bool = False):
     """What make_optimizer returned, as one object with step() and zero_grad(): a list or tuple of
-    optimizers becomes an `OptimizerChain`; None or anything without step() raises NotAnOptimizer."""
+    optimizers becomes an `OptimizerChain`; None or anything without step() raises NotAnOptimizer.
+    `kernels_run`: the target's custom-op kernels are traced (a CPU target), so a bitsandbytes optimizer
+    runs as it is; otherwise its state layout is simulated (its fused CUDA kernels allocate nothing)."""
+    def prepared(opt):
+        return opt if kernels_run else simulated_if_bitsandbytes(opt)
     if isinstance(made, (list, tuple)) and made and all(callable(getattr(o, "step", None)) for o in made):
-        return OptimizerChain(simulated_if_bitsandbytes(o) for o in made)
+        return OptimizerChain(prepared(o) for o in made)
     if made is None or not callable(getattr(made, "step", None)):
         raise NotAnOptimizer(made)
-    return simulated_if_bitsandbytes(made)
+    return prepared(made)
 
 
 def optimizer_notes(opt) -> tuple[str, ...]:
@@ -128,10 +137,12 @@ def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fa
     `grad_scaler`: a torch.amp.GradScaler (fp16): unscale_, step and update run as `scaler.step` runs them
     when no gradient overflowed; its scale and growth tracker exist before the step."""
     from tracer.capture.target import cuda_optimizer_defaults, parse_target
-    with cuda_optimizer_defaults(parse_target(target)):
+    parsed = parse_target(target)
+    with cuda_optimizer_defaults(parsed):
         return _record_optimizer_step(model, params_with_grad, fake_mode, make_optimizer=make_optimizer,
                                       optimizer_name=optimizer_name, foreach=foreach, steady=steady,
-                                      set_to_none=set_to_none, grad_scaler=grad_scaler)
+                                      set_to_none=set_to_none, grad_scaler=grad_scaler,
+                                      kernel_device=None if parsed.is_cuda else "cpu")
 
 
 def no_gradient_error() -> ModelRunError:
@@ -151,7 +162,7 @@ def not_an_optimizer_error(opt) -> UsageError:
 
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                            make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
-                           set_to_none: bool, grad_scaler) -> OptimizerRecording:
+                           set_to_none: bool, grad_scaler, kernel_device: str | None) -> OptimizerRecording:
     params = [p for p in model.parameters() if id(p) in params_with_grad]
     if not params:
         raise no_gradient_error()
@@ -163,13 +174,14 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     try:
         with fake_mode:
             if make_optimizer is not None:
-                opt = as_optimizer(make_optimizer(model.parameters()))
+                opt = as_optimizer(make_optimizer(model.parameters()), kernels_run=kernel_device is not None)
             else:
-                opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach)
+                opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach,
+                                              kernels_run=kernel_device is not None)
             if grad_scaler is not None:
                 grad_scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))   # made by the first scale()
             if steady and opt is not None:
-                with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero):
+                with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero, kernel_device=kernel_device):
                     _set_fake_grads(params)
                     _optimizer_step(opt, grad_scaler)
                     opt.zero_grad(set_to_none=True)
@@ -182,7 +194,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                             hint="make_optimizer(params) and its step() run on fake tensors (no values); "
                                  "fix what the error names") from exc
     table = StorageTable()
-    recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero)
+    recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero, kernel_device=kernel_device)
     param_sids = {}
     for fqn, p in model.named_parameters():
         if p not in table:
@@ -226,8 +238,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     label = optimizer_name if make_optimizer is None else f"{type(opt).__name__}"
     reads = [f"{label}.step() reads a tensor's value at {loc.short() if loc else 'an unknown line'}: taken as 0 "
              f"({effect})" for loc in dict.fromkeys(recorder.scalar_reads)]
+    traced = (f"custom-op kernels the step runs on the {kernel_device}, traced through their Python code: "
+              + ", ".join(recorder.traced_kernels),) if recorder.traced_kernels else ()
     return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
-                              notes=optimizer_notes(opt) + tuple(reads))
+                              notes=optimizer_notes(opt) + tuple(reads) + traced)
 
 
 def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module, grad_sid_by_param: dict[int, int],

@@ -6,6 +6,12 @@ a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last
 storage in the table is so tracked (`add_existing` for what exists before), or a dead storage's address, which
 a new storage may take, would still name it.
 Phases and source lines come from callables, so the optimizer step and a whole-step fallback share it.
+A custom op (torch.library, outside aten/prims) whose kernel for `kernel_device` is written in Python is
+run through that kernel (`kernel_device="cpu"` for a CPU target), so the tensors the kernel makes and frees
+are recorded, as the allocator sees them on a real run; custom ops it calls in turn run their fake kernels
+(their outputs only). A custom op with no Python kernel there, and every op for a CUDA target, runs its
+fake kernel: a compiled kernel allocates its outputs only. A traced kernel that reads raw memory
+(`data_ptr`) stops the step with a clear error.
 Values the code reads from tensors (`.item()`, `if t:`) do not exist on fake tensors: with
 `read_scalars_as_zero` they read as 0 / False and each such read is noted with its line, except that a
 truth value an `assert` statement reads is True (a step that runs passes its assertions: `assert not
@@ -13,6 +19,7 @@ x.isnan().any()`), noted apart.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Callable
 
@@ -35,8 +42,11 @@ def _optimizer_site() -> tuple[Phase, SourceLoc | None, str]:
 class StepRecorder(TorchDispatchMode):
     def __init__(self, table: StorageTable, ops_offset: int,
                  site: Callable[[], tuple[Phase, SourceLoc | None, str]] = _optimizer_site,
-                 read_scalars_as_zero: bool = False):
+                 read_scalars_as_zero: bool = False, kernel_device: str | None = None):
         super().__init__()
+        self.kernel_device = kernel_device
+        self._inside_kernel = False
+        self.traced_kernels: dict[str, None] = {}         # custom ops traced through their kernel, in order
         self.table, self.ops_offset, self.site = table, ops_offset, site
         self.read_scalars_as_zero = read_scalars_as_zero
         self.ops: list[OpDraft] = []
@@ -86,6 +96,8 @@ class StepRecorder(TorchDispatchMode):
                 sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
                 self.created.append(sid)
                 self.track_release(t, sid)
+        if self._traces_kernel_of(func):
+            return self._through_kernel(func, args, kwargs)
         plain_args = plain_value(args, self.table)
         plain_kwargs = tuple((k, plain_value(v, self.table)) for k, v in kwargs.items())
         out = func(*args, **kwargs)
@@ -106,6 +118,52 @@ class StepRecorder(TorchDispatchMode):
                                 args=plain_args, kwargs=plain_kwargs, outputs=tuple(outputs), source=source,
                                 module=module, is_view=bool(outputs) and not fresh))
         return out
+
+
+    def _traces_kernel_of(self, func) -> bool:
+        return (self.kernel_device is not None and not self._inside_kernel
+                and func.namespace not in _BUILTIN_NAMESPACES
+                and python_kernel_for(func, self.kernel_device))
+
+    def _through_kernel(self, func, args, kwargs):
+        """The custom op's Python kernel for the device, run under this recorder on the fake tensors."""
+        import warnings
+        keys = torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device])
+        self._inside_kernel = True
+        try:
+            with self, warnings.catch_warnings():
+                # a fake tensor's data pointer is 0 with a warning: a kernel that reads raw memory must stop
+                warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+                out = func.redispatch(keys, *args, **kwargs)
+        except Exception as exc:
+            from tracer.errors import ModelRunError
+            raise ModelRunError(f"the {self.kernel_device} kernel of {func} cannot run on fake tensors "
+                                f"({type(exc).__name__}: {exc})",
+                                hint="it reads raw memory; the step needs another target or optimizer") from exc
+        finally:
+            self._inside_kernel = False
+        self.traced_kernels[str(func)] = None
+        return out
+
+
+_BUILTIN_NAMESPACES = frozenset({"aten", "prims", "profiler", "prim", "debugprims", "rngprims", "_c10d_functional",
+                                 "c10d", "higher_order"})
+_DISPATCH_KEYS = {"cpu": torch._C.DispatchKey.CPU}
+
+
+def python_kernel_for(func, device: str) -> bool:
+    """Whether the op's kernel for `device` is a Python function (registered through torch.library):
+    the dispatcher's registration record names torch/library.py for such a kernel."""
+    key = {"cpu": "CPU"}.get(device)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+        return False
+    for line in torch._C._dispatch_dump(func.name()).splitlines():
+        if line.startswith(f"{key}: registered at "):
+            return line.split("registered at ", 1)[1].split(":", 1)[0].endswith(_LIBRARY_FILE)
+    return False
+
+
+_LIBRARY_FILE = os.path.join("torch", "library.py")
 
 
 def _zero_like_scalar(dtype: torch.dtype):
