@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from tracer.capture.convert import OpDraft
+from tracer.capture.compiled_calls import CompiledCalls, compiled_calls_planned
 from tracer.capture.recorder import StepRecorder
 from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
@@ -171,8 +172,12 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     # tensors have none, so each read is taken as 0 and named in a note with its line. A standard optimizer's
     # reads only scale the update; a user's may also decide a branch or a size, and its note says so.
     reads_as_zero = True
+    # torch.compile called while the optimizer is built or stepped (torchao's per-parameter update, a user's
+    # compiled step) is planned by Inductor into the recorder that is active (capture/compiled_calls.py)
+    active: list = [None]
+    compiled = CompiledCalls()
     try:
-        with fake_mode:
+        with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled):
             if make_optimizer is not None:
                 opt = as_optimizer(make_optimizer(model.parameters()), kernels_run=kernel_device is not None)
             else:
@@ -181,10 +186,12 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
             if grad_scaler is not None:
                 grad_scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))   # made by the first scale()
             if steady and opt is not None:
-                with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero, kernel_device=kernel_device):
+                with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero,
+                                  kernel_device=kernel_device) as active[0]:
                     _set_fake_grads(params)
                     _optimizer_step(opt, grad_scaler)
                     opt.zero_grad(set_to_none=True)
+                active[0] = None
     except NotAnOptimizer as exc:
         raise not_an_optimizer_error(exc.args[0]) from None
     except UsageError:
@@ -215,8 +222,9 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
             grad_sids[id(p)] = table.add(g, StorageRole.GRADIENT)
             recorder.track_release(g, grad_sids[id(p)])
         del g
+    active[0] = recorder
     try:
-        with fake_mode, recorder:
+        with fake_mode, recorder, compiled_calls_planned(lambda: active[0], fake_mode, compiled):
             if opt is not None:
                 _optimizer_step(opt, grad_scaler)
                 opt.zero_grad(set_to_none=set_to_none)
@@ -241,7 +249,9 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     traced = (f"custom-op kernels the step runs on the {kernel_device}, traced through their Python code: "
               + ", ".join(recorder.traced_kernels),) if recorder.traced_kernels else ()
     return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
-                              notes=optimizer_notes(opt) + tuple(reads) + traced)
+                              notes=optimizer_notes(opt) + tuple(reads) + traced + compiled.notes(
+                                  "C++" if kernel_device == "cpu" else "C++ (a CUDA run fuses these kernels with Triton's "
+                                  "rules, not planned for the optimizer step)"))
 
 
 def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module, grad_sid_by_param: dict[int, int],

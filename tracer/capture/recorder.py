@@ -63,6 +63,16 @@ class StepRecorder(TorchDispatchMode):
         self.track_release(t, sid)
         return sid
 
+    def ensure_tracked(self, t: torch.Tensor) -> int:
+        """The storage of `t`, added as a constant made outside the dispatcher when the table lacks it (it
+        lives from its first use)."""
+        if t in self.table:
+            return self.table.lookup(t)
+        sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
+        self.created.append(sid)
+        self.track_release(t, sid)
+        return sid
+
     def track_release(self, t: torch.Tensor, sid: int) -> None:
         storage = t.untyped_storage()
         self._finalizers.append(weakref.finalize(storage, self._released, sid, storage._cdata))
@@ -91,11 +101,8 @@ class StepRecorder(TorchDispatchMode):
                 self.scalar_reads.append(loc)
                 return _zero_like_scalar(args[0].dtype)
         for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t not in self.table:
-                # made outside the dispatcher during the step (a lifted constant): lives from its first use
-                sid = self.table.add(t, StorageRole.INTERMEDIATE, name="constant")
-                self.created.append(sid)
-                self.track_release(t, sid)
+            if isinstance(t, torch.Tensor):
+                self.ensure_tracked(t)      # made outside the dispatcher during the step (a lifted constant)
         if self._traces_kernel_of(func):
             return self._through_kernel(func, args, kwargs)
         plain_args = plain_value(args, self.table)
