@@ -409,9 +409,10 @@ def is_topk_router(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("TopKRouter")
 
 
-def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer) -> dict[str, int]:
-    """Peak bytes per phase (forward, backward, optimizer) of one real steady CPU step (one warm-up step
-    first), read from the CPU allocator's own events (torch.profiler, profile_memory=True): what a
+def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *, steady: bool = True) -> dict[str, int]:
+    """Peak bytes per phase (forward, backward, optimizer) of one real CPU step (steady: one warm-up step
+    first; else the first step, which makes the optimizer's state), read from the CPU allocator's own
+    events (torch.profiler, profile_memory=True): what a
     dispatch-level tracker cannot see is counted too (tensors a custom op's kernel makes and frees inside
     its call, compiled code). The bytes held when the step starts are the unique storages of the
     parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them)."""
@@ -431,7 +432,10 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer) -
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-    step(ranged=False)
+    if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
+        optimizer.train()            # schedule-free optimizers step in train mode, as the loop sets it
+    if steady:
+        step(ranged=False)
     held = [*model.parameters(), *model.buffers(), *_batch_tensors(batch),
             *(tensor for tensor, _ in optimizer_held_tensors(optimizer))]
     live = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
@@ -441,10 +445,14 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer) -
     events = list(prof.profiler.kineto_results.events())
     ranges = {e.name().removeprefix("phase:"): (e.start_ns(), e.start_ns() + e.duration_ns())
               for e in events if e.name().startswith("phase:")}
-    peaks = dict.fromkeys(ranges, 0)
-    for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        live += nbytes
-        phase = next((name for name, (a, b) in ranges.items() if a <= start <= b), None)
-        if phase is not None:
-            peaks[phase] = max(peaks[phase], live)
+    changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    peaks = {}
+    for phase, (begin, end) in ranges.items():
+        # what is held when the phase begins (a phase that only frees peaks there), then after each event
+        held = live + sum(nbytes for at, nbytes in changes if at < begin)
+        peaks[phase] = held
+        for at, nbytes in changes:
+            if begin <= at <= end:
+                held += nbytes
+                peaks[phase] = max(peaks[phase], held)
     return peaks

@@ -20,15 +20,17 @@ Optimizers compile their per-parameter update (torchao's `AdamW8bit`, `AdamW4bit
 
 Run op by op instead, as eager runs it, with a note saying so: a compiled method or callable object
 (`opt.step = torch.compile(opt.step)`: the optimizer's state is no argument of the call, so a trace would
-take it as constants), and a call whose trace fails. Not modelled: a function compiled before
-`make_optimizer` ran (at import) runs op by op without a note; graph breaks (fullgraph is assumed); CUDA
-graphs (`mode="reduce-overhead"`).
+take it as constants), a call whose trace fails, and a function torch.compile made before the capture
+began (a library that compiles at import: dynamo's per-call stance hook runs it eagerly while a step is
+recorded). Not modelled: graph breaks (fullgraph is assumed); CUDA graphs (`mode="reduce-overhead"`).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
+import sys
 
 import torch
 import torch.fx as fx
@@ -55,75 +57,137 @@ class CompiledCalls:
         return tuple(out)
 
 
+@dataclasses.dataclass
+class _Window:
+    """The recording that compiled calls go to now: its recorder (None between recorded stretches), fake
+    mode and what it compiled."""
+    recorder_of: object
+    fake_mode: object
+    calls: CompiledCalls
+
+
+_CURRENT: list = [None]          # the active _Window: compiled functions made in an earlier one consult it
+
+
 @contextlib.contextmanager
 def compiled_calls_planned(recorder_of, fake_mode, calls: CompiledCalls):
-    """`torch.compile` returns a `PlannedCompiledFunction` while this is active; `recorder_of()` gives the
-    recorder the planned kernels are added to (None: the call runs its function eagerly, unrecorded)."""
-    real_compile = torch.compile
+    """While active, every compiled function called in a recorded stretch is planned into the recorder
+    `recorder_of()` returns (None: not recording, the function runs eagerly, unrecorded):
+      * `torch.compile(fn)` returns a `PlannedCompiledFunction` (torchao compiles its update at each call);
+      * functions torch.compile made before (a library that compiles at import) are swapped for one in the
+        modules that hold them, and put back after;
+      * any other compiled frame (a compiled method elsewhere) runs op by op under dynamo's "force_eager"
+        stance, named in the report."""
+    import torch._dynamo.eval_frame as eval_frame
+    real_compile, real_stance = torch.compile, eval_frame._callback_from_stance
 
     def planned_compile(model=None, **options):
         if model is None:                                   # @torch.compile(fullgraph=True) as a decorator
-            return lambda fn: PlannedCompiledFunction(fn, recorder_of, fake_mode, calls)
-        return PlannedCompiledFunction(model, recorder_of, fake_mode, calls)
+            return lambda fn: PlannedCompiledFunction(fn, real_compile, options)
+        return PlannedCompiledFunction(model, real_compile, options)
 
+    def named_when_recorded(callback):
+        if recorder_of() is not None and callback not in (False, None):
+            fn = sys._getframe(1).f_locals.get("fn")        # dynamo's wrapper's original function
+            if fn is not None:
+                calls.eager.setdefault(getattr(fn, "__qualname__", repr(fn)),
+                                       "a compiled frame not reachable as a module's function")
+        return real_stance(callback)
+
+    previous, _CURRENT[0] = _CURRENT[0], _Window(recorder_of, fake_mode, calls)
+    swapped = _swap_compiled_module_functions(real_compile)
     torch.compile = planned_compile
+    eval_frame._callback_from_stance = named_when_recorded
     try:
-        yield calls
+        with torch.compiler.set_stance("force_eager"):
+            yield calls
     finally:
         torch.compile = real_compile
+        eval_frame._callback_from_stance = real_stance
+        for namespace, name, value in swapped:
+            namespace[name] = value
+        _CURRENT[0] = previous
+
+
+def _swap_compiled_module_functions(real_compile) -> list:
+    """Every function of an imported module (torch's own excepted) that torch.compile made, replaced by a
+    `PlannedCompiledFunction` of the function it compiled; returns (module dict, name, original)."""
+    swapped = []
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "torch" or module_name.startswith(("torch.", "tracer")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for name, value in list(namespace.items()):
+            original = getattr(value, "_torchdynamo_orig_callable", None) if callable(value) else None
+            if original is not None and inspect.isfunction(value):
+                swapped.append((namespace, name, value))
+                namespace[name] = PlannedCompiledFunction(original, real_compile, {}, compiled=value)
+    return swapped
 
 
 class PlannedCompiledFunction:
-    """A function as torch.compile runs it inside a recorded step: planned by Inductor, not run op by op."""
+    """A function as torch.compile runs it inside a recorded step: planned by Inductor, not run op by op;
+    outside one, torch.compile's own function (made on first use)."""
 
-    def __init__(self, fn, recorder_of, fake_mode, calls: CompiledCalls):
-        self.fn, self.recorder_of, self.fake_mode, self.calls = fn, recorder_of, fake_mode, calls
+    def __init__(self, fn, real_compile, options: dict, compiled=None):
+        self.fn, self.real_compile, self.options, self._compiled = fn, real_compile, options, compiled
+        functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        recorder = self.recorder_of()
+        from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+        window = _CURRENT[0]
+        recorder = window.recorder_of() if window is not None else None
         if recorder is None:
-            return self.fn(*args, **kwargs)
-        from torch.utils._python_dispatch import _pop_mode_temporarily
+            if window is not None:
+                return self.fn(*args, **kwargs)  # building the optimizer: nothing is recorded, nothing compiled
+            if self._compiled is None:
+                self._compiled = self.real_compile(self.fn, **self.options)
+            return self._compiled(*args, **kwargs)
+        if _get_current_dispatch_mode() is not recorder:
+            return self.fn(*args, **kwargs)      # inside another compiled call's trace: inlined, as dynamo does
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        calls = window.calls
         if inspect.ismethod(self.fn) or not inspect.isfunction(self.fn):
             # a compiled method (`opt.step`) reads and writes its object's state, which is no argument of
             # the call: a trace would take it as constants and leave traced tensors in it
-            self.calls.eager.setdefault(name, "a method or callable object: its state is not an argument")
+            calls.eager.setdefault(name, "a method or callable object: its state is not an argument")
             return self.fn(*args, **kwargs)
-        with _pop_mode_temporarily() as popped:
-            if popped is not recorder:
-                raise RuntimeError("a compiled call ran under another dispatch mode than the step's recorder")
+        with _pop_mode_temporarily():
             try:
-                gm, plan, inputs = self._plan(args, kwargs)
+                gm, plan, inputs, run = self._plan(args, kwargs, window)
             except Exception as exc:             # noqa: BLE001 - said in the report, then run op by op
-                self.calls.eager.setdefault(name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                calls.eager.setdefault(name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 gm = None
             if gm is not None:
-                outputs = _run_graph(gm, inputs)
+                result = run(*args)              # the graph on the fake inputs: the call's own outputs
         if gm is None:
             return self.fn(*args, **kwargs)      # recorded op by op, as eager runs it
-        self.calls.calls[name] = self.calls.calls.get(name, 0) + 1
-        _record_plan(recorder, gm, plan, inputs, outputs)
-        return outputs if outputs else None
+        calls.calls[name] = calls.calls.get(name, 0) + 1
+        _record_plan(recorder, gm, plan, inputs, result)
+        return result
 
-    def _plan(self, args, kwargs):
-        """(graph, plan, flat inputs): traced and planned once per signature; the cached graph keeps no
-        reference to a call's tensors (a gradient would never be freed)."""
+    def _plan(self, args, kwargs, window: _Window):
+        """(graph, plan, flat inputs, the AOT-compiled callable): traced and planned once per signature;
+        the cached graph keeps no reference to a call's tensors (a gradient would never be freed)."""
         inputs = flat_inputs(args)
         key = (getattr(self.fn, "__code__", self.fn), _signature(inputs), tuple(sorted(kwargs)))
-        if key not in self.calls.plans:
-            gm, traced_inputs = self._trace(args, kwargs)
+        plans = window.calls.plans
+        if key not in plans:
+            gm, traced_inputs, run = self._trace(args, kwargs, window.fake_mode)
             if _signature(traced_inputs) != _signature(inputs):
                 raise RuntimeError(f"AOT flattened the compiled call's inputs otherwise than expected: "
                                    f"{_signature(traced_inputs)} against {_signature(inputs)}")
-            from tracer.capture.inductor_plan import plan_graph
-            plan = plan_graph(gm, self.fake_mode, is_backward=False)
-            self._forget_example_inputs(gm)
-            self.calls.plans[key] = (gm, plan)
-        gm, plan = self.calls.plans[key]
-        return gm, plan, inputs
+            from tracer.capture.inductor_plan import inference_graph_passes, plan_graph
+            gm = inference_graph_passes(gm, window.fake_mode)
+            plan = plan_graph(gm, window.fake_mode, is_backward=False, is_inference=True)
+            _forget_example_inputs(gm, window.fake_mode)
+            plans[key] = (gm, plan, run)
+        gm, plan, run = plans[key]
+        return gm, plan, inputs, run
 
-    def _trace(self, args, kwargs):
+    def _trace(self, args, kwargs, fake_mode):
         from torch._functorch.aot_autograd import aot_function
         from torch._inductor.decomposition import select_decomp_table
 
@@ -134,17 +198,18 @@ class PlannedCompiledFunction:
             return gm
 
         fn = self.fn
-        with self.fake_mode, torch.no_grad():
-            aot_function(lambda *a: fn(*a, **kwargs), fw_compiler=keep, decompositions=select_decomp_table(),
-                         keep_inference_input_mutations=True)(*args)
-        return traced[0]
+        with fake_mode, torch.no_grad():
+            run = aot_function(lambda *a: fn(*a, **kwargs), fw_compiler=keep, decompositions=select_decomp_table(),
+                               keep_inference_input_mutations=True)
+            run(*args)
+        return traced[0][0], traced[0][1], run
 
-    def _forget_example_inputs(self, gm: fx.GraphModule) -> None:
-        with self.fake_mode:
-            for placeholder in gm.graph.find_nodes(op="placeholder"):
-                val = placeholder.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    placeholder.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
+def _forget_example_inputs(gm: fx.GraphModule, fake_mode) -> None:
+    with fake_mode:
+        for placeholder in gm.graph.find_nodes(op="placeholder"):
+            val = placeholder.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                placeholder.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
 
 
 def flat_inputs(args) -> list:
@@ -184,18 +249,11 @@ def _output_nodes(gm: fx.GraphModule) -> list:
     return found
 
 
-def _run_graph(gm: fx.GraphModule, inputs: list) -> tuple:
-    """The graph's tensor outputs on the fake inputs (what the call returns to the step); none when it
-    returns nothing (an optimizer update only writes into its inputs)."""
-    if not _output_nodes(gm):
-        return ()
-    result = gm(*inputs)
-    return tuple(r for r in (result if isinstance(result, (list, tuple)) else (result,)) if r is not None)
+def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, result) -> None:
+    """The plan's kernels appended to the recorder's ops over its table; the call's tensor outputs take the
+    storages the plan keeps them in, and every other buffer is freed when the call returns."""
+    from torch.utils._pytree import tree_leaves
 
-
-def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, outputs: tuple) -> None:
-    """The plan's kernels appended to the recorder's ops over its table; buffers the call does not return
-    are freed when it returns."""
     from tracer.capture.convert import _convert_planned
 
     if recorder.ops_offset:
@@ -212,11 +270,14 @@ def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, outputs: tupl
         if op.source is None:
             op.source, op.module = source, module
     returned = set()
-    for node, tensor in zip(_output_nodes(gm), outputs):
+    tensors = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor)]
+    nodes = [n for n in _output_nodes(gm) if isinstance(n.meta.get("val"), torch.Tensor)]
+    for node, tensor in zip(nodes, tensors) if len(nodes) == len(tensors) else ():
         sid = values[node].storage_id
-        returned.add(sid)
-        recorder.table.alias(tensor, sid)
-        recorder.track_release(tensor, sid)
+        if sid in made:
+            returned.add(sid)
+            recorder.table.alias(tensor, sid)
+            recorder.track_release(tensor, sid)
     for sid in made:
         if sid not in returned and recorder.table.get(sid).released_after_op is None:
             recorder.table.update(sid, released_after_op=len(recorder.ops) - 1)

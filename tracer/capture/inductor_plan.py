@@ -132,9 +132,24 @@ def donated_inputs(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_ou
                                           bw_outs, fw_outs[num_fwd_outputs:])
 
 
-def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: list[int] = ()) -> GraphPlan:
+def inference_graph_passes(gm: fx.GraphModule, fake_mode) -> fx.GraphModule:
+    """What Inductor runs on an inference graph before lowering it (no partition runs there): its joint-graph
+    passes (constant folding, pattern rewrites), as `compile_fx` does for `is_inference`."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import _recursive_joint_graph_passes
+    from torch._inductor.virtualized import V
+
+    devices = {v.device for p in gm.graph.find_nodes(op="placeholder")
+               if isinstance(v := p.meta.get("val"), torch.Tensor)}
+    with torch.no_grad(), tracing(TracingContext(fake_mode)), V.set_fake_mode(fake_mode):
+        return _recursive_joint_graph_passes(gm, input_device=next(iter(devices), torch.device("cpu")))
+
+
+def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: list[int] = (),
+               is_inference: bool = False) -> GraphPlan:
     """Inductor's plan for one partitioned graph (edited in place by the post-grad passes); `donated`: the
-    indices of the backward's inputs AOT autograd donates (`donated_inputs`)."""
+    indices of the backward's inputs AOT autograd donates (`donated_inputs`); `is_inference`: a graph with
+    no backward (a compiled call under no_grad), after `inference_graph_passes`."""
     import types
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
@@ -149,9 +164,9 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
     # allocates, and halves the code generation time (same plans on every model of the benchmark)
     with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), \
             config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
-        _recursive_post_grad_passes(gm, is_inference=False)
+        _recursive_post_grad_passes(gm, is_inference=is_inference)
         graph = _StepRecordingLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env,
-                                       graph_id=int(is_backward), is_inference=False, is_backward=is_backward)
+                                       graph_id=int(is_backward), is_inference=is_inference, is_backward=is_backward)
         with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]), V.set_debug_handler(DebugContext()), \
                 _real_rng_state_allowed(fake_mode):
             graph.run(*inputs)

@@ -17,7 +17,7 @@ import torch
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.compiled_calls import CompiledCalls, compiled_calls_planned
-from tracer.capture.recorder import StepRecorder
+from tracer.capture.recorder import StepRecorder, distinct_fake_data_pointers
 from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError, UsageError
@@ -177,12 +177,13 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     active: list = [None]
     compiled = CompiledCalls()
     try:
-        with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled):
+        with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled), distinct_fake_data_pointers():
             if make_optimizer is not None:
                 opt = as_optimizer(make_optimizer(model.parameters()), kernels_run=kernel_device is not None)
             else:
                 opt = make_standard_optimizer(optimizer_name, model.parameters(), foreach=foreach,
                                               kernels_run=kernel_device is not None)
+            _train_mode(opt)
             if grad_scaler is not None:
                 grad_scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))   # made by the first scale()
             if steady and opt is not None:
@@ -197,6 +198,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     except UsageError:
         raise
     except Exception as exc:
+        active[0] = None
         raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) and its step() run on fake tensors (no values); "
                                  "fix what the error names") from exc
@@ -224,14 +226,17 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         del g
     active[0] = recorder
     try:
-        with fake_mode, recorder, compiled_calls_planned(lambda: active[0], fake_mode, compiled):
+        with fake_mode, recorder, compiled_calls_planned(lambda: active[0], fake_mode, compiled), \
+                distinct_fake_data_pointers():
             if opt is not None:
                 _optimizer_step(opt, grad_scaler)
                 opt.zero_grad(set_to_none=set_to_none)
             else:
                 model.zero_grad(set_to_none=set_to_none)
+        active[0] = None
         recorder.stop_tracking()            # whatever is still held after the step outlives it
     except Exception as exc:
+        active[0] = None
         raise ModelRunError(f"optimizer.step() raised {type(exc).__name__}: {exc}",
                             hint="the optimizer runs on fake tensors; avoid .item()/.tolist() on its state") from exc
     for tensor, name in optimizer_held_tensors(opt, names):
@@ -272,6 +277,15 @@ def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module,
             table.update(grad_sid_by_param[param_id], released_after_op=released + ops_offset)
     copy_storages(recording.table, table, sid_map, ops_offset=ops_offset)
     return relocated_ops(recording.ops, sid_map, ops_offset=ops_offset)
+
+
+def _train_mode(opt) -> None:
+    """An optimizer with train and eval modes (schedule-free optimizers: `opt.train()` before training,
+    `opt.eval()` before evaluating, which swaps the parameters' values) is stepped in train mode, as the
+    training loop puts it there."""
+    for each in getattr(opt, "optimizers", (opt,)):
+        if callable(getattr(each, "train", None)) and callable(getattr(each, "eval", None)):
+            each.train()
 
 
 def _optimizer_step(opt, grad_scaler) -> None:

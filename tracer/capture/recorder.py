@@ -19,6 +19,7 @@ x.isnan().any()`), noted apart.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Callable
@@ -138,7 +139,7 @@ class StepRecorder(TorchDispatchMode):
         keys = torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device])
         self._inside_kernel = True
         try:
-            with self, warnings.catch_warnings():
+            with self, warnings.catch_warnings(), _real_fake_data_pointers():
                 # a fake tensor's data pointer is 0 with a warning: a kernel that reads raw memory must stop
                 warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
                 out = func.redispatch(keys, *args, **kwargs)
@@ -151,6 +152,44 @@ class StepRecorder(TorchDispatchMode):
             self._inside_kernel = False
         self.traced_kernels[str(func)] = None
         return out
+
+
+@contextlib.contextmanager
+def distinct_fake_data_pointers():
+    """`data_ptr()` of a fake tensor is 0 (with a warning): code that keys state by a tensor's data pointer
+    (heavyball maps each parameter to its state so) would take every tensor for one. While active, each fake
+    storage answers a distinct address that points at nothing (above 2**48, outside user space), stable
+    for the storage; a custom op's kernel traced by the recorder still gets 0 and stops on its warning."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    addresses: dict[int, int] = {}
+
+    def data_ptr(self) -> int:
+        key = self.untyped_storage()._cdata
+        if key not in addresses:
+            addresses[key] = 2**48 + len(addresses) * 2**32
+        return addresses[key] + self.storage_offset() * self.element_size()
+
+    FakeTensor.data_ptr = data_ptr
+    try:
+        yield
+    finally:
+        del FakeTensor.data_ptr
+
+
+@contextlib.contextmanager
+def _real_fake_data_pointers():
+    """Inside a traced kernel: a fake tensor's own data_ptr (0, with the warning that stops the kernel)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    patched = FakeTensor.__dict__.get("data_ptr")
+    if patched is None:
+        yield
+        return
+    del FakeTensor.data_ptr
+    try:
+        yield
+    finally:
+        FakeTensor.data_ptr = patched
 
 
 _BUILTIN_NAMESPACES = frozenset({"aten", "prims", "profiler", "prim", "debugprims", "rngprims", "_c10d_functional",
