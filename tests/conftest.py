@@ -15,6 +15,9 @@ import sys
 import pytest
 
 HERE = os.path.dirname(__file__)
+# every test captures afresh: the content-addressed capture cache (tracer/capture_cache.py) is off unless a
+# test turns it on with a cache folder of its own
+os.environ["TRACER_NO_CACHE"] = "1"
 sys.path.insert(0, HERE)
 ACCURACY = os.path.join(HERE, "accuracy")
 

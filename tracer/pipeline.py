@@ -241,9 +241,31 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     captures made at once, one in a spawned process, and a model captured in full has its policies other
     than compiled captured there; the answer is the same."""
     source = load_source(model, options)
-    return analyze_captured(capture_graphs(source, options, on_progress=on_progress,
-                                           model=model if isinstance(model, str) and workers > 1 else None),
-                            options, on_progress=on_progress)
+
+    def capture():
+        return capture_graphs(source, options, on_progress=on_progress,
+                              model=model if isinstance(model, str) and workers > 1 else None)
+
+    return analyze_captured(_cached_capture(model, source, options, capture, on_progress), options,
+                            on_progress=on_progress)
+
+
+def _cached_capture(model, source, options: AnalysisOptions, capture: Callable, on_progress) -> dict:
+    """`capture()`'s graphs, from the content-addressed cache when an entry for this model, its code, the
+    installed packages and these options exists (tracer/capture_cache.py); stored after a capture."""
+    from tracer import capture_cache
+
+    if not isinstance(model, str) or not capture_cache.cache_enabled():
+        return capture()
+    key = capture_cache.step_key(model, source.path, options.plain())
+    graphs = capture_cache.load(key)
+    if graphs is not None:
+        (on_progress or (lambda message: None))(f"using the cached capture ({capture_cache.cache_dir()}, "
+                                                 f"{key[:12]}; --no-cache to capture again) ...")
+        return graphs
+    graphs = capture()
+    capture_cache.store(key, graphs)
+    return graphs
 
 
 def default_workers() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 from tracer.cli.progress import Progress
@@ -58,6 +59,8 @@ def run(args) -> int:
     from tracer.cli.args import check_output_paths
 
     check_output_paths(args)
+    if args.no_cache:
+        os.environ["TRACER_NO_CACHE"] = "1"
     return _run(args)
 
 

@@ -128,6 +128,9 @@ def add_display_group(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     group.add_argument("--progress", action="store_true",
                        help="progress lines on stderr even when it is not a terminal (default: only on a terminal)")
+    group.add_argument("--no-cache", action="store_true",
+                       help="capture again instead of reusing a cached capture of the same model, code and options "
+                            "(also TRACER_NO_CACHE=1; the cache lives in $TRACER_CACHE_DIR or ~/.cache/tracer)")
 
 
 class _DeprecatedAlias(argparse.Action):

@@ -12,6 +12,7 @@ model raised or exited, or any unexpected error: never 0 or 1), 130 interrupted 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tracer.checks.options import MODEL_OPTIONS, analyze_kwargs, options_fields
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups.add_sharding_group(p, only_given=True)
     p.add_argument("--top", type=int, default=10, help="rows shown per diff table (default 10)")
     p.add_argument("--verbose", action="store_true", help="on error, show the full chained traceback")
+    p.add_argument("--no-cache", action="store_true", help="capture again instead of reusing a cached capture")
     return p
 
 
@@ -51,6 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args) -> int:
+    if args.no_cache:
+        os.environ["TRACER_NO_CACHE"] = "1"
     return _run_check(args)
 
 
