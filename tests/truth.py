@@ -132,10 +132,12 @@ class Checkpointed(torch.nn.Module):
 
 def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: str = "fp32",
                  steady: bool = True, set_to_none: bool = True, retain_graph: bool = False,
-                 resident: tuple = ()) -> Measurement:
+                 resident: tuple = (), loop_held=None) -> Measurement:
     """Runs (steady: one warm-up step, then) one tracked step: forward+loss, backward, step, zero_grad.
     `retain_graph`: the loop calls loss.backward(retain_graph=True) and drops the loss after the step;
-    `resident`: tensors the loop holds on the device for the whole step besides the model."""
+    `resident`: tensors the loop holds on the device for the whole step besides the model; `loop_held()`:
+    the tensors the loop still holds from the warm-up step when the tracked one starts (its variables, which
+    the tracked forward rebinds)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast("cpu", dtype=dtype)) if dtype is not None else contextlib.nullcontext
     # fp16: torch.amp.GradScaler as a training loop uses it (scale(loss).backward(), step, update)
@@ -161,7 +163,8 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     tracker.track_existing(kept, "module attribute")      # tensors a previous step left on module attributes
     del kept                                               # (holding them here would keep them alive)
     tracker.track_existing(_batch_tensors(batch), "input")
-    tracker.track_existing(list(resident), "caller-held")
+    tracker.track_existing(list(resident) + (list(loop_held()) if loop_held is not None and steady else []),
+                           "caller-held")
     tracker.track_existing([p.grad for p in params if p.grad is not None], "gradient")
     if optimizer is not None:
         from tracer.capture.optimizer import optimizer_held_tensors

@@ -2,8 +2,10 @@
 over inside an output object: eager prediction vs a real CPU step (tests/truth.py), every phase peak and
 the saved bytes exact, and the report's notes name each assumption the build made.
 
-The real step takes the loss the way a training loop does, `loss = model(*batch).loss` (or `[i]`), so
-the other outputs are dropped as the loss is taken: the convention tracer predicts (capture/build.py)."""
+The real step takes the loss the way a training loop does: `loss = model(*batch).loss` drops the other
+outputs of an output object as the loss is taken; `logits, loss = model(x, y)` keeps a returned tuple's
+other outputs bound until the next step's forward returns (the conventions tracer predicts:
+capture/build.py, capture/caller_held.py)."""
 import os
 
 import pytest
@@ -18,15 +20,21 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 
 
 class TakeLoss(nn.Module):
-    """The training loop's side: call the model (keywords for a dict batch), keep only the loss."""
+    """The training loop's side: call the model (keywords for a dict batch), hand on the loss; a returned
+    tuple's other tensors stay bound to the loop's variables (`self.held`) until the next forward returns,
+    as `logits, loss = model(x, y)` keeps them."""
 
     def __init__(self, model, pick, keys=None):
         super().__init__()
         self.model, self.pick, self.keys = model, pick, keys
+        self.held: list = []
 
     def forward(self, *values):
         out = self.model(**dict(zip(self.keys, values))) if self.keys else self.model(*values)
-        return self.pick(out)
+        loss = self.pick(out)
+        if isinstance(out, (tuple, list)):
+            self.held = [o for o in out if isinstance(o, torch.Tensor) and o is not loss]
+        return loss
 
 
 def predict_and_measure(fixture, *, pick=None, batch=2, seq=16, capture="auto"):
@@ -42,7 +50,7 @@ def predict_and_measure(fixture, *, pick=None, batch=2, seq=16, capture="auto"):
         keys, real_batch = tuple(real_batch), tuple(real_batch.values())
     model = real if pick is None else TakeLoss(real, pick, keys)
     opt = torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True)
-    return graph, predicted, measure_step(model, real_batch, opt)
+    return graph, predicted, measure_step(model, real_batch, opt, loop_held=lambda: getattr(model, "held", []))
 
 
 def assert_exact(predicted, measured):
@@ -91,7 +99,11 @@ def test_nanogpt_tuple_of_logits_and_loss(capture):
     graph, predicted, measured = predict_and_measure("handover_nanogpt_tuple.py", pick=lambda out: out[1],
                                                      capture=capture)
     assert_exact(predicted, measured)
-    assert any("element 1" in n and "dropped" in n for n in graph.config.notes)
+    assert any("element 1" in n for n in graph.config.notes)
+    assert any(n.startswith("the loop keeps output 0 until the end of the step (as `logits, loss = model(x, y)`")
+               for n in graph.config.notes)
+    logits = 2 * 16 * 64 * 4
+    assert predicted.at_peak.by_category["caller_held"] in (logits, 2 * logits)
 
 
 def test_loss_index_names_the_loss_in_a_tuple():

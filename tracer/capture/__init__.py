@@ -166,6 +166,7 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         return _dispatch_requests(source, requests, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
+    kept = kept or _default_loop_kept(source, options, cap.loss_position)
     try:
         _refuse_overwritten_saved_values(cap)
         out, recordings, schedules = [], {}, {}
@@ -233,6 +234,16 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
 
 def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:
     return dataclasses.replace(graph, config=dataclasses.replace(graph.config, notes=graph.config.notes + notes))
+
+
+def _default_loop_kept(source, options, loss_position: int | None) -> tuple:
+    """A forward that returned a tuple or list, from a model file that declares nothing about its loop: the
+    default loop (`logits, loss = model(X, Y)`) keeps the other outputs (caller_held.py)."""
+    if source.keep is not None or loss_position is None:
+        return ()
+    from tracer.capture.caller_held import outputs_besides
+    return observe_kept_outputs(dataclasses.replace(source, keep=outputs_besides(loss_position)), options,
+                                declared=False)
 
 
 def _refuse_overwritten_saved_values(cap) -> None:
@@ -309,8 +320,8 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
                            f"{reason}", hint="fix what export reports, or ask for --policy eager only")
-    ops, table, (n_params, n_frozen), notes = capture_step_dispatch(source, options)
-    notes += _caller_held(ops, table, source, options, kept)
+    ops, table, (n_params, n_frozen), notes, loss_position = capture_step_dispatch(source, options)
+    notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
@@ -467,7 +478,8 @@ def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept)
     extra = 0 if source.extra_resident_bytes is None else extra_bytes(source.extra_resident_bytes, source.name,
                                                                       options.batch, options.seq)
     return tuple(hold_caller_tensors(ops, table, kept=kept, extra_resident_bytes=extra,
-                                     retain_graph=source.retain_graph))
+                                     retain_graph=source.retain_graph, steady=options.step == "steady",
+                                     accumulate=options.accumulate))
 
 
 def _capture_notes(cap, *, cpu: bool) -> tuple[str, ...]:

@@ -407,6 +407,7 @@ class StepModule(nn.Module):
         self.kept: list = []                     # what `keep` picked in the last forward
         self._precision = precision              # set: the loss is scaled as GradScaler scales it (fp16)
         self.handed_over: str | None = None        # how the last forward handed the loss over, when not bare
+        self.loss_position: int | None = None      # the loss's position when forward returned a tuple or list
 
     def forward(self, *batch):
         from tracer.capture.precision import scaled_loss
@@ -441,6 +442,7 @@ class StepModule(nn.Module):
         if isinstance(out, (tuple, list)):
             if self._loss_index is not None:
                 self.handed_over = f"element {self._loss_index} of the returned {type(out).__name__}"
+                self.loss_position = self._loss_index % len(out)
                 return out[self._loss_index]
             scalars = [i for i, o in enumerate(out)
                        if isinstance(o, torch.Tensor) and o.dim() == 0 and o.is_floating_point()]
@@ -450,15 +452,18 @@ class StepModule(nn.Module):
                                     hint="set loss_index = <position of the loss> in the model file")
             self.handed_over = f"element {scalars[0]} (the only 0-dim floating tensor) of the returned " \
                                f"{type(out).__name__}"
+            self.loss_position = scalars[0]
             return out[scalars[0]]
         return out
 
     def notes(self) -> tuple[str, ...]:
         if self.handed_over is None:
             return ()
+        if self.loss_position is not None:    # what the loop holds of the rest: caller_held.py's notes
+            return (f"the loss is {self.handed_over}",)
         return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "
-                "(`loss = model(**batch).loss`); a loop that keeps them (`logits, loss = model(x, y)`) holds them "
-                "until it drops them",)
+                "(`loss = model(**batch).loss`, as the Hugging Face Trainer does); a loop that keeps them holds "
+                "them until it drops them (keep_outputs in the model file)",)
 
 
 def _transformers_masks_as_in_eager():

@@ -20,8 +20,15 @@ step's storage is the output of the last forward op on that line with those byte
 (`find_kept_storages`), the rule tensors kept on module attributes follow. A kept output that no op matches
 is a note, never a silent zero.
 
-Not modelled: a loop that keeps the tensors into the next step's forward (the previous step's copy would
-be live while the new forward runs), and tensors the loop makes itself outside forward.
+A forward that returns a tuple or list (nanoGPT's `logits, loss = model(X, Y)`) with no declaration: the loop
+keeps every output but the loss, as that assignment binds them (`outputs_besides`); a mapping or a model
+output object is dropped as the loss is taken (`loss = model(**batch).loss`, the Hugging Face Trainer).
+`keep_outputs = ()` declares a loop that keeps nothing. In a steady step the previous step's kept outputs
+are still bound while this step's forward runs (the loop rebinds its variables when forward returns):
+each has a copy from the start of the step to the forward's last op.
+
+Not modelled: with accumulation, the kept outputs of micro-batches before the last (each lives until the
+next micro-batch's forward returns), and tensors the loop makes itself outside forward.
 """
 from __future__ import annotations
 
@@ -38,11 +45,13 @@ class KeptOutput:
     line: int | None
     nbytes: int
     dtype: str
+    shape: tuple[int, ...] = ()
+    declared: bool = True             # False: kept by the default loop (`logits, loss = model(x, y)`)
 
 
-def observe_kept_outputs(source, options) -> tuple[KeptOutput, ...]:
+def observe_kept_outputs(source, options, *, declared: bool = True) -> tuple[KeptOutput, ...]:
     """One fake forward of the model, recording the line, bytes and dtype of each tensor `source.keep`
-    picks from its outputs."""
+    picks from its outputs (`declared`: the model file named them, else the default loop keeps them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracer.capture.build import StepModule
@@ -61,8 +70,22 @@ def observe_kept_outputs(source, options) -> tuple[KeptOutput, ...]:
         storage = t.untyped_storage()
         loc = lines.lines.get(storage._cdata)
         out.append(KeptOutput(label=label, file=loc.file if loc else None, line=loc.line if loc else None,
-                              nbytes=storage.nbytes(), dtype=str(t.dtype).removeprefix("torch.")))
+                              nbytes=storage.nbytes(), dtype=str(t.dtype).removeprefix("torch."),
+                              shape=tuple(int(d) for d in t.shape), declared=declared))
     return tuple(out)
+
+
+def outputs_besides(loss_position: int):
+    """The default loop's keep function for a forward that returns a tuple or list: every tensor but the
+    loss, as `logits, loss = model(X, Y)` binds them."""
+    import torch
+
+    def keep(out):
+        if not isinstance(out, (tuple, list)):
+            return ()
+        return tuple((f"output {i}", t) for i, t in enumerate(out)
+                     if i != loss_position and isinstance(t, torch.Tensor))
+    return keep
 
 
 def find_kept_storages(ops, table, kept: tuple[KeptOutput, ...]) -> tuple[dict[int, str], list[str]]:
@@ -85,20 +108,39 @@ def find_kept_storages(ops, table, kept: tuple[KeptOutput, ...]) -> tuple[dict[i
 
 
 def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resident_bytes: int,
-                        retain_graph: bool) -> list[str]:
-    """Mark what the loop holds on the step's storages (before they are frozen); returns the notes."""
+                        retain_graph: bool, steady: bool = False, accumulate: int = 1) -> list[str]:
+    """Mark what the loop holds on the step's storages (before they are frozen); returns the notes.
+    `steady`: the previous step's kept outputs are still bound to the loop's variables while this step's
+    forward runs (a loop rebinds them when the forward returns), so each has a copy held from the start of
+    the step until the forward's last op."""
     from tracer.capture.convert import input_values
     from tracer.stepgraph import StorageRole
 
     last = len(ops) - 1
     notes = []
     found, missing = find_kept_storages(ops, table, kept)
+    by_label = {k.label: k for k in kept}
+    forward_end = max((i for i, d in enumerate(ops) if d.phase is Phase.FORWARD), default=-1)
     for sid, label in found.items():
-        table.update(sid, held_until_op=last, caller_held=True)
+        entry = table.get(sid)
+        if entry.released_after_op is not None:     # a release the step observed (run op by op): later now
+            table.update(sid, released_after_op=max(entry.released_after_op, last), caller_held=True)
+        else:
+            table.update(sid, held_until_op=last, caller_held=True)
+        if steady and forward_end >= 0:
+            table.add(None, StorageRole.INTERMEDIATE, nbytes=entry.nbytes, dtype=entry.dtype,
+                      shape=by_label[label].shape or entry.shape, preexisting=True, caller_held=True,
+                      name=f"{label} of the previous step (the loop's variable)", released_after_op=forward_end)
     notes += missing
     if found:
-        notes.append(f"the loop keeps {', '.join(found.values())} until the end of the step (the model file's "
-                     "keep_outputs / keep_alive), not dropped as the loss is taken")
+        declared = all(by_label[label].declared for label in found.values())
+        how = ("the model file's keep_outputs / keep_alive" if declared else
+               "as `logits, loss = model(x, y)` binds a returned tuple; keep_outputs = () in the model file "
+               "if the loop drops them")
+        previous = ("; the previous step's are held until this step's forward returns (the loop rebinds its "
+                    "variables then)" if steady else "")
+        notes.append(f"the loop keeps {', '.join(found.values())} until the end of the step ({how}){previous}"
+                     + (f"; with {accumulate} micro-batches, the last one's" if accumulate > 1 else ""))
     if extra_resident_bytes:
         table.add(None, StorageRole.INTERMEDIATE, nbytes=extra_resident_bytes, dtype="uint8",
                   shape=(extra_resident_bytes,), preexisting=True, persistent=True, caller_held=True,

@@ -183,7 +183,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
-    return recorder.ops, table, parameter_counts(model), tuple(notes)
+    return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position
 
 
 def parameter_counts(model) -> tuple[int, int]:

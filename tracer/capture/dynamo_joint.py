@@ -78,7 +78,7 @@ def dynamo_joint(source: ModelSource, batch: int, seq: int, precision: str, *,
     _drop_checkpoint_tags(recorded.joint)
     return JointCapture(path=CAPTURE_PATH, joint=recorded.joint, model=model, batch=args, fake_mode=fake_mode,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=contextlib.ExitStack(), seen=seen,
-                        build_notes=built.notes + traced.notes())
+                        build_notes=built.notes + traced.notes(), loss_position=traced.loss_position)
 
 
 def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, device, source: ModelSource) -> _Recorded:

@@ -48,6 +48,7 @@ class JointCapture:
     path: str = "export-joint"            # the capture path, as the report names it
     fallback_notes: tuple[str, ...] = ()  # why the earlier rungs of the capture ladder failed
     build_notes: tuple[str, ...] = ()     # assumptions of the build and of how the loss is handed over
+    loss_position: int | None = None      # forward returned a tuple or list: the loss's position in it
     python_backward_nodes: frozenset[int] = frozenset()   # seq_nrs of custom autograd Functions' nodes
     executed_lines: ExecutedLines = dataclasses.field(default_factory=ExecutedLines)   # model lines the trace ran
     # the forward's Python objects, observed dying (python_lifetimes.py); None: not observed on this path
@@ -119,7 +120,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     path = "aot-joint" if direct else ("export-joint (strict)" if strict else "export-joint")
     return JointCapture(joint=jd.graph_module, model=model, batch=args, fake_mode=fake_mode,
                         param_by_fqn=params, buffer_by_fqn=buffers, exit_stack=stack, seen=seen, path=path,
-                        build_notes=built.notes + traced.notes(),
+                        build_notes=built.notes + traced.notes(), loss_position=traced.loss_position,
                         python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()),
                         executed_lines=executed, python_deaths=getattr(jd, "python_deaths", None),
                         forward_leaves=leaves)
