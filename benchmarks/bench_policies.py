@@ -10,6 +10,8 @@ before the first import of the model to the answer:
                 FakeTensorMode; `step s` is the tracked step alone, the wall column includes building the
                 model and the warm-up
   tracer eager  tracer.analyze(policies=("eager",))
+  tracer rerun  the same, run a second time with the capture cache on (tracer/capture_cache.py): the
+                second run's wall time (issue 34's goal: under 3 s)
   tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full")) with the CLI's workers
                 (one per core: a deep model's two cut captures run at once)
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
@@ -95,7 +97,7 @@ extra["child_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrs
 print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 """
 
-MODES = ("export", "memtracker", "tracer-eager", "tracer-all", "depth-all", "tracer-levers")
+MODES = ("export", "memtracker", "tracer-eager", "tracer-rerun", "tracer-all", "depth-all", "tracer-levers")
 
 
 def run_median(mode: str, model: str, batch: int, seq: int, repeat: int) -> dict:
@@ -106,8 +108,21 @@ def run_median(mode: str, model: str, batch: int, seq: int, repeat: int) -> dict
 
 
 def run(mode: str, model: str, batch: int, seq: int) -> dict:
+    """One child run. `tracer-rerun`: `tracer-eager` run twice with the capture cache on (a folder of its
+    own), the second run's numbers; every other tracer row runs with the cache off."""
+    import os
+    import tempfile
+    if mode == "tracer-rerun":
+        with tempfile.TemporaryDirectory() as folder:
+            env = {**os.environ, "TRACER_CACHE_DIR": folder, "TRACER_NO_CACHE": "0"}
+            first = _child("tracer-eager", model, batch, seq, env)
+            return first if "error" in first else _child("tracer-eager", model, batch, seq, env)
+    return _child(mode, model, batch, seq, {**os.environ, "TRACER_NO_CACHE": "1"})
+
+
+def _child(mode: str, model: str, batch: int, seq: int, env: dict) -> dict:
     proc = subprocess.run([sys.executable, "-c", _CHILD, mode, model, str(batch), str(seq)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -129,7 +144,32 @@ def render(model: str, batch: int, seq: int, rows: dict[str, dict]) -> str:
         peak = f"{r['peak_bytes'] / gib:,.2f}" if "peak_bytes" in r else ""
         child = f"{r['child_rss_bytes'] / gib:.2f}" if "child_rss_bytes" in r else ""
         out.append(f"  {mode:14s} {r['wall_s']:8.1f} {r['rss_bytes'] / gib:8.2f} {x_time:>7s} {x_rss:>6s} {step:>7s} {peak:>15s} {child:>10s}")
-    return "\n".join(out)
+    return "\n".join(out + goals(rows))
+
+
+def goals(rows: dict[str, dict]) -> list[str]:
+    """Issue 34's goals, each a ratio or a number measured in this run, and whether it is met."""
+    def wall(mode):
+        return rows.get(mode, {}).get("wall_s")
+
+    def ratio(label, mode, base, limit):
+        a, b = wall(mode), wall(base)
+        if a is None or b is None:
+            return f"  goal {label}: not measured"
+        return f"  goal {label}: {a / b:.2f}x (at most {limit}x) {'met' if a / b <= limit else 'NOT met'}"
+
+    out = ["  goals (this run):",
+           ratio("first command (tracer-eager / memtracker)", "tracer-eager", "memtracker", 0.8),
+           ratio("--policy all (tracer-all / memtracker)", "tracer-all", "memtracker", 1.5),
+           ratio("--levers (tracer-levers / tracer-all)", "tracer-levers", "tracer-all", 1.5)]
+    rerun = wall("tracer-rerun")
+    out.append(f"  goal second run (tracer-rerun): {rerun:.1f} s (under 3 s) {'met' if rerun < 3 else 'NOT met'}"
+               if rerun is not None else "  goal second run: not measured")
+    rss = [r["rss_bytes"] for mode, r in rows.items() if mode.startswith(("tracer", "depth")) and "rss_bytes" in r]
+    if rss:
+        out.append(f"  goal peak RSS of the tracer rows: {max(rss) / 2**30:.2f} GiB (under 1 GiB) "
+                   f"{'met' if max(rss) < 2**30 else 'NOT met'}")
+    return out
 
 
 def main() -> None:
