@@ -12,6 +12,7 @@ Module paths from export's `nn_module_stack` are normalised (`L__self__`, `_expo
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -31,6 +32,7 @@ WRAPPED_ATTR = "_tracer_wrapped"   # attribute name of the user model inside the
 _PREFIXES = ("L__self__", "_export_root.", "L['self'].", "L['self']", "L__self___")
 
 
+@functools.lru_cache(maxsize=None)
 def is_user_file(path: str) -> bool:
     """Model code: not torch (but torch.optim, whose lines the optimizer step is attributed to), and not
     tracer's own code (its pipeline and capture wrap the user's forward), except the zoo's model files."""
