@@ -43,6 +43,7 @@ STYLES = os.path.join(ROOT, "benchmarks", "wild_styles")
 import torch  # noqa: E402
 
 from tracer.capture.build import StepModule  # noqa: E402
+from tracer.capture.caller_held import outputs_besides  # noqa: E402
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source  # noqa: E402
 from tracer.passes.analysis import analyze_graphs  # noqa: E402
 from truth import BalancedTopk, balanced_routers, is_topk_router, measure_step  # noqa: E402
@@ -363,11 +364,13 @@ def run_one(name: str, time_limit_s: int) -> Row:
         stage = "measure"
         torch.manual_seed(1)
         batch = source.example_batch(BATCH, SEQ)
-        # the loss as tracer takes it (a tuple's 0-dim loss, a mapping's "loss")
-        step = StepModule(built_model, loss_fn=source.loss_fn, loss_index=source.loss_index)
+        # the loss as tracer takes it (a tuple's 0-dim loss, a mapping's "loss"), and the loop as tracer
+        # assumes it: a returned tuple's other outputs stay bound until the next forward returns
+        keep = source.keep if source.keep is not None else outputs_besides(None, source.loss_index)
+        step = StepModule(built_model, loss_fn=source.loss_fn, loss_index=source.loss_index, keep=keep)
         optimizer = torch.optim.AdamW(built_model.parameters(), lr=1e-3, foreach=True)
         with choosing:
-            measured = measure_step(step, batch, optimizer)
+            measured = measure_step(step, batch, optimizer, loop_held=lambda: [t for _, t in step.kept])
         row.measured = {"peak": measured.peak_bytes, "saved": measured.saved_bytes,
                         **{p: measured.phase_peaks.get(p, 0) for p in PHASES}}
         close = all(abs(row.predicted[p] - row.measured[p]) <= 1e-3 * row.measured[p] for p in PHASES)

@@ -440,20 +440,10 @@ class StepModule(nn.Module):
             self.handed_over = f"a {type(out).__name__}'s 'loss'"
             return loss
         if isinstance(out, (tuple, list)):
-            if self._loss_index is not None:
-                self.handed_over = f"element {self._loss_index} of the returned {type(out).__name__}"
-                self.loss_position = self._loss_index % len(out)
-                return out[self._loss_index]
-            scalars = [i for i, o in enumerate(out)
-                       if isinstance(o, torch.Tensor) and o.dim() == 0 and o.is_floating_point()]
-            if len(scalars) != 1:
-                raise ModelRunError(f"forward returned a {type(out).__name__} of {len(out)} with {len(scalars)} "
-                                    "0-dim floating tensors: which one is the loss is not clear",
-                                    hint="set loss_index = <position of the loss> in the model file")
-            self.handed_over = f"element {scalars[0]} (the only 0-dim floating tensor) of the returned " \
-                               f"{type(out).__name__}"
-            self.loss_position = scalars[0]
-            return out[scalars[0]]
+            self.loss_position = sequence_loss_position(out, self._loss_index)
+            how = "" if self._loss_index is not None else " (the only 0-dim floating tensor)"
+            self.handed_over = f"element {self.loss_position}{how} of the returned {type(out).__name__}"
+            return out[self.loss_position]
         return out
 
     def notes(self) -> tuple[str, ...]:
@@ -464,6 +454,19 @@ class StepModule(nn.Module):
         return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "
                 "(`loss = model(**batch).loss`, as the Hugging Face Trainer does); a loop that keeps them holds "
                 "them until it drops them (keep_outputs in the model file)",)
+
+
+def sequence_loss_position(out, loss_index: int | None) -> int:
+    """Where the loss is in a tuple or list forward returns: the model file's `loss_index`, else its only
+    0-dim floating tensor. Raises ModelRunError when that is not clear."""
+    if loss_index is not None:
+        return loss_index % len(out)
+    scalars = [i for i, o in enumerate(out) if isinstance(o, torch.Tensor) and o.dim() == 0 and o.is_floating_point()]
+    if len(scalars) != 1:
+        raise ModelRunError(f"forward returned a {type(out).__name__} of {len(out)} with {len(scalars)} "
+                            "0-dim floating tensors: which one is the loss is not clear",
+                            hint="set loss_index = <position of the loss> in the model file")
+    return scalars[0]
 
 
 def _transformers_masks_as_in_eager():

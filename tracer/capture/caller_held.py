@@ -75,16 +75,20 @@ def observe_kept_outputs(source, options, *, declared: bool = True) -> tuple[Kep
     return tuple(out)
 
 
-def outputs_besides(loss_position: int):
+def outputs_besides(loss_position: int | None, loss_index: int | None = None):
     """The default loop's keep function for a forward that returns a tuple or list: every tensor but the
-    loss, as `logits, loss = model(X, Y)` binds them."""
+    loss, as `logits, loss = model(X, Y)` binds them. `loss_position` None: the loss is found in each
+    output as the step takes it (the model file's `loss_index`, else the only 0-dim floating tensor)."""
     import torch
+
+    from tracer.capture.build import sequence_loss_position
 
     def keep(out):
         if not isinstance(out, (tuple, list)):
             return ()
+        position = loss_position if loss_position is not None else sequence_loss_position(out, loss_index)
         return tuple((f"output {i}", t) for i, t in enumerate(out)
-                     if i != loss_position and isinstance(t, torch.Tensor))
+                     if i != position and isinstance(t, torch.Tensor))
     return keep
 
 
