@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 
-_GIB = 2**30
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", "adafactor-hf", "lion",
               "adamw8bit", "paged-adamw8bit", "none")          # tracer.capture.optimizer builds each
@@ -22,20 +21,33 @@ TARGET_DEVICES = ("cpu", "cuda")                                # tracer.capture
 class GpuSpec:
     name: str
     sm: tuple[int, int]               # compute capability (major, minor)
-    memory_bytes: int
+    memory_bytes: int                 # the total the device reports (nvidia-smi, cudaMemGetInfo), not the label
     description: str
     sm_count: int                     # streaming multiprocessors (Inductor sizes split reductions by it)
 
 
+_MIB = 2**20
+# memory_bytes: what NVML reports as the device's total (nvidia-smi's "MiB" column), which the marketed
+# size rounds: T4, A10G, L4, A100 40/80GB, H100, H200 and L40S from the table "Why does an NVIDIA H100 80GB
+# card offer 85.52 GB?" (thundergolfer.com/blog/nvidia-gpu-memory-capacity, read via NVML) and public
+# nvidia-smi logs (A10G 23,028 MiB, T4 15,360 MiB); V100 32GB: 32,510 MiB, B200: 183,359 MiB and RTX 3090:
+# 24,268 MiB from public nvidia-smi outputs (pytorch/pytorch#54564 for the 3090).
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
-    GpuSpec("v100", (7, 0), 32 * _GIB, "Volta V100 32GB", 80),
-    GpuSpec("t4", (7, 5), 16 * _GIB, "Turing T4 16GB", 40),
-    GpuSpec("a100", (8, 0), 80 * _GIB, "Ampere A100 80GB", 108),
-    GpuSpec("a10g", (8, 6), 24 * _GIB, "Ampere A10G 24GB", 80),
-    GpuSpec("l4", (8, 9), 24 * _GIB, "Ada L4 24GB", 58),
-    GpuSpec("h100", (9, 0), 80 * _GIB, "Hopper H100 80GB", 132),
-    GpuSpec("h200", (9, 0), 141 * 10**9, "Hopper H200 141GB", 132),
-    GpuSpec("b200", (10, 0), 180 * 10**9, "Blackwell B200 180GB", 148),
+    GpuSpec("v100", (7, 0), 32_510 * _MIB, "Volta V100 32GB", 80),
+    GpuSpec("t4", (7, 5), 15_360 * _MIB, "Turing T4 16GB", 40),
+    GpuSpec("a100", (8, 0), 81_920 * _MIB, "Ampere A100 80GB", 108),
+    GpuSpec("a100-40gb", (8, 0), 40_960 * _MIB, "Ampere A100 40GB", 108),
+    GpuSpec("a10g", (8, 6), 23_028 * _MIB, "Ampere A10G 24GB", 80),
+    GpuSpec("rtx3090", (8, 6), 24_268 * _MIB, "Ampere GeForce RTX 3090 24GB", 82),
+    GpuSpec("l4", (8, 9), 23_034 * _MIB, "Ada L4 24GB", 58),
+    GpuSpec("l40s", (8, 9), 46_068 * _MIB, "Ada L40S 48GB", 142),
+    GpuSpec("h100", (9, 0), 81_559 * _MIB, "Hopper H100 80GB", 132),
+    GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132),
+    GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148),
 )}
+# What a training process's CUDA context takes on the device before its first tensor (driver state and the
+# kernels it loads lazily since CUDA 11.7): about 300 MB reported in pytorch/pytorch#107667, 300-400 MB in
+# #20532. The step's memory is judged against the device's total less this; --cuda-context SIZE sets it.
+CUDA_CONTEXT_BYTES = 512 * _MIB
 DEFAULT_GPU = "h100"                 # the GPU a prediction is for unless --gpu names another
 DEFAULT_TARGET = "cuda"              # what every command predicts unless --target cpu

@@ -54,7 +54,8 @@ class AnalysisOptions:
     alloc_conf: str = ""                   # PYTORCH_CUDA_ALLOC_CONF of the run
     cublas_workspace_config: str | None = None
     cudnn_workspace_cap_bytes: int | None = None   # CUDNN_CONV_WSCAP_DBG of the run: counted per conv call
-    device_memory_bytes: int | None = None # the device's memory (default: the GPU's)
+    device_memory_bytes: int | None = None # the device's memory (default: the total the GPU reports)
+    cuda_context_bytes: int | None = None  # the CUDA context, taken from it (default: choices.CUDA_CONTEXT_BYTES)
     shard: str | None = None               # passes.sharding.STRATEGIES: per-rank memory on `world_size` ranks
     world_size: int | None = None
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
@@ -96,6 +97,11 @@ class AnalysisOptions:
         if self.device_memory_bytes is not None and not _positive_int(self.device_memory_bytes):
             raise UsageError(f"device_memory_bytes={self.device_memory_bytes!r} is not valid",
                              hint="a positive number of bytes, e.g. --device-memory 80GiB")
+        if self.cuda_context_bytes is not None and not (isinstance(self.cuda_context_bytes, int)
+                                                        and not isinstance(self.cuda_context_bytes, bool)
+                                                        and self.cuda_context_bytes >= 0):
+            raise UsageError(f"cuda_context_bytes={self.cuda_context_bytes!r} is not valid",
+                             hint="a number of bytes (0 or more), e.g. --cuda-context 600MiB")
         if self.cudnn_workspace_cap_bytes is not None and not _positive_int(self.cudnn_workspace_cap_bytes):
             raise UsageError(f"cudnn_workspace_cap_bytes={self.cudnn_workspace_cap_bytes!r} is not valid",
                              hint="a positive number of bytes, e.g. --cudnn-workspace-cap 256MiB")
@@ -197,6 +203,7 @@ class AnalysisOptions:
                 "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
                 "cublas_workspace_config": self.cublas_workspace_config,
                 "cudnn_workspace_cap_bytes": self.cudnn_workspace_cap_bytes,
+                "cuda_context_bytes": self.cuda_context_bytes,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
@@ -229,9 +236,12 @@ class AnalysisOptions:
             return None
         workspaces = tuple((a.name, a.nbytes) for a in device_allocations(target, cublas_config=self.cublas_workspace_config)
                            for _ in range(a.count))
-        capacity = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
+        from tracer.choices import CUDA_CONTEXT_BYTES
+        total = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
+        context = self.cuda_context_bytes if self.cuda_context_bytes is not None else CUDA_CONTEXT_BYTES
         return DeviceSetup(device_label=target.label, matmul_extra=workspaces, config=parse_alloc_conf(self.alloc_conf),
-                           capacity_bytes=capacity, conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes)
+                           capacity_bytes=max(total - context, 0), context_bytes=context,
+                           conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,

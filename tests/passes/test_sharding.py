@@ -4,6 +4,7 @@ the FSDP2 numbers against a real fully_shard step."""
 import pytest
 
 import tracer
+from tracer.choices import CUDA_CONTEXT_BYTES, GPUS
 from graph_builder import GraphBuilder
 from tracer.errors import UsageError
 from tracer.passes.analysis import analyze_graph
@@ -131,7 +132,8 @@ def test_the_device_view_is_per_rank_under_sharding():
     extras = sum(n for _, n in rank.extra)
     assert rank.peak_bytes == result.sharded.peak_bytes + extras
     assert rank.before_bytes == result.sharded.start_bytes + extras
-    assert rank.capacity_bytes == 80 * 2**30 and whole.capacity_bytes is None      # h100, the default GPU
+    # the h100 (the default GPU): the total it reports, less the CUDA context
+    assert rank.capacity_bytes == GPUS["h100"].memory_bytes - CUDA_CONTEXT_BYTES and whole.capacity_bytes is None
     replay = simulate_allocator(result.sharded.requests)          # the stream balances and its peak is the sweep's
     assert replay.requested_peak_bytes == result.sharded.peak_bytes
     assert rank.peak_bytes < whole.peak_bytes

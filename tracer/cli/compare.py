@@ -30,6 +30,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cudnn-workspace-cap", metavar="SIZE", default=None,
                         help="the run's cap on cuDNN convolution workspaces (CUDNN_CONV_WSCAP_DBG, e.g. 256MiB): "
                              "counted at every convolution call, an upper bound (default: not counted, noted)")
+    parser.add_argument("--cuda-context", metavar="SIZE", default=None,
+                        help="device memory the CUDA context takes before the step (default 512MiB; the step must "
+                             "fit in the device's reported total, or --device-memory, less this)")
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the prediction with a real snapshot (torch.cuda.memory._dump_snapshot pickle); "
                              "exit 1 beyond --tolerance")

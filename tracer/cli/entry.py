@@ -12,6 +12,8 @@ return value, so no crash can read as a pass or as a regression.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 from typing import Callable
 
@@ -21,6 +23,29 @@ VERBOSE_HINT = "rerun with --verbose for the traceback"
 
 
 def run_entry_point(body: Callable[[], int], *, prog: str, verbose: bool) -> int:
+    with _library_warnings_quiet(verbose):
+        return _run(body, prog=prog, verbose=verbose)
+
+
+@contextlib.contextmanager
+def _library_warnings_quiet(verbose: bool):
+    """Libraries the model imports log warnings through Python's last-resort handler when the process has
+    configured no logging (torchao: "Failed to load ... .so" for a binary built for another Python): that is
+    not tracer's output, and the contract is one line on stderr. Without --verbose such records below ERROR
+    are not printed while the command runs; a process that configured logging keeps its own handlers."""
+    handler = logging.lastResort
+    if verbose or handler is None:
+        yield
+        return
+    level = handler.level
+    handler.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        handler.setLevel(level)
+
+
+def _run(body: Callable[[], int], *, prog: str, verbose: bool) -> int:
     try:
         return int(body())
     except TracerError as exc:

@@ -113,7 +113,7 @@ def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnaly
     view = predict_device_memory(result, extra=device.extra_for(result.graph), config=device.config,
                                  capacity_bytes=device.capacity_bytes,
                                  conv_workspace_cap_bytes=device.conv_workspace_cap_bytes)
-    return dataclasses.replace(result, device=view)
+    return dataclasses.replace(result, device=dataclasses.replace(view, context_bytes=device.context_bytes))
 
 
 def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:

@@ -65,6 +65,7 @@ class DeviceMemory:
     capacity_bytes: int | None = None     # the device memory the step was checked against
     conv_calls: int = 0                   # cuDNN convolution calls of the step (each allocates a workspace)
     conv_workspace_cap_bytes: int | None = None   # counted per call when given (an upper bound); else left out
+    context_bytes: int = 0                # the CUDA context, taken from the device's total to give capacity_bytes
 
     @property
     def extra_bytes(self) -> int:
@@ -81,6 +82,7 @@ class DeviceSetup:
     capacity_bytes: int | None = None
     matmul_extra: tuple[tuple[str, int], ...] = ()   # allocated by the first cuBLAS call (its workspaces)
     conv_workspace_cap_bytes: int | None = None      # CUDNN_CONV_WSCAP_DBG of the run; None: not known
+    context_bytes: int = 0                           # the CUDA context: capacity_bytes is the device's total less it
 
     def extra_for(self, graph) -> tuple[tuple[str, int], ...]:
         """The extras a step holds: `matmul_extra` only when the step runs a cuBLAS op (a warm step finds
@@ -228,4 +230,5 @@ def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str, graph) ->
         before_bytes=sharded.start_bytes + extra_bytes,
         allocated_peak_bytes=replay.allocated_peak_bytes, reserved_peak_bytes=replay.reserved_peak_bytes,
         segment_count=replay.segment_count, warm_steps=1, config=setup.config, oom=oom,
-        capacity_bytes=setup.capacity_bytes, conv_calls=len(conv_call_ops(graph)))   # workspaces noted, not counted
+        capacity_bytes=setup.capacity_bytes, conv_calls=len(conv_call_ops(graph)),   # workspaces noted, not counted
+        context_bytes=setup.context_bytes)

@@ -27,9 +27,15 @@ def render_device_memory(device: DeviceMemory, *, target: str = "cuda") -> str:
         lines.append(f"  note: {device.conv_calls:,} cuDNN convolution calls each allocate a workspace for the call, "
                      "sized by the plan cuDNN picks at run time: not counted, so these peaks are lower bounds "
                      "(--cudnn-workspace-cap SIZE, the run's CUDNN_CONV_WSCAP_DBG, counts the cap: an upper bound)")
+    context = (f", the device's {format_bytes(device.capacity_bytes + device.context_bytes)} less "
+               f"{format_bytes(device.context_bytes)} for the CUDA context (--cuda-context)"
+               if device.context_bytes and device.capacity_bytes is not None else "")
     if device.capacity_bytes is not None and device.oom is None:
         lines.append(f"  fits in {format_bytes(device.capacity_bytes)} of device memory "
-                     f"({format_bytes(device.capacity_bytes - device.reserved_peak_bytes)} left at the reserved peak)")
+                     f"({format_bytes(device.capacity_bytes - device.reserved_peak_bytes)} left at the reserved peak"
+                     f"{context})")
+    elif device.capacity_bytes is not None and context:
+        lines.append(f"  device memory: {format_bytes(device.capacity_bytes)}{context}")
     if device.oom is not None:
         o = device.oom
         lines.append(f"  out of memory at request {o.event_index}: {format_bytes(o.requested_bytes)} asked, "
