@@ -12,7 +12,7 @@ Optimizers compile their per-parameter update (torchao's `AdamW8bit`, `AdamW4bit
   * Inductor plans that graph (tracer.capture.inductor_plan, its C++ backend: exact for a CPU target; for a
     CUDA target the report says Triton's fusion of the update is not planned); the graph's kernels become
     the recorder's ops, each buffer allocated and freed where
-    Inductor's wrapper allocates and frees it (`convert._convert_planned`), writes into the inputs (the
+    Inductor's wrapper allocates and frees it (`convert.convert_planned`), writes into the inputs (the
     updated parameter and state) in place, and every buffer the call does not return is freed when it
     returns;
   * one trace and plan per distinct call signature (function, argument shapes, dtypes, subclasses and
@@ -215,15 +215,13 @@ def _forget_example_inputs(gm: fx.GraphModule, fake_mode) -> None:
 def flat_inputs(args) -> list:
     """The call's arguments as AOT autograd passes them to the graph: pytree leaves in order, a tensor
     subclass replaced by its inner tensors (`__tensor_flatten__`, recursively), other values kept."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_leaves
     out: list = []
 
     def add(value):
-        if isinstance(value, torch.Tensor) and hasattr(type(value), "__tensor_flatten__") \
-                and type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter) \
-                and not _is_fake(value):
-            names, _ = value.__tensor_flatten__()
-            for name in names:
+        if is_traceable_wrapper_subclass(value):
+            for name in value.__tensor_flatten__()[0]:
                 add(getattr(value, name))
         else:
             out.append(value)
@@ -231,11 +229,6 @@ def flat_inputs(args) -> list:
     for leaf in tree_leaves(list(args)):
         add(leaf)
     return out
-
-
-def _is_fake(value) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(value, FakeTensor)
 
 
 def _signature(inputs: list) -> tuple:
@@ -254,7 +247,7 @@ def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, result) -> No
     storages the plan keeps them in, and every other buffer is freed when the call returns."""
     from torch.utils._pytree import tree_leaves
 
-    from tracer.capture.convert import _convert_planned
+    from tracer.capture.convert import convert_planned
 
     if recorder.ops_offset:
         raise RuntimeError("compiled calls are recorded over a table whose ops start at 0")
@@ -264,7 +257,7 @@ def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, result) -> No
                                if isinstance(value, torch.Tensor) else value)
     phase, source, module = recorder.site()
     start = len(recorder.ops)
-    made = _convert_planned(plan, recorder.table, values, {}, recorder.ops, (None, None), phase=phase)
+    made = convert_planned(plan, recorder.table, values, {}, recorder.ops, (None, None), phase=phase)
     for op in recorder.ops[start:]:
         op.compiled_region = True
         if op.source is None:

@@ -100,7 +100,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
     else:
         _add_placeholders(cap, schedule.forward, descs, table, values)
         if schedule.forward_plan is not None:
-            _convert_planned(schedule.forward_plan, table, values, node_pos, ops, None, phase=Phase.FORWARD)
+            convert_planned(schedule.forward_plan, table, values, node_pos, ops, None, phase=Phase.FORWARD)
         else:
             _convert_nodes(schedule.forward, table, values, node_pos, ops, None, partitioned=True,
                            phase=Phase.FORWARD, fake_mode=cap.fake_mode)
@@ -127,7 +127,7 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         for placeholder, produced in zip(saved_inputs, saved_outputs):   # same order (saved_values)
             values[placeholder] = values[produced]
         if schedule.backward_plan is not None:
-            _convert_planned(schedule.backward_plan, table, values, node_pos, ops, tangent, phase=Phase.BACKWARD)
+            convert_planned(schedule.backward_plan, table, values, node_pos, ops, tangent, phase=Phase.BACKWARD)
         else:
             _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
                            phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
@@ -236,7 +236,7 @@ def _convert_region(region, backward: bool, table: StorageTable, values, node_po
         else:
             values[placeholder] = values[region.primals[int(number) - 1]]
     start = len(ops)
-    made = _convert_planned(plan, table, values, node_pos, ops, (None, None),
+    made = convert_planned(plan, table, values, node_pos, ops, (None, None),
                             phase=Phase.BACKWARD if backward else Phase.FORWARD, releasable=forward_storages)
     for op in ops[start:]:
         op.seq_nr, op.frames, op.compiled_region = None, (), True
@@ -268,7 +268,7 @@ def _written_storage(destination: fx.Node | None, table: StorageTable, values,
     return value.storage_id if entry.role is StorageRole.INTERMEDIATE and not entry.preexisting else None
 
 
-def _convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase,
+def convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase,
                      releasable: set[int] | None = None) -> list[int]:
     """A compiled graph as Inductor runs it (`inductor_plan.GraphPlan`): its fx nodes in kernel order, each
     output in the storage Inductor keeps it in (several values share one when the wrapper reuses a freed
