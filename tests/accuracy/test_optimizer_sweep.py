@@ -28,16 +28,14 @@ STEADY = [
 ]
 FIRST = ["torch.optim:SGD", "torch.optim:AdamW", "torch.optim:Adafactor", "torchao.optim:AdamW8bit",
          "torchao.optim:AdamW4bit", "bitsandbytes.optim:AdamW8bit", "bitsandbytes.optim:Lion8bit",
-         "lion_pytorch:Lion", "schedulefree:AdamWScheduleFree", "heavyball:AdamW"]
+         "lion_pytorch:Lion", "schedulefree:AdamWScheduleFree", "heavyball:AdamW",
+         "pytorch_optimizer:SOAP"]      # its preconditioners start from torch.linalg.eigh: LAPACK's workspace
 GAPS = [
     pytest.param("heavyball:SOAP", "steady", marks=pytest.mark.xfail(strict=True, reason=(
         "heavyball's SOAP: the optimizer phase 27% low (78.0 MB against 107.0 MB); its real step recompiles "
         "and autotunes as the preconditioner schedule advances, which the steady step does not model"))),
     pytest.param("heavyball:Muon", "steady", marks=pytest.mark.xfail(strict=True, reason=(
         "heavyball's Muon: the optimizer phase 1.05% low (24.50 MB against 24.76 MB)"))),
-    pytest.param("pytorch_optimizer:SOAP", "first", marks=pytest.mark.xfail(strict=True, reason=(
-        "pytorch_optimizer's SOAP, first step: 14% low (48.8 MB against 56.9 MB): its preconditioners start "
-        "from torch.linalg.eigh, whose LAPACK workspace is kernel scratch the capture does not see"))),
 ]
 
 

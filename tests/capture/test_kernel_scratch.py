@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from tracer.capture.kernel_scratch import scratch_allocations
+from tracer.capture.kernel_scratch import eager_scratch_allocations, scratch_allocations
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -98,3 +98,24 @@ def test_reduced_precision_and_other_ops_have_no_modelled_scratch():
     q, k, v = torch.randn(3, 1, 2, 64, 8, dtype=torch.bfloat16)
     assert scratch_allocations(_node(FORWARD, q, k, v, 0.0, True), 2) == ()
     assert scratch_allocations(_node(torch.ops.aten.mm.default, q[0, 0], k[0, 0].T), 2) == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 2), (64, 64), (300, 300), (3, 40, 40)])
+def test_eigh_workspace_is_what_lapack_asks_for(dtype, shape):
+    """torch.linalg.eigh on the CPU: one LAPACK workspace query per call (batched or not), then a work array of
+    the matrix's dtype and an int array, both allocated through the allocator and freed before it returns;
+    everything else the call allocates is its outputs (eigenvalues, eigenvectors, one int of info per
+    matrix) and two 1-byte checks."""
+    matrix = torch.eye(shape[-1], dtype=dtype).expand(shape).contiguous()
+    allocated, (values, vectors) = _allocations(lambda: torch.ops.aten._linalg_eigh.default(matrix, "L", True))
+    fake = torch.empty(shape, dtype=dtype, device="meta")
+    predicted = eager_scratch_allocations("aten._linalg_eigh.default", (fake, "L", True), {})
+    info_bytes = 4 * (shape[0] if len(shape) == 3 else 1)
+    assert sorted(allocated) == sorted([*predicted, *_nbytes(values, vectors), info_bytes, 1, 1 if len(shape) == 2 else 3])
+
+
+def test_eigenvalues_alone_are_not_modelled():
+    """`eigvalsh`'s workspace is MKL's own block size times n: no scratch is claimed for it."""
+    fake = torch.empty(64, 64, device="meta")
+    assert eager_scratch_allocations("aten._linalg_eigh.default", (fake, "L", False), {}) == ()

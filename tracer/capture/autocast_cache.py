@@ -32,10 +32,12 @@ A later cast of the same parameter inside one region returns the cached copy (`r
 joint graph, traced with the cache off, casts a shared weight (a block called twice, ALBERT's layers) once
 per call; the later casts become views of the first copy, which then lives as long as any reader needs it.
 
+The backward of a shared copy is eager's one cast-back node (`sum_gradients_in_autocast_dtype`): the calls'
+low-precision gradients are summed in its input buffer, then cast once; the joint graph's one cast back per
+call summed in float32 is rewritten to that, and a backward of another shape is left as traced with a note.
+
 Not modelled: autocast regions the model's own code opens inside its forward (their cache lives until that
-block exits, not the forward's end); the backward of a shared copy, which eager runs as one cast-back node
-(the calls' low-precision gradients summed in its input buffer, then cast once) and the joint graph as one
-cast back per call summed in float32: the report says so in a note when it happens.
+block exits, not the forward's end).
 """
 from __future__ import annotations
 
@@ -64,12 +66,14 @@ def autocast_cache_holds(ops: list[OpDraft], table: StorageTable, autocast_dtype
 def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: str | None,
                        requiring_grad: frozenset[int]) -> tuple[str, ...]:
     """In place: a cached cast of a leaf already cast in the same region becomes a view of the first copy,
-    and every later op reads that copy; the second copy's storage is left with no bytes and no op.
-    Returns a note naming the leaves whose copy was reused (their backward is approximate), or ()."""
+    and every later op reads that copy; the second copy's storage is left with no bytes and no op. The
+    calls' gradients then meet in the shared copy's one cast-back, as eager runs it
+    (`sum_gradients_in_autocast_dtype`). Returns a note naming the leaves whose backward could not be
+    rewritten that way (their backward peak is approximate), or ()."""
     if autocast_dtype is None:
         return ()
     first_copy: dict[tuple, int] = {}
-    shared: dict[str, None] = {}
+    casts_of: dict[tuple, list[int]] = {}          # shared leaf -> its cast ops, in order
     renamed = _Renames()
     cached = {i: (region, leaf) for i, region, leaf in _cached_casts(ops, table, autocast_dtype, requiring_grad)}
     for i, d in enumerate(ops):
@@ -79,22 +83,152 @@ def reuse_cached_casts(ops: list[OpDraft], table: StorageTable, autocast_dtype: 
             continue
         key = cached[i]
         copy = d.outputs[0].storage_id
+        casts_of.setdefault(key, []).append(i)
         if key not in first_copy:
             first_copy[key] = copy
             continue
         renamed[copy] = first_copy[key]
         table.update(copy, nbytes=0)
         ops[i] = dataclasses.replace(_remapped(d, renamed), is_view=True)
-        leaf = table.get(input_values(d)[0].storage_id)
-        shared.setdefault(leaf.name if leaf.role is StorageRole.PARAMETER and leaf.name else
-                          "a reentrant region's input" if d.rerun else "a leaf", None)
+    shared = {key: casts for key, casts in casts_of.items() if len(casts) > 1}
     if not shared:
         return ()
-    names = ", ".join(list(shared)[:4]) + (f" and {len(shared) - 4} more" if len(shared) > 4 else "")
-    return (f"autocast cast cache: {names} read by more than one call in an autocast region share one "
-            f"{autocast_dtype} copy (as eager does); the backward sums their gradients in float32 after each "
-            "call's cast back, where eager sums them in the autocast dtype before one cast (backward peak "
-            "approximate by up to one such gradient)",)
+    names = {key: _leaf_name(ops[casts[0]], table) for key, casts in shared.items()}
+    left = sum_gradients_in_autocast_dtype(ops, table, shared)
+    exact = _listed(names[key] for key in shared if key not in left)
+    approximate = _listed(names[key] for key in left)
+    notes = []
+    if exact:
+        notes.append(f"autocast cast cache: {exact} read by more than one call in an autocast region share one "
+                     f"{autocast_dtype} copy, and its calls' gradients are summed in {autocast_dtype} before one "
+                     "cast back, as eager does")
+    if approximate:
+        notes.append(f"autocast cast cache: {approximate} read by more than one call in an autocast region share "
+                     f"one {autocast_dtype} copy (as eager does), but the backward's cast-backs of its calls' "
+                     "gradients do not have the shape this tool rewrites: they are summed in float32 after each "
+                     f"call's cast back, where eager sums them in {autocast_dtype} before one cast (backward peak "
+                     "approximate by up to one such gradient)")
+    return tuple(notes)
+
+
+def _leaf_name(cast: OpDraft, table: StorageTable) -> str:
+    leaf = table.get(input_values(cast)[0].storage_id)
+    return leaf.name if leaf.role is StorageRole.PARAMETER and leaf.name else \
+        "a reentrant region's input" if cast.rerun else "a leaf"
+
+
+def _listed(names) -> str:
+    names = list(dict.fromkeys(names))
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def sum_gradients_in_autocast_dtype(ops: list[OpDraft], table: StorageTable,
+                                    shared: dict[tuple, list[int]]) -> list[tuple]:
+    """In place: eager's one cast-back node of a shared copy. Its calls' low-precision gradients gather in the
+    node's input buffer (the first one held, each later one added into it in place, as autograd's InputBuffer
+    does with a gradient it owns alone) and are cast back to float32 once, when the last arrives. The joint
+    graph, traced with the cache off, casts each call's gradient back (B_k: b_k -> g_k) and sums the float32
+    results (A_k: g_k + o -> a_k). Rewritten: the first B_k holds b_1, each later one adds into b_1, the last
+    adds then casts b_1; each A_k passes its other operand through (or, when that operand is the last cast's
+    result, the last cast writes A_k's output). `shared`: leaf key -> its cast ops (first, then the reused
+    ones). Returns the keys whose backward does not have this shape, left as traced."""
+    by_seq_nr = {d.name: d.seq_nr for d in ops if d.phase is Phase.FORWARD and not d.recomputed}
+    readers: dict[int, list[int]] = {}
+    for i, d in enumerate(ops):
+        for v in input_values(d):
+            readers.setdefault(v.storage_id, []).append(i)
+    renames, inserts, left = _Renames(), [], []
+    for key, casts in shared.items():
+        plan = _cast_back_plan(ops, table, casts, by_seq_nr, readers)
+        if plan is None:
+            left.append(key)
+            continue
+        backs, sums = plan
+        held = input_values(ops[backs[0]])[0]                    # b_1: the input buffer
+        for k, i in enumerate(backs):
+            d, incoming = ops[i], input_values(ops[i])[0]
+            if k == 0:
+                renames[d.outputs[0].storage_id] = held.storage_id
+                ops[i] = dataclasses.replace(d, outputs=(held,), is_view=True)
+            elif k < len(backs) - 1:
+                renames[d.outputs[0].storage_id] = held.storage_id
+                ops[i] = _add_into(d, held, incoming)
+            else:
+                inserts.append((i, _add_into(d, held, incoming)))
+                ops[i] = dataclasses.replace(d, args=(held,) + tuple(d.args[1:]))
+        last_out = ops[backs[-1]].outputs[0]
+        for g, a in sums:
+            d = ops[a]
+            out = d.outputs[0]
+            other = next(v for v in input_values(d) if v.storage_id != g)
+            if other.storage_id == last_out.storage_id:       # the last cast writes the sum's storage
+                renames[last_out.storage_id] = out.storage_id
+                ops[backs[-1]] = dataclasses.replace(ops[backs[-1]], outputs=(out,))
+                ops[a] = dataclasses.replace(d, args=(out,), kwargs=(), is_view=True)
+            else:                                               # the sum is its other operand
+                renames[out.storage_id] = other.storage_id
+                table.update(out.storage_id, nbytes=0)
+                ops[a] = dataclasses.replace(d, args=(other,), kwargs=(), outputs=(other,), is_view=True)
+    if renames:
+        resolved = _Renames({sid: _resolve(renames, sid) for sid in renames})
+        for i, d in enumerate(ops):
+            ops[i] = _remapped(d, resolved)
+    for i, op in sorted(inserts, key=lambda item: item[0], reverse=True):
+        ops.insert(i, op)
+    return left
+
+
+def _cast_back_plan(ops, table, casts, by_seq_nr, readers):
+    """(the cast-backs B_k in op order, [(g_k, A_k's index)] for every B_k but the last), or None when the
+    backward does not have that shape: one float32 `_to_copy` per call in the call's autograd node, each but
+    the last read only by one out-of-place `add` of two same-shaped float32 gradients."""
+    seq_nrs = {by_seq_nr.get(ops[i].rerun_of) if ops[i].rerun else ops[i].seq_nr for i in casts}
+    if None in seq_nrs or len(seq_nrs) != len(casts):
+        return None
+    backs = sorted(i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD and d.seq_nr in seq_nrs and not d.recomputed
+                   and d.target == "aten._to_copy.default")
+    if len(backs) != len(casts) or any(not _is_cast_back(ops[i]) for i in backs):
+        return None
+    sums = []
+    for i in backs[:-1]:
+        g = ops[i].outputs[0].storage_id
+        users = readers.get(g, [])
+        if len(users) != 1 or not _is_gradient_sum(ops[users[0]], g):
+            return None
+        a = users[0]
+        other = next(v for v in input_values(ops[a]) if v.storage_id != g)
+        if other.storage_id != ops[backs[-1]].outputs[0].storage_id and \
+                table.get(ops[a].outputs[0].storage_id).role is not StorageRole.INTERMEDIATE:
+            return None
+        sums.append((g, a))
+    return backs, sums
+
+
+def _is_cast_back(d: OpDraft) -> bool:
+    values = input_values(d)
+    return len(d.outputs) == 1 and d.outputs[0].dtype == "float32" and len(values) == 1 \
+        and values[0].dtype != "float32" and values[0].shape == d.outputs[0].shape
+
+
+def _is_gradient_sum(d: OpDraft, g: int) -> bool:
+    values = input_values(d)
+    return d.target == "aten.add.Tensor" and len(values) == 2 and len(d.outputs) == 1 and not d.is_view \
+        and len({v.storage_id for v in values}) == 2 and all(v.shape == d.outputs[0].shape and v.dtype == "float32"
+                                                              for v in values) \
+        and dict(d.kwargs).get("alpha", 1) == 1
+
+
+def _add_into(d: OpDraft, held, incoming) -> OpDraft:
+    """The input buffer's in-place accumulation of `incoming` into `held`, run in node `d`."""
+    return dataclasses.replace(d, name=f"{d.name}_accumulate", target="aten.add_.Tensor", args=(held, incoming),
+                               kwargs=(), outputs=(held,), is_view=True)
+
+
+def _resolve(renamed: dict[int, int], sid: int) -> int:
+    """Where a chain of renames ends (a pass-through's operand may itself be passed through)."""
+    while sid in renamed and renamed[sid] != sid:
+        sid = renamed[sid]
+    return sid
 
 
 class _Renames(dict):

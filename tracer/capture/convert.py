@@ -308,7 +308,7 @@ def convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase
         if storage.release_step is not None:
             table.update(sids[i], released_after_op=_op_at_or_before(last_op, storage.release_step, at))
     for node, sizes in plan.scratch.items():
-        _add_kernel_scratch(ops[node_pos[node]], node_pos[node], sizes, table)
+        add_kernel_scratch(ops[node_pos[node]], node_pos[node], sizes, table)
     for node, entries in stored_later.items():      # what reads it later (the backward) reads the stored copy
         flat = list(_iter_tensor_values(values[node]))
         stored = {id(t): TensorValue(sids[e], v.shape, v.dtype) if isinstance(e, int) else v
@@ -325,7 +325,7 @@ def convert_planned(plan, table, values, node_pos, ops, tangent, *, phase: Phase
     return sids
 
 
-def _add_kernel_scratch(op, index: int, sizes: tuple[int, ...], table) -> None:
+def add_kernel_scratch(op, index: int, sizes: tuple[int, ...], table) -> None:
     """Scratch a kernel allocates and frees inside its call (`GraphPlan.scratch`): storages of the op (a
     `kernel_scratch` keyword, which the formulas ignore), released right after it."""
     for nbytes in sizes:

@@ -17,6 +17,15 @@ Measured on real CPU kernels (tests/capture/test_kernel_scratch.py). fp32 and fp
 add reduced-precision copies and per-block temporaries (and fp16 oneDNN packing on AMX CPUs) that are not
 modelled (no scratch is returned for them), nor is the scratch of other extern kernels (oneDNN matmul,
 CUDA attention).
+
+`eager_scratch_allocations(target, args, kwargs)` -> the same for an op run eagerly on the CPU (the optimizer
+step's recorded ops, for `--target cpu`). Registered: LAPACK's symmetric eigensolver behind
+`torch.linalg.eigh` (`_linalg_eigh` with eigenvectors; BatchLinearAlgebra.cpp `apply_lapack_eigh`), which
+asks LAPACK for its workspace once per call and allocates it through the allocator: `syevd` with eigenvectors
+takes 2n^2 + 6n + 1 elements of the matrix's dtype and 5n + 3 ints (LAPACK's documented minimum; torch's
+CPU build answers one element more, measured at n = 2 to 1,024 in fp32 and fp64, batched or not:
+tests/capture/test_kernel_scratch.py). Eigenvalues alone (`eigvalsh`), complex matrices, n < 2 and CUDA's
+cuSOLVER workspaces are not modelled.
 """
 from __future__ import annotations
 
@@ -39,6 +48,24 @@ def scratch_allocations(node: fx.Node, threads: int) -> tuple[int, ...]:
     if target == _FLASH_BACKWARD:
         return _flash_backward_scratch(values[0], values[1], values[2], threads)
     return ()
+
+
+def eager_scratch_allocations(target: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """Scratch of one eager CPU kernel call, from its (fake) arguments; () where none is known."""
+    if target == _EIGH:
+        return _lapack_eigh_scratch(args[0], kwargs.get("compute_v", args[2] if len(args) > 2 else True))
+    return ()
+
+
+_EIGH = "aten._linalg_eigh.default"
+_INT32_BYTES = 4
+
+
+def _lapack_eigh_scratch(matrix, compute_v: bool) -> tuple[int, ...]:
+    if not isinstance(matrix, torch.Tensor) or matrix.is_complex() or not compute_v or matrix.shape[-1] < 2:
+        return ()
+    n = int(matrix.shape[-1])
+    return ((2 * n * n + 6 * n + 2) * matrix.element_size(), (5 * n + 3) * _INT32_BYTES)
 
 
 def _kernel_call(node: fx.Node) -> tuple[str, tuple]:

@@ -28,7 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.convert import OpDraft, plain_value
+from tracer.capture.convert import OpDraft, add_kernel_scratch, plain_value
+from tracer.capture.kernel_scratch import eager_scratch_allocations
 from tracer.capture.meta import target_name
 from tracer.capture.pylocals import is_assertion
 from tracer.capture.source import loc_from_python_stack
@@ -125,6 +126,9 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(OpDraft(name=f"{phase.value}_{len(self.ops)}", target=target_name(func), phase=phase,
                                 args=plain_args, kwargs=plain_kwargs, outputs=tuple(outputs), source=source,
                                 module=module, is_view=bool(outputs) and not fresh))
+        if self.kernel_device == "cpu":      # the CPU kernel's own workspace, freed before it returns
+            scratch = eager_scratch_allocations(target_name(func), args, kwargs)
+            add_kernel_scratch(self.ops[-1], self.ops_offset + len(self.ops) - 1, scratch, self.table)
         return out
 
 
