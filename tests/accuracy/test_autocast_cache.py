@@ -83,10 +83,12 @@ def test_reentrant_backward_under_autocast():
     assert len(notes) == 1 and "a reentrant region's input" in notes[0] and "summed in bfloat16 before one" in notes[0]
 
 
-def test_a_weight_read_twice_in_one_region_is_cast_once():
-    """The first block runs again after the last: eager returns the cached copy for the second call, so its
-    weights cost one bf16 copy (was 2,112 B over in forward), and the report names the shared copies."""
-    source = _fixture(repeat_first=True)
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_weight_read_twice_in_one_region_is_cast_once(repeats):
+    """The first block runs again after the last (once or twice): eager returns the cached copy for the later
+    calls, so its weights cost one bf16 copy (was 2,112 B over in forward), their gradients meet in the
+    copy's one cast-back, and the report names the shared copies."""
+    source = _fixture(repeat_first=repeats)
     predicted, measured = _predict(source, "bf16"), _measure(source, "bf16")
     assert_step_exact(predicted, measured)
     assert _live_when_forward_ends(predicted) == measured.forward_end_bytes

@@ -128,46 +128,42 @@ def sum_gradients_in_autocast_dtype(ops: list[OpDraft], table: StorageTable,
     node's input buffer (the first one held, each later one added into it in place, as autograd's InputBuffer
     does with a gradient it owns alone) and are cast back to float32 once, when the last arrives. The joint
     graph, traced with the cache off, casts each call's gradient back (B_k: b_k -> g_k) and sums the float32
-    results (A_k: g_k + o -> a_k). Rewritten: the first B_k holds b_1, each later one adds into b_1, the last
-    adds then casts b_1; each A_k passes its other operand through (or, when that operand is the last cast's
-    result, the last cast writes A_k's output). `shared`: leaf key -> its cast ops (first, then the reused
-    ones). Returns the keys whose backward does not have this shape, left as traced."""
+    results with the leaf's other gradients. Rewritten: the first B_k holds b_1, each later one adds into b_1,
+    the last adds then casts b_1 (g_n, now the sum of all calls); every sum that took an earlier g_k passes
+    its other operand through (or, when that operand is g_n, the last cast writes the sum's storage; a sum of
+    two earlier g_k is already in b_1). `shared`: leaf key -> its cast ops (first, then the reused ones).
+    Returns the keys whose backward does not have this shape, left as traced."""
     by_seq_nr = {d.name: d.seq_nr for d in ops if d.phase is Phase.FORWARD and not d.recomputed}
-    readers: dict[int, list[int]] = {}
-    for i, d in enumerate(ops):
-        for v in input_values(d):
-            readers.setdefault(v.storage_id, []).append(i)
     renames, inserts, left = _Renames(), [], []
     for key, casts in shared.items():
-        plan = _cast_back_plan(ops, table, casts, by_seq_nr, readers)
+        plan = _cast_back_plan(ops, table, casts, by_seq_nr)
         if plan is None:
             left.append(key)
             continue
         backs, sums = plan
         held = input_values(ops[backs[0]])[0]                    # b_1: the input buffer
+        last = backs[-1]
         for k, i in enumerate(backs):
             d, incoming = ops[i], input_values(ops[i])[0]
-            if k == 0:
-                renames[d.outputs[0].storage_id] = held.storage_id
-                ops[i] = dataclasses.replace(d, outputs=(held,), is_view=True)
-            elif k < len(backs) - 1:
-                renames[d.outputs[0].storage_id] = held.storage_id
-                ops[i] = _add_into(d, held, incoming)
-            else:
+            if i == last:
                 inserts.append((i, _add_into(d, held, incoming)))
                 ops[i] = dataclasses.replace(d, args=(held,) + tuple(d.args[1:]))
-        last_out = ops[backs[-1]].outputs[0]
-        for g, a in sums:
-            d = ops[a]
-            out = d.outputs[0]
-            other = next(v for v in input_values(d) if v.storage_id != g)
-            if other.storage_id == last_out.storage_id:       # the last cast writes the sum's storage
-                renames[last_out.storage_id] = out.storage_id
-                ops[backs[-1]] = dataclasses.replace(ops[backs[-1]], outputs=(out,))
+                continue
+            renames[d.outputs[0].storage_id] = held.storage_id
+            ops[i] = dataclasses.replace(d, outputs=(held,), is_view=True) if k == 0 else _add_into(d, held, incoming)
+        for a, kind, other in sums:
+            d, out = ops[a], ops[a].outputs[0]
+            if kind == "into_last":                  # the last cast writes the sum's storage
+                renames[ops[last].outputs[0].storage_id] = out.storage_id
+                ops[last] = dataclasses.replace(ops[last], outputs=(out,))
                 ops[a] = dataclasses.replace(d, args=(out,), kwargs=(), is_view=True)
-            else:                                               # the sum is its other operand
+                continue
+            table.update(out.storage_id, nbytes=0)
+            if kind == "merge":                      # two calls' gradients: already summed in b_1
+                renames[out.storage_id] = held.storage_id
+                ops[a] = dataclasses.replace(d, args=(), kwargs=(), outputs=(), is_view=True)
+            else:                                    # the sum is its other operand
                 renames[out.storage_id] = other.storage_id
-                table.update(out.storage_id, nbytes=0)
                 ops[a] = dataclasses.replace(d, args=(other,), kwargs=(), outputs=(other,), is_view=True)
     if renames:
         resolved = _Renames({sid: _resolve(renames, sid) for sid in renames})
@@ -178,10 +174,11 @@ def sum_gradients_in_autocast_dtype(ops: list[OpDraft], table: StorageTable,
     return left
 
 
-def _cast_back_plan(ops, table, casts, by_seq_nr, readers):
-    """(the cast-backs B_k in op order, [(g_k, A_k's index)] for every B_k but the last), or None when the
-    backward does not have that shape: one float32 `_to_copy` per call in the call's autograd node, each but
-    the last read only by one out-of-place `add` of two same-shaped float32 gradients."""
+def _cast_back_plan(ops, table, casts, by_seq_nr):
+    """(the cast-backs B_k in op order, [(sum op index, "merge" | "into_last" | "pass", its other operand)]),
+    or None when the backward does not have that shape: one float32 `_to_copy` per call in the call's
+    autograd node, and every earlier call's float32 gradient (and every sum of two of them) read only by
+    out-of-place `add`s of two same-shaped float32 gradients."""
     seq_nrs = {by_seq_nr.get(ops[i].rerun_of) if ops[i].rerun else ops[i].seq_nr for i in casts}
     if None in seq_nrs or len(seq_nrs) != len(casts):
         return None
@@ -189,18 +186,27 @@ def _cast_back_plan(ops, table, casts, by_seq_nr, readers):
                    and d.target == "aten._to_copy.default")
     if len(backs) != len(casts) or any(not _is_cast_back(ops[i]) for i in backs):
         return None
+    last_out = ops[backs[-1]].outputs[0].storage_id
+    tainted = {ops[i].outputs[0].storage_id for i in backs[:-1]}     # float32 sums of earlier calls only
     sums = []
-    for i in backs[:-1]:
-        g = ops[i].outputs[0].storage_id
-        users = readers.get(g, [])
-        if len(users) != 1 or not _is_gradient_sum(ops[users[0]], g):
+    for a in range(backs[0] + 1, len(ops)):
+        d = ops[a]
+        read = [v for v in input_values(d) if v.storage_id in tainted]
+        if not read:
+            continue
+        if not _is_gradient_sum(d):
             return None
-        a = users[0]
-        other = next(v for v in input_values(ops[a]) if v.storage_id != g)
-        if other.storage_id != ops[backs[-1]].outputs[0].storage_id and \
-                table.get(ops[a].outputs[0].storage_id).role is not StorageRole.INTERMEDIATE:
+        out = d.outputs[0].storage_id
+        others = [v for v in input_values(d) if v.storage_id not in tainted]
+        if not others:
+            tainted.add(out)
+            sums.append((a, "merge", None))
+        elif others[0].storage_id == last_out:
+            sums.append((a, "into_last", None))
+        elif table.get(out).role is StorageRole.INTERMEDIATE:
+            sums.append((a, "pass", others[0]))
+        else:
             return None
-        sums.append((g, a))
     return backs, sums
 
 
@@ -210,7 +216,7 @@ def _is_cast_back(d: OpDraft) -> bool:
         and values[0].dtype != "float32" and values[0].shape == d.outputs[0].shape
 
 
-def _is_gradient_sum(d: OpDraft, g: int) -> bool:
+def _is_gradient_sum(d: OpDraft) -> bool:
     values = input_values(d)
     return d.target == "aten.add.Tensor" and len(values) == 2 and len(d.outputs) == 1 and not d.is_view \
         and len({v.storage_id for v in values}) == 2 and all(v.shape == d.outputs[0].shape and v.dtype == "float32"
