@@ -32,10 +32,11 @@ FIRST = ["torch.optim:SGD", "torch.optim:AdamW", "torch.optim:Adafactor", "torch
          "pytorch_optimizer:SOAP"]      # its preconditioners start from torch.linalg.eigh: LAPACK's workspace
 GAPS = [
     pytest.param("heavyball:SOAP", "steady", marks=pytest.mark.xfail(strict=True, reason=(
-        "heavyball's SOAP: the optimizer phase 27% low (78.0 MB against 107.0 MB); its real step recompiles "
-        "and autotunes as the preconditioner schedule advances, which the steady step does not model"))),
+        "heavyball's SOAP: the optimizer phase 0.72% low (106,230,316 B against 107,002,368 B): LAPACK's QR "
+        "workspace inside torch.linalg.qr (geqrf and orgqr, 772,052 B at 1000 x 1000), flagged in the report"))),
     pytest.param("heavyball:Muon", "steady", marks=pytest.mark.xfail(strict=True, reason=(
-        "heavyball's Muon: the optimizer phase 1.05% low (24.50 MB against 24.76 MB)"))),
+        "heavyball's Muon: the optimizer phase 1.05% low (24,504,224 B against 24,764,968 B): oneDNN's "
+        "scratchpad inside each bf16 matmul (260,736 B), flagged in the report"))),
 ]
 
 
@@ -64,3 +65,20 @@ def test_optimizer_step_at_the_allocator(tmp_path, optimizer, step):
     assert predicted.peak_phase == max(measured, key=measured.get)
     state = [s for s in predicted.graph.storages if s.role.value == "optimizer_state"]
     assert optimizer.startswith(("torch.optim:SGD", "schedulefree:SGD")) or state, "the bill names no optimizer state"
+
+
+@pytest.mark.parametrize("optimizer,kernel", [("heavyball:SOAP", "torch.linalg.qr"),
+                                              ("heavyball:Muon", "reduced-precision matmuls")])
+def test_kernel_scratch_the_step_does_not_count_is_flagged(tmp_path, optimizer, kernel):
+    """The two known gaps above are kernel workspaces the allocator sees inside one call: the report names
+    the kernel, and the optimizer phase is low by less than one such workspace per live call (under 1.1%)."""
+    path = _model_file(tmp_path, optimizer)
+    source = load_model_source(path)
+    predicted = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=8, target="cpu"))).policies["eager"]
+    notes = [n for n in predicted.graph.config.notes if n.startswith("kernel scratch not counted")]
+    assert len(notes) == 1 and kernel in notes[0]
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step_at_allocator(model, source.example_batch(2, 8), source.make_optimizer(model.parameters()),
+                                         steady=True)
+    assert 0 <= measured["optimizer"] - predicted.phases["optimizer"].peak_bytes <= measured["optimizer"] * 0.011

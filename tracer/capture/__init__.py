@@ -41,6 +41,7 @@ from tracer.capture.target import parse_target
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler, uses_grad_scaler
 from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
+from tracer.capture.kernel_scratch import unmodelled_scratch_notes
 from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
@@ -366,6 +367,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                                           grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param.values())))
     held_notes = _caller_held(ops, table, source, options, kept)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
+    scratch_notes = unmodelled_scratch_notes(ops, cpu=not parse_target(options.target).is_cuda)
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
@@ -373,7 +375,7 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                         policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
                         notes=_capture_notes(cap, cpu=not parse_target(options.target).is_cuda) + schedule.notes + first.notes
                         + recordings[0].notes + accumulation_notes
-                        + offload_notes + held_notes)
+                        + offload_notes + held_notes + scratch_notes)
     n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)

@@ -169,20 +169,21 @@ class PlannedCompiledFunction:
         return result
 
     def _plan(self, args, kwargs, window: _Window):
-        """(graph, plan, flat inputs, the AOT-compiled callable): traced and planned once per signature;
-        the cached graph keeps no reference to a call's tensors (a gradient would never be freed)."""
+        """(graph, plan, flat inputs, the AOT-compiled callable): traced and planned once per signature, on
+        stand-ins of the call's tensors, so that nothing cached holds a call's tensor (the recorder sees a
+        tensor die only when its last reference goes: a gradient or a temporary would never be freed)."""
         inputs = flat_inputs(args)
         key = (getattr(self.fn, "__code__", self.fn), _signature(inputs), tuple(sorted(kwargs)))
         plans = window.calls.plans
         if key not in plans:
-            gm, traced_inputs, run = self._trace(args, kwargs, window.fake_mode)
+            stand_ins = _stand_ins(args, window.fake_mode)
+            gm, traced_inputs, run = self._trace(stand_ins, kwargs, window.fake_mode)
             if _signature(traced_inputs) != _signature(inputs):
                 raise RuntimeError(f"AOT flattened the compiled call's inputs otherwise than expected: "
                                    f"{_signature(traced_inputs)} against {_signature(inputs)}")
             from tracer.capture.inductor_plan import inference_graph_passes, plan_graph
             gm = inference_graph_passes(gm, window.fake_mode)
             plan = plan_graph(gm, window.fake_mode, is_backward=False, is_inference=True)
-            _forget_example_inputs(gm, window.fake_mode)
             plans[key] = (gm, plan, run)
         gm, plan, run = plans[key]
         return gm, plan, inputs, run
@@ -204,12 +205,34 @@ class PlannedCompiledFunction:
             run(*args)
         return traced[0][0], traced[0][1], run
 
-def _forget_example_inputs(gm: fx.GraphModule, fake_mode) -> None:
+
+def _stand_ins(args, fake_mode):
+    """`args` with every tensor replaced by a fresh fake tensor of its size, strides and dtype (a subclass
+    rebuilt through `__tensor_unflatten__` from stand-ins of its inner tensors); tensors that share a storage
+    share their stand-ins' storage, so the trace sees the same aliasing."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torch.utils._pytree import tree_map
+
+    from tracer.capture.storages import storage_key
+
+    storages: dict = {}
+
+    def stand_in(value):
+        if is_traceable_wrapper_subclass(value):
+            names, context = value.__tensor_flatten__()
+            inner = {name: stand_in(getattr(value, name)) for name in names}
+            return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
+        if not isinstance(value, torch.Tensor):
+            return value
+        key = storage_key(value)
+        if key not in storages:
+            storages[key] = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8).untyped_storage()
+        fresh = torch.empty(0, dtype=value.dtype).set_(storages[key], value.storage_offset(), value.shape,
+                                                      value.stride())
+        return fresh.requires_grad_(value.requires_grad) if value.is_floating_point() else fresh
+
     with fake_mode:
-        for placeholder in gm.graph.find_nodes(op="placeholder"):
-            val = placeholder.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                placeholder.meta["val"] = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype)
+        return tree_map(stand_in, list(args))
 
 
 def flat_inputs(args) -> list:
@@ -257,7 +280,9 @@ def _record_plan(recorder, gm: fx.GraphModule, plan, inputs: list, result) -> No
                                if isinstance(value, torch.Tensor) else value)
     phase, source, module = recorder.site()
     start = len(recorder.ops)
-    made = convert_planned(plan, recorder.table, values, {}, recorder.ops, (None, None), phase=phase)
+    # the caller holds the call's arguments until it returns and past it: their release is the finalizer's
+    made = convert_planned(plan, recorder.table, values, {}, recorder.ops, (None, None), phase=phase,
+                           releasable=set())
     for op in recorder.ops[start:]:
         op.compiled_region = True
         if op.source is None:

@@ -358,8 +358,9 @@ def _unnamed_outputs(kernel, claimed: set) -> list[int]:
 def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
     """fx node -> its kernel step: the first scheduler node whose IR comes from it (a node lowered to an
     extern kernel, such as attention's fallback or an extern matmul: that kernel's step, not the earlier
-    kernels that copy its inputs into the layout it needs, which name it among their origins too), or the
-    first step of a user when that is earlier (a node Inductor inlines into its users' kernels and stores
+    kernels that copy its inputs into the layout it needs, which name it among their origins too, nor an
+    earlier user's kernel: an extern kernel is never inlined), or else the first step of a user when that is
+    earlier (a node Inductor inlines into its users' kernels and stores
     only later: gpt2's position `iota`, saved for backward by the forward's last kernel), never before the
     steps of its inputs; a node no kernel names (a view, a node Inductor folded away) runs at the step of
     its latest input."""
@@ -378,9 +379,12 @@ def _kernel_steps(gm: fx.GraphModule, scheduler) -> dict:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        named = [first[u] for u in _users_through_getitems(node) if u in first]
-        if node in first:
-            named.append(first[node])
+        if node in first_extern:         # an extern kernel is never inlined into its users' kernels
+            named = [first_extern[node]]
+        else:
+            named = [first[u] for u in _users_through_getitems(node) if u in first]
+            if node in first:
+                named.append(first[node])
         latest_input = max((step_of.get(a, 0) for a in _producers(node)), default=0)
         step_of[node] = max(min(named, default=0), latest_input)
     return step_of
