@@ -43,6 +43,9 @@ class FitResult:
     predicted_peak_bytes: int | None # the peak model at `largest`
     per_op: bool                     # exact per-op model (False: from phase peaks)
     corrections: int
+    reserved_bytes: int | None = None  # the caching allocator's reserved peak at `largest` (CUDA targets)
+    next_reserved_bytes: int | None = None   # ... at next_size (CUDA targets: the size it no longer fits)
+    reserved_searches: int = 0       # full analyses beyond the first two that searched the reserved peak
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,18 +57,26 @@ class FitReport:
     sample_sizes: tuple[int, ...]
     results: dict[str, FitResult]
     analyses_run: int
+    margin_bytes: int = 0            # kept free: the peak must fit budget_bytes - margin_bytes
+    extra_bytes: int = 0             # device memory outside the step counted in every peak (cuBLAS workspaces)
+    context_bytes: int | None = None # the budget is the device's total less this CUDA context (`--fit gpu`)
+    cuda: bool = False               # a CUDA target (reserved peaks are known)
 
 
 def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = None,
                policies: tuple[str, ...] = ALL_POLICIES, multiple: int = 1, analyze: Callable | None = None,
-               on_progress: Callable[[str], None] | None = None, **options) -> FitReport:
+               on_progress: Callable[[str], None] | None = None, margin: int | str = 0, **options) -> FitReport:
     """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
-    is at most `budget` (bytes, or a size string such as "80GiB"), for each policy. `options` go to
-    `tracer.analyze` (precision, optimizer, target, ...). On a CUDA target the peak counts the cuBLAS
-    workspaces too (requested bytes; the allocator's rounding and caching are not part of the fit).
+    is at most `budget` less `margin` (bytes, or size strings such as "80GiB"; `budget` "gpu": the target
+    GPU's reported total less the CUDA context, the capacity the report's "fits" verdict uses), for each
+    policy. `options` go to `tracer.analyze` (precision, optimizer, target, ...). The peak is the bytes the
+    step requests at its peak; on a CUDA target it counts the cuBLAS workspaces too, and each answer's
+    reserved peak (the caching allocator's segments, which is what runs out) is reported beside it.
     `on_progress(message)` is told each analysis before it runs. Raises UsageError for a bad budget or size."""
     analyze = analyze or analyze_model
-    budget_bytes = parse_budget(budget)
+    from_device = isinstance(budget, str) and budget.strip().lower() in DEVICE_BUDGETS
+    budget_bytes = None if from_device else parse_budget(budget)
+    margin_bytes = _parse_margin(margin)
     dimension = "batch" if batch is None else "seq"
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
@@ -84,13 +95,25 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
             common = set.intersection(*(set(p) for p in phase_rows[label]))
             table = [[p[name] for name in sorted(common)] for p in phase_rows[label]]
             models[label] = fit_peak_model(samples, table, degree, check=False), False
+    if from_device:
+        if runner.capacity_bytes is None:
+            raise UsageError(f"--fit {budget} needs a CUDA target: the budget is the GPU's memory",
+                             hint="give --gpu NAME (or a size, such as --fit 80GiB)")
+        budget_bytes = runner.capacity_bytes
+    if budget_bytes - margin_bytes <= 0:
+        raise UsageError(f"the margin ({margin_bytes:,} B) leaves nothing of the budget ({budget_bytes:,} B)")
+    target_bytes = budget_bytes - margin_bytes
     step = max(1, multiple)
-    largest = {label: largest_fitting_size(m, budget_bytes, multiple=step) for label, (m, _) in models.items()}
+    largest = {label: largest_fitting_size(m, target_bytes, multiple=step) for label, (m, _) in models.items()}
     runner.prefetch([(size, label) for label, n in largest.items() for size in (n, n + step) if size])
-    results = {label: _check(runner, label, peak_model, per_op, budget_bytes, largest[label], step)
+    results = {label: _check(runner, label, peak_model, per_op, target_bytes, largest[label], step)
                for label, (peak_model, per_op) in models.items()}
+    if runner.cuda:       # what runs out is the allocator's reserved memory: the answer is the size it fits
+        results = {label: _check_reserved(runner, r, target_bytes, step) for label, r in results.items()}
     return FitReport(budget_bytes=budget_bytes, dimension=dimension, batch=batch, seq=seq,
-                     sample_sizes=tuple(samples), results=results, analyses_run=runner.runs)
+                     sample_sizes=tuple(samples), results=results, analyses_run=runner.runs,
+                     margin_bytes=margin_bytes, extra_bytes=runner.extra_bytes,
+                     context_bytes=runner.context_bytes if from_device else None, cuda=runner.cuda)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +167,34 @@ def _check(runner: "_Runner", label: str, peak_model: PeakModel, per_op: bool, b
     """Full analyses at `largest` and the next size. If they disagree with the model, search with full
     analyses (doubling away from the guess, then bisection) until one size fits and the next does not."""
     predicted = peak_model.peak_bytes(largest) if largest else None
-    fits = lambda size: size == 0 or runner.peak(size, label) <= budget_bytes    # noqa: E731
+    low, high, corrections = _search(lambda size: size == 0 or runner.peak(size, label) <= budget_bytes,
+                                     largest, step, label)
+    return FitResult(policy=label, largest=low, peak_bytes=runner.peak(low, label) if low else None,
+                     next_size=high, next_peak_bytes=runner.peak(high, label), predicted_peak_bytes=predicted,
+                     per_op=per_op, corrections=corrections,
+                     reserved_bytes=runner.reserved.get((low, label)) if low else None)
+
+
+def _check_reserved(runner: "_Runner", result: FitResult, budget_bytes: int, step: int) -> FitResult:
+    """The largest size whose reserved peak fits, searched with full analyses from the requested-peak answer
+    scaled by reserved/requested there (the allocator's overhead grows about in proportion)."""
+    label, largest = result.policy, result.largest
+    if not largest:
+        return dataclasses.replace(result, next_reserved_bytes=runner.reserved_peak(result.next_size, label))
+    ratio = runner.reserved_peak(largest, label) / max(runner.peak(largest, label), 1)
+    guess = max(0, int(largest / max(ratio, 1.0)) // step * step)
+    low, high, corrections = _search(lambda size: size == 0 or runner.reserved_peak(size, label) <= budget_bytes,
+                                     guess, step, label)
+    return dataclasses.replace(result, largest=low, peak_bytes=runner.peak(low, label) if low else None,
+                               next_size=high, next_peak_bytes=runner.peak(high, label),
+                               reserved_bytes=runner.reserved_peak(low, label) if low else None,
+                               next_reserved_bytes=runner.reserved_peak(high, label),
+                               reserved_searches=corrections)
+
+
+def _search(fits: Callable[[int], bool], guess: int, step: int, label: str) -> tuple[int, int, int]:
+    """(low, high, analyses beyond the guess's two): low fits, high = low + step does not, from `guess`."""
+    largest = guess
     corrections = 0
     low, high = largest, largest + step            # want: fits(low) and not fits(high)
     distance = step
@@ -161,9 +211,7 @@ def _check(runner: "_Runner", label: str, peak_model: PeakModel, per_op: bool, b
     if corrections > MAX_CORRECTIONS:
         raise FitError(f"{label}: the peak model needed {corrections} full analyses to correct",
                        hint="the step's structure changes with the size")
-    return FitResult(policy=label, largest=low, peak_bytes=runner.peak(low, label) if low else None,
-                     next_size=high, next_peak_bytes=runner.peak(high, label), predicted_peak_bytes=predicted,
-                     per_op=per_op, corrections=corrections)
+    return low, high, corrections
 
 
 class _Runner:
@@ -173,7 +221,10 @@ class _Runner:
         self.analyze, self.model, self.dimension = analyze, model, dimension
         self.batch, self.seq, self.policies, self.options, self.say = batch, seq, policies, options, say
         self.peaks: dict[tuple[int, str], int] = {}
+        self.reserved: dict[tuple[int, str], int] = {}
         self.runs = 0
+        self.capacity_bytes = self.context_bytes = None       # the device's, on a CUDA target
+        self.extra_bytes, self.cuda = 0, False
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
         analysis = self._run(size, labels)
@@ -187,6 +238,11 @@ class _Runner:
                 by_size.setdefault(size, []).append(label)
         for size, labels in sorted(by_size.items()):
             self._run(size, labels)
+
+    def reserved_peak(self, size: int, label: str) -> int:
+        if (size, label) not in self.reserved:
+            self._run(size, (label,))
+        return self.reserved[(size, label)]
 
     def peak(self, size: int, label: str) -> int:
         if (size, label) not in self.peaks:
@@ -202,6 +258,11 @@ class _Runner:
         self.runs += 1
         for label, policy in analysis.policies.items():
             self.peaks[(size, label)] = _peak_bytes(policy)
+            device = getattr(policy, "device", None)
+            if device is not None:
+                self.reserved[(size, label)] = device.reserved_peak_bytes
+                self.capacity_bytes, self.context_bytes = device.capacity_bytes, device.context_bytes
+                self.extra_bytes, self.cuda = max(self.extra_bytes, device.extra_bytes), True
         return analysis
 
 
@@ -226,6 +287,20 @@ def _extra_bytes(policy) -> int:
     """Device memory outside the step graph (a CUDA target's cuBLAS workspaces), which counts against the
     budget like the step's own bytes."""
     return policy.device.extra_bytes if getattr(policy, "device", None) is not None else 0
+
+
+DEVICE_BUDGETS = ("gpu", "device")     # `--fit gpu`: the target GPU's capacity
+
+
+def _parse_margin(margin: int | str) -> int:
+    from tracer.reports.units import parse_bytes
+    try:
+        value = parse_bytes(margin) if isinstance(margin, str) else margin
+    except ValueError as exc:
+        raise UsageError(f"--fit-margin: {exc}") from exc
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UsageError(f"the fit margin must be a size of at least 0, not {margin!r}", hint="e.g. --fit-margin 2GiB")
+    return value
 
 
 def parse_budget(budget: int | str) -> int:

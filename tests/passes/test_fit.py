@@ -8,6 +8,7 @@ import tracer
 from tracer.errors import UsageError
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
 from tracer.planning import fit_budget
+from tracer.reports.planning_text import render_fit
 
 
 def _rows(polys, sizes):
@@ -90,14 +91,38 @@ def test_largest_sequence_at_a_fixed_batch():
 
 
 @pytest.mark.slow
-def test_on_a_cuda_target_the_budget_holds_the_cublas_workspaces_too():
-    """The default (CUDA) fit counts what the device holds besides the step: the same budget fits a
-    smaller batch than on CPU, and the answer is the device view's requested peak."""
+def test_on_a_cuda_target_the_answer_is_the_size_whose_reserved_peak_fits():
+    """What runs out on a GPU is the caching allocator's reserved memory (its segments, which hold the
+    requested peak with the cuBLAS workspaces, rounding and cached free blocks): the CUDA fit's answer is
+    the largest batch whose reserved peak fits, and the table shows the requested peak beside it. The same
+    budget fits a larger batch on the CPU, where the requested peak is what counts."""
     at_5 = tracer.analyze("llama-debug", batch=5, seq=64, gpu="a100").policies["eager"].device
-    report = fit_budget("llama-debug", at_5.peak_bytes, seq=64, policies=("eager",), gpu="a100")
-    assert report.results["eager"].largest == 5 and report.results["eager"].peak_bytes == at_5.peak_bytes
-    on_cpu = fit_budget("llama-debug", at_5.peak_bytes, seq=64, policies=("eager",), target="cpu")
+    report = fit_budget("llama-debug", at_5.reserved_peak_bytes, seq=64, policies=("eager",), gpu="a100")
+    result = report.results["eager"]
+    # segments come in 2 MiB steps, so larger batches may reserve no more than batch 5 does
+    assert result.largest >= 5 and result.reserved_bytes <= at_5.reserved_peak_bytes < result.next_reserved_bytes
+    checked = tracer.analyze("llama-debug", batch=result.largest, seq=64, gpu="a100").policies["eager"].device
+    assert (checked.reserved_peak_bytes, checked.peak_bytes) == (result.reserved_bytes, result.peak_bytes)
+    assert result.peak_bytes < result.reserved_bytes
+    text = render_fit(report)
+    assert "judged by the reserved peak" in text and "cuBLAS workspaces" in text and "requested" in text
+    on_cpu = fit_budget("llama-debug", at_5.reserved_peak_bytes, seq=64, policies=("eager",), target="cpu")
     assert on_cpu.results["eager"].largest > 5
+
+
+@pytest.mark.slow
+def test_fit_gpu_takes_the_device_total_less_the_context_and_a_margin():
+    """`--fit gpu`: the budget is the capacity the report's verdict uses (the GPU's reported total less the
+    CUDA context); a margin is kept free below it, and the header says what the budget is made of."""
+    capacity = tracer.analyze("llama-debug", batch=1, seq=64, gpu="t4").policies["eager"].device.capacity_bytes
+    report = fit_budget("llama-debug", "gpu", seq=64, policies=("eager",), gpu="t4", margin="1GiB")
+    assert report.budget_bytes == capacity and report.margin_bytes == 2**30 and report.context_bytes == 512 * 2**20
+    assert report.results["eager"].reserved_bytes <= capacity - 2**30 < report.results["eager"].next_reserved_bytes
+    assert "the GPU's reported total 15.00 GiB less 512.00 MiB for the CUDA context" in render_fit(report)
+    with pytest.raises(UsageError, match="needs a CUDA target"):
+        fit_budget("llama-debug", "gpu", seq=64, policies=("eager",), target="cpu")
+    with pytest.raises(UsageError, match="leaves nothing"):
+        fit_budget("llama-debug", "1MiB", seq=64, policies=("eager",), target="cpu", margin="2MiB")
 
 
 @pytest.mark.slow

@@ -32,7 +32,10 @@ def build_parser(epilog: str = ""):
     planning = p.add_argument_group("planning")
     planning.add_argument("--fit", metavar="SIZE",
                           help="largest batch at --seq (with an explicit --batch: largest --seq) whose peak fits "
-                               "SIZE, per policy; checked by full analyses")
+                               "SIZE, per policy; checked by full analyses. SIZE 'gpu': the --gpu's reported total "
+                               "less the CUDA context (--cuda-context)")
+    planning.add_argument("--fit-margin", metavar="SIZE", default="0",
+                          help="with --fit: memory to keep free below the budget (default 0)")
     planning.add_argument("--levers", action="store_true",
                           help="what-if table: one row per training lever and combination (checkpointing, compile, "
                                "8-bit AdamW, Adafactor, pure bf16, accumulation, LoRA, offload, ZeRO-2/FSDP at "
@@ -76,7 +79,8 @@ def _plan(args, options) -> int:
     progress = Progress.from_args(args)
     if args.fit:
         report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
-                            policies=names, memory_budget=budget, on_progress=progress, **keywords)
+                            policies=names, memory_budget=budget, on_progress=progress, margin=args.fit_margin,
+                            **keywords)
         sys.stdout.write(render_fit(report))
     else:
         sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
@@ -100,7 +104,9 @@ def _levers(args) -> int:
     options = analysis_options(args)
     progress = Progress.from_args(args)
     if args.fit:
-        from tracer.planning import parse_budget
+        from tracer.planning import DEVICE_BUDGETS, parse_budget
+        if args.fit.strip().lower() in DEVICE_BUDGETS or args.fit_margin != "0":
+            raise UsageError("--levers --fit takes a size, without --fit-margin", hint="e.g. --levers --fit 80GiB")
         fits = fit_levers(args.model, args.fit, options, world_size=world_size, on_progress=progress)
         sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
         progress.done()

@@ -7,25 +7,55 @@ from tracer.stepgraph import PHASE_NAMES
 
 
 def render_fit(report) -> str:
-    """One row per policy: the largest size, its peak (full analysis), the next size and its overflow."""
+    """One row per policy: the largest size, its peak (full analysis), the next size and its overflow; above
+    the table, what the budget is made of and which peak it is judged by (on a CUDA target the caching
+    allocator's reserved peak, with the requested one beside it)."""
     if report.dimension == "batch":
         what, fixed = "batch", f"seq {report.seq}"
     else:
         what, fixed = "seq", f"batch {report.batch}"
-    lines = [f"largest {what} that fits {format_bytes(report.budget_bytes)} ({report.budget_bytes:,} B) at {fixed}",
-             f"  {'policy':<12} {what:>8} {'peak':>12} {'headroom':>12}   {'next':>8} {'its peak':>12} {'over':>12}"]
+    target = report.budget_bytes - report.margin_bytes
+    judged = "reserved" if report.cuda else "peak"
+    lines = [f"largest {what} that fits {format_bytes(target)} ({target:,} B) at {fixed}",
+             "  " + _fit_budget_words(report),
+             "  " + _fit_peak_words(report),
+             f"  {'policy':<12} {what:>8} {judged:>12} {'headroom':>12}   {'next':>8} {'its ' + judged:>12} {'over':>12}"
+             + (f" {'requested':>12}" if report.cuda else "")]
     for label, r in report.results.items():
+        value = r.reserved_bytes if report.cuda else r.peak_bytes
+        next_value = r.next_reserved_bytes if report.cuda else r.next_peak_bytes
         if r.largest:
-            fit = f"{r.largest:>8,} {format_bytes(r.peak_bytes):>12} {format_bytes(report.budget_bytes - r.peak_bytes):>12}"
+            fit = f"{r.largest:>8,} {format_bytes(value):>12} {format_bytes(target - value):>12}"
         else:
             fit = f"{'none':>8} {'':>12} {'':>12}"
-        over = format_bytes(r.next_peak_bytes - report.budget_bytes)
-        note = "" if r.per_op and not r.corrections else "  (phase-peak fit" + (
-            f", corrected by {r.corrections}" if r.corrections else "") + ")"
-        lines.append(f"  {label:<12} {fit}   {r.next_size:>8,} {format_bytes(r.next_peak_bytes):>12} {over:>12}{note}")
+        requested = f" {format_bytes(r.peak_bytes) if r.largest else '':>12}" if report.cuda else ""
+        said = [*(["phase-peak fit"] if not r.per_op else []),
+                *([f"corrected by {r.corrections}"] if r.corrections else []),
+                *([f"reserved peak searched in {r.reserved_searches} more analyses"] if r.reserved_searches else [])]
+        note = f"  ({', '.join(said)})" if said else ""
+        lines.append(f"  {label:<12} {fit}   {r.next_size:>8,} {format_bytes(next_value):>12} "
+                     f"{format_bytes(next_value - target):>12}{requested}{note}")
     lines.append(f"({report.analyses_run} analyses: {what} {', '.join(map(str, report.sample_sizes))} to fit each op's "
                  f"bytes, then each answer and the next {what} checked in full)")
     return "\n".join(lines) + "\n"
+
+
+def _fit_budget_words(report) -> str:
+    margin = f", less the {format_bytes(report.margin_bytes)} margin (--fit-margin)" if report.margin_bytes else ""
+    if report.context_bytes is not None:
+        return (f"budget: the GPU's reported total {format_bytes(report.budget_bytes + report.context_bytes)} less "
+                f"{format_bytes(report.context_bytes)} for the CUDA context (--cuda-context){margin}")
+    context = (" (for a whole GPU: its reported total less the CUDA context, about 512 MiB; --fit gpu takes it "
+               "from --gpu)" if report.cuda else "")
+    return f"budget: {format_bytes(report.budget_bytes)} as given{context}{margin}"
+
+
+def _fit_peak_words(report) -> str:
+    extra = f" + {format_bytes(report.extra_bytes)} of cuBLAS workspaces" if report.extra_bytes else ""
+    if report.cuda:
+        return ("judged by the reserved peak: the caching allocator's segments (what runs out on the device; "
+                f"--alloc-conf changes it); requested: the bytes the step's tensors ask for at its peak{extra}")
+    return f"judged by the peak: the bytes the step's tensors hold at its peak{extra}"
 
 
 def render_sharding(sharded: dict, *, single_device_peaks: dict[str, int] | None = None) -> str:
