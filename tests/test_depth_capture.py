@@ -190,7 +190,7 @@ def test_a_pool_that_cannot_start_captures_the_check_here(monkeypatch):
         def __exit__(self, *exc):
             return False
 
-        def submit(self, *args):
+        def submit(self, *args, **kwargs):
             future = concurrent.futures.Future()
             future.set_exception(BrokenProcessPool("no process"))
             return future

@@ -332,7 +332,7 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
             return capture(source, indices)
     say(f"capturing {', '.join(specs[i].label for i in apart)} in a second process ...")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        future = pool.submit(_capture_in_worker, model, options, apart)
+        future = pool.submit(_capture_in_worker, model, options, apart, logging_state=_logging_state())
         with running_user_code(source.name):
             graphs = dict(zip(here, capture(source, here)))
         try:
@@ -343,11 +343,27 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     return tuple(graphs[i] for i in indices)
 
 
-def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
+def _logging_state() -> tuple[int, int | None]:
+    """What this process lets Python's logging print (`logging.disable`'s level, the last-resort handler's
+    level): a spawned process starts with logging's defaults and takes these (the CLI quiets libraries'
+    warnings unless --verbose)."""
+    import logging
+    return logging.root.manager.disable, logging.lastResort.level if logging.lastResort is not None else None
+
+
+def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None, *,
+                       logging_state: tuple[int, int | None] = (0, None)) -> tuple:
     """A spawned process's job: the graphs of `model`'s policy specs at `indices` (None: all), of the model
-    cut to `depth` blocks (None: in full)."""
+    cut to `depth` blocks (None: in full), with the parent's `_logging_state`."""
+    import logging
+
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import cut_source
+
+    disable, last_resort_level = logging_state
+    logging.disable(disable)
+    if logging.lastResort is not None and last_resort_level is not None:
+        logging.lastResort.setLevel(last_resort_level)
 
     source = load_source(model, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
@@ -386,7 +402,7 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     say(f"capturing {source.name} cut to {BASE_DEPTH} and (in a second process) {CHECK_DEPTH} of its "
         f"{blocks.depth} blocks under fake tensors ...")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        check = pool.submit(_capture_in_worker, model, options, None, CHECK_DEPTH)
+        check = pool.submit(_capture_in_worker, model, options, None, CHECK_DEPTH, logging_state=_logging_state())
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, BASE_DEPTH, {}), everything)

@@ -120,6 +120,13 @@ class StepConfig:
     accumulate: int = 1               # micro-batches of forward + backward per optimizer step
     offload: str | None = None        # optimizer | optimizer+params: what is held in host memory
     notes: tuple[str, ...] = ()       # what the capture saw and how it is simulated, for the report
+    input_shapes: str | None = None   # the batch's shapes when --seq does not change them (images), else None
+
+    @property
+    def size_words(self) -> str:
+        """How reports name the step's size besides the batch: `seq 1024`, or the input's shapes when the
+        sequence length does not change the batch (`input 2x3x224x224`)."""
+        return f"seq {self.seq}" if self.input_shapes is None else f"input {self.input_shapes}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,10 +116,31 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
             notes += ("whether the CUDA grouped matmul takes "
                       + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))
                       + " inputs was not checked on a GPU (transformers calls it on compute capability 8.0+)",)
-        if not notes:
+        shapes = seq_free_input_shapes(source, options.batch, options.seq)
+        if not notes and shapes is None:
             return graphs
         return tuple(dataclasses.replace(graph, config=dataclasses.replace(
-                     graph.config, notes=graph.config.notes + notes)) for graph in graphs)
+                     graph.config, notes=graph.config.notes + notes, input_shapes=shapes)) for graph in graphs)
+
+
+def seq_free_input_shapes(source: ModelSource, batch: int, seq: int) -> str | None:
+    """The example batch's first tensor's shape ("2x3x224x224") when `seq` does not change the batch's shapes
+    (an image model), else None: example_batch is called again at another length under a fake mode."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_leaves
+    if source.example_batch is None:
+        return None
+    try:
+        with FakeTensorMode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shapes = [[tuple(t.shape) for t in tree_leaves(source.example_batch(batch, length))
+                       if isinstance(t, torch.Tensor)] for length in (seq, seq + 1)]
+    except Exception:          # noqa: BLE001 - a length it refuses is a length it reads
+        return None
+    if not shapes[0] or shapes[0] != shapes[1]:
+        return None
+    return "x".join(map(str, shapes[0][0]))       # the first tensor: the images (the labels follow the batch)
 
 
 def joint_key(options: CaptureOptions) -> CaptureOptions:

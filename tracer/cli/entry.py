@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -29,20 +30,25 @@ def run_entry_point(body: Callable[[], int], *, prog: str, verbose: bool) -> int
 
 @contextlib.contextmanager
 def _library_warnings_quiet(verbose: bool):
-    """Libraries the model imports log warnings through Python's last-resort handler when the process has
-    configured no logging (torchao: "Failed to load ... .so" for a binary built for another Python): that is
-    not tracer's output, and the contract is one line on stderr. Without --verbose such records below ERROR
-    are not printed while the command runs; a process that configured logging keeps its own handlers."""
-    handler = logging.lastResort
-    if verbose or handler is None:
+    """Libraries log warnings while the command runs (torchao: "Failed to load ... .so" for a binary built
+    for another Python, through Python's last-resort handler; torch's pytree: a deprecation when a library
+    registers an Enum, through the handler torch._logging installs): that is not tracer's output, and the
+    contract is one line on stderr. Without --verbose (or TORCH_LOGS, which asks for torch's), records below
+    ERROR are not emitted while the command runs; tracer itself does not log."""
+    if verbose or os.environ.get("TORCH_LOGS"):
         yield
         return
-    level = handler.level
-    handler.setLevel(logging.ERROR)
+    previous, last_resort = logging.root.manager.disable, logging.lastResort
+    last_resort_level = last_resort.level if last_resort is not None else None
+    logging.disable(logging.WARNING)
+    if last_resort is not None:         # a library may lift logging.disable; no handler of its own: this one
+        last_resort.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        handler.setLevel(level)
+        logging.disable(previous)
+        if last_resort is not None:
+            last_resort.setLevel(last_resort_level)
 
 
 def _run(body: Callable[[], int], *, prog: str, verbose: bool) -> int:

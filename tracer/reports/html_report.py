@@ -100,7 +100,7 @@ def _summary(analysis: Analysis, policy: str) -> str:
     phases = ", ".join(f"{_e(name)} {format_bytes(p.peak_bytes)}" for name, p in result.phases.items())
     return (
         '<section id="summary"><h2>Summary</h2>'
-        f"<p>batch {cfg.batch}, seq {cfg.seq}, {_e(cfg.precision)}, optimizer {_e(cfg.optimizer)}, "
+        f"<p>batch {cfg.batch}, {_e(cfg.size_words)}, {_e(cfg.precision)}, optimizer {_e(cfg.optimizer)}, "
         f"{_e(cfg.step)} step, "
         f"zero_grad(set_to_none={cfg.zero_grad_set_to_none}); {graph.parameter_count:,} parameters; "
         f"{len(graph.ops):,} ops captured ({_e(cfg.capture_path)}).</p>"

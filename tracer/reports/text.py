@@ -20,7 +20,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     graph = result.graph
     cfg = graph.config
     lines = [
-        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
+        f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  {cfg.size_words}  {cfg.precision}  optimizer "
         f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path}, policy: {policy})",
         f"parameters: {graph.parameter_count:,}" + (f" (frozen {graph.frozen_parameter_count:,}, trainable "
                                                      f"{graph.parameter_count - graph.frozen_parameter_count:,})"
@@ -78,7 +78,7 @@ def render_policy_table(analysis: Analysis) -> str:
     cfg = analysis.graph.config
     device = all(r.device is not None for r in analysis.policies.values())
     rank = all(r.rank_device is not None for r in analysis.policies.values())
-    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  seq {cfg.seq}  {cfg.precision}  optimizer "
+    lines = [f"tracer: {cfg.model}  on {cfg.target}  batch {cfg.batch}{_micro_batches(cfg)}  {cfg.size_words}  {cfg.precision}  optimizer "
              f"{cfg.optimizer}  {cfg.step} step  (capture: {cfg.capture_path})", *_table_notes(analysis), "",
              f"  {'policy':<16} {'peak':>12} {'phase':<9} {'saved act.':>12} {'vs eager':>9} "
              f"{'recompute':>11} {'step':>11} {'overhead':>8}"

@@ -126,7 +126,7 @@ def timeline_figure(analysis: Analysis, *, policies: list[str] | None = None,
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
     cfg = analysis.graph.config
-    fig.suptitle(f"{cfg.model}: live memory over one training step (batch {cfg.batch}, seq {cfg.seq}, "
+    fig.suptitle(f"{cfg.model}: live memory over one training step (batch {cfg.batch}, {cfg.size_words}, "
                  f"{cfg.precision}, optimizer {cfg.optimizer})", fontsize=10)
     return fig, timelines
 
