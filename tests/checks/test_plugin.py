@@ -63,6 +63,7 @@ def test_budgets_hold_on_the_model_and_fail_on_regressions(pytester, base_bill):
     wide = out.split("_ test_wide _")[1]
     assert "activation" in wide and "wide.py:23  h = self.up(x)" in wide
     assert "peak 2.75 MiB" in out.split("_ test_base_over_a_tiny_budget _")[1]
+    assert "site-packages" not in out          # library lines print from the package root, as the CLI does
 
 
 @pytest.mark.slow

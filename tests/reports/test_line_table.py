@@ -67,3 +67,25 @@ def test_llama_debug_lines_group_the_blocks(llama_debug):
     mlp = next(r for code, r in by_code.items() if code.startswith("return self.w2("))
     assert mlp.layers == "blocks.0-1, x2" and mlp.flops > 0 and mlp.saved_bytes > 0
     assert sum(r.bytes_at_peak for r in table.rows) == llama_debug.policies["eager"].peak_bytes
+
+
+def test_paths_print_from_the_package_root_the_working_directory_or_the_model_files_directory(tmp_path,
+                                                                                                  monkeypatch):
+    """Installed packages from their root; files under the working directory relative to it; a model file
+    run from elsewhere, and the files beside it, relative to the model file's directory; anything else as
+    given."""
+    from tracer.reports.line_table import model_dir, short_label, short_path
+    project = tmp_path / "project"
+    (project / "layers").mkdir(parents=True)
+    (project / "model.py").write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    here = model_dir(str(project / "model.py"))
+    assert here == str(project) and model_dir("llama-debug") is None
+    assert short_path("/usr/lib/python3/site-packages/torch/optim/adam.py", here) == "torch/optim/adam.py"
+    assert short_path(str(project / "layers" / "attention.py"), here) == "layers/attention.py"
+    assert short_label(f"{project / 'model.py'}:12", here) == "model.py:12"
+    assert short_path(str(elsewhere / "run.py"), here) == "run.py"
+    assert short_path("/opt/other/thing.py", here) == "/opt/other/thing.py"
+    assert short_label("(parameters)", here) == "(parameters)"

@@ -6,7 +6,7 @@ from synthetic import two_policies
 
 from tracer.errors import UsageError
 from tracer.passes.attribution import CATEGORIES
-from tracer.reports.timeline import (axis_unit, build_timeline, drawn_points, render_timeline, timeline_figure,
+from tracer.reports.timeline import (PEAK_HEADROOM, axis_unit, build_timeline, drawn_points, render_timeline, timeline_figure,
                                      timeline_svg)
 
 
@@ -55,6 +55,14 @@ def test_llama_debug_plot_peak_equals_analysis_peak(llama_debug, tmp_path):
     op = result.peak_op
     assert op.target in peak_label and f"llama.py:{op.source.line}" in peak_label
     assert {"forward", "backward", "optimizer"} <= set(labels)
+
+    # the peak's label and the phases' names never cover each other
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    label_box = next(t for t in ax.texts if t.get_text().startswith("peak ")).get_window_extent(renderer)
+    for name in (t for t in ax.texts if t.get_text() in ("forward", "backward", "optimizer")):
+        assert not label_box.overlaps(name.get_window_extent(renderer)), name.get_text()
 
     png, svg = tmp_path / "t.png", tmp_path / "t.svg"
     (written,) = render_timeline(llama_debug, png)
@@ -107,4 +115,4 @@ def test_the_synthetic_step_is_plotted_in_bytes(synthetic):
     fig, (tl,) = timeline_figure(synthetic)
     ax = fig.axes[0]
     assert tl.peak_bytes == 452 and ax.get_ylabel() == "live memory (B)"
-    assert _drawn_max_bytes(ax, 1) == 452 and ax.get_ylim()[1] == pytest.approx(452 * 1.18)
+    assert _drawn_max_bytes(ax, 1) == 452 and ax.get_ylim()[1] == pytest.approx(452 * PEAK_HEADROOM)

@@ -131,12 +131,14 @@ def _budget_message(model: str, policy: str, options: dict, result, budgets: dic
     if not over:
         return None
     op = result.peak_op
-    where = f" {op.source.file}:{op.source.line}" if op.source else ""
+    from tracer.reports.line_table import model_dir, short_label, short_path
+    here = model_dir(model)
+    where = f" {short_path(op.source.file, here)}:{op.source.line}" if op.source else ""
     out = [f"memory budget exceeded: {model} (policy {policy}, batch {options['batch']}, seq {options['seq']}, "
            f"{options['precision']}); peak in {result.peak_phase} at {op.target}{where}", *over,
            "top lines at the peak:"]
     for row in result.at_peak.lines[:5]:
         code = f"  {row.source.code}" if row.source and row.source.code else ""
         saved = f"(saved {format_bytes(row.saved_bytes)})"
-        out.append(f"  {format_bytes(row.bytes_at_peak):>12} {saved:>20}  {row.label}{code}")
+        out.append(f"  {format_bytes(row.bytes_at_peak):>12} {saved:>20}  {short_label(row.label, here)}{code}")
     return "\n".join(out)

@@ -20,7 +20,7 @@ import tracer
 from tracer.passes.analysis import Analysis
 from tracer.passes.attribution import CATEGORIES
 from tracer.reports.layer_graph import DOT_INSTALL_HINT, build_layer_graph, dot_to_svg, layer_graph_dot
-from tracer.reports.line_table import build_line_table, line_table_html, short_path
+from tracer.reports.line_table import build_line_table, line_table_html, model_dir, short_path
 from tracer.reports.units import format_flops
 from tracer.reports.policy_view import policy_result, recompute_flops_by_line
 from tracer.reports.timeline import timeline_svg
@@ -92,7 +92,7 @@ def _summary(analysis: Analysis, policy: str) -> str:
     cfg = graph.config
     result = policy_result(analysis, policy)
     op = result.peak_op
-    where = (f" at <code>{_e(op.target)}</code>, {_e(short_path(op.source.file))}:{op.source.line} "
+    where = (f" at <code>{_e(op.target)}</code>, {_e(short_path(op.source.file, model_dir(cfg.model)))}:{op.source.line} "
              f"<code>{_e(op.source.code.strip())}</code>") if op.source else f" at <code>{_e(op.target)}</code>"
     rows = "".join(f"<tr><td>{_e(cat.replace('_', ' '))}</td>{_num(result.at_peak.by_category[cat])}"
                    f'<td class="num">{_share(result.at_peak.by_category[cat], result.peak_bytes)}</td></tr>'
@@ -122,7 +122,7 @@ def _policy_table(analysis: Analysis) -> str:
     body = []
     for name, r in analysis.policies.items():
         op = r.peak_op
-        loc = f"{short_path(op.source.file)}:{op.source.line}" if op.source else ""
+        loc = f"{short_path(op.source.file, model_dir(analysis.graph.config.model))}:{op.source.line}" if op.source else ""
         cells = [f"<td>{_e(name)}</td>", _num(r.peak_bytes), f"<td>{_e(r.peak_phase)}</td>",
                  f"<td><code>{_e(op.target)}</code> {_e(loc)}</td>", _num(r.saved.total_bytes),
                  _num(r.saved.activation_bytes)]

@@ -53,6 +53,7 @@ class LineTable:
     peak_bytes: int
     rows: tuple[LineRow, ...]
     has_recompute_flops: bool
+    model_dir: str | None = None      # the model file's directory: its lines print relative to it
 
 
 def build_line_table(analysis: Analysis, policy: str = "eager") -> LineTable:
@@ -83,7 +84,12 @@ def build_line_table(analysis: Analysis, policy: str = "eager") -> LineTable:
             for label, e in acc.items()]
     rows.sort(key=lambda r: (-r.bytes_at_peak, -r.saved_bytes, -r.flops, r.label))
     return LineTable(policy=policy, peak_bytes=result.peak_bytes, rows=tuple(rows),
-                     has_recompute_flops=recompute is not None)
+                     has_recompute_flops=recompute is not None, model_dir=model_dir(graph.config.model))
+
+
+def model_dir(model: str) -> str | None:
+    """The directory of a model given as a file path (None for zoo and hf: names)."""
+    return os.path.dirname(os.path.abspath(model)) if model.endswith(".py") and os.path.isfile(model) else None
 
 
 def group_layer_names(names) -> str:
@@ -132,7 +138,7 @@ def render_line_table(table: LineTable, *, top: int | None = None) -> str:
         if table.has_recompute_flops:
             text += f" {format_flops(r.recompute_flops or 0):>14}"
         code = f"  {r.source.code}" if r.source and r.source.code else ""
-        lines.append(f"{text}  {r.layers:<{layer_width}}  {short_label(r.label)}{code}".rstrip())
+        lines.append(f"{text}  {r.layers:<{layer_width}}  {short_label(r.label, table.model_dir)}{code}".rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +167,7 @@ def line_table_html(table: LineTable, *, top: int | None = None, table_id: str =
            "<tbody>"]
     for r in rows:
         code = r.source.code if r.source else ""
-        cells = [f'<td class="loc" title="{html.escape(r.label)}">{html.escape(short_label(r.label))}</td>',
+        cells = [f'<td class="loc" title="{html.escape(r.label)}">{html.escape(short_label(r.label, table.model_dir))}</td>',
                  f"<td><code>{html.escape(code)}</code></td>",
                  f"<td>{html.escape(r.layers)}</td>",
                  _num_cell(r.bytes_at_peak, format_bytes(r.bytes_at_peak)),
@@ -178,22 +184,32 @@ def _num_cell(value: int, text: str) -> str:
     return f'<td class="num" data-sort="{value}">{html.escape(text)}</td>'
 
 
-def short_label(label: str) -> str:
+def short_label(label: str, model_dir: str | None = None) -> str:
     """"path:line" with the path as `short_path` prints it; a "(...)" label as it is."""
     if label.startswith("("):
         return label
     path, _, line = label.rpartition(":")
-    return f"{short_path(path)}:{line}"
+    return f"{short_path(path, model_dir)}:{line}"
 
 
-def short_path(path: str) -> str:
-    """A file path as the reports print it: from the package root for installed packages
-    (`torch/optim/adam.py`), relative to the working directory when under it, else as given."""
+# the directory that holds the tracer package (its built-in models print as `tracer/models/llama.py`)
+_TRACER_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def short_path(path: str, model_dir: str | None = None) -> str:
+    """A file path as the reports print it: from the package root for installed packages and tracer's own
+    built-in models (`torch/optim/adam.py`), relative to the working directory when under it, else relative to the model
+    file's directory when under that (`model_dir`), else as given."""
     for marker in ("/site-packages/", "/dist-packages/"):
         if marker in path:
             return path.rsplit(marker, 1)[1]
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
+    if path.startswith(_TRACER_ROOT + os.sep):       # a built-in model's file: from the package root too
+        return os.path.relpath(path, _TRACER_ROOT)
+    for start in (None, model_dir) if model_dir else (None,):
+        try:
+            rel = os.path.relpath(path, start)
+        except ValueError:
+            continue
+        if not rel.startswith(".."):
+            return rel
+    return path

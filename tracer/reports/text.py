@@ -6,7 +6,7 @@ import re
 from tracer.passes.analysis import Analysis, PolicyAnalysis
 from tracer.passes.attribution import CATEGORIES, LayerBytes, frozen_parameter_bytes
 from tracer.policies import parse_policy_label, policy_named
-from tracer.reports.line_table import short_label
+from tracer.reports.line_table import model_dir, short_label
 from tracer.reports.units import format_bytes, format_flops
 
 
@@ -28,7 +28,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         *(f"note: {note}" for note in cfg.notes),
         "",
         f"peak: {format_bytes(result.peak_bytes)} ({result.peak_bytes:,} B) in {result.peak_phase}, "
-        f"at {result.peak_op.target} {_where(result.peak_op.source)}",
+        f"at {result.peak_op.target} {_where(result.peak_op.source, model_dir(cfg.model))}",
         "per phase: " + "  |  ".join(f"{name} {format_bytes(p.peak_bytes)}" for name, p in result.phases.items()),
         f"live before the step: {format_bytes(result.start_bytes)}   after: {format_bytes(result.end_bytes)}",
         f"saved for backward: {format_bytes(result.saved.activation_bytes)} of activations"
@@ -45,7 +45,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
     lines += ["", f"top {top} lines at the peak:", f"  {'at peak':>12} {'saved':>12}  line"]
     for row in result.at_peak.lines[:top]:
         code = f"  {row.source.code}" if row.source and row.source.code else ""
-        label = short_label(row.label)
+        label = short_label(row.label, model_dir(cfg.model))
         lines.append(f"  {format_bytes(row.bytes_at_peak):>12} {format_bytes(row.saved_bytes):>12}  {label}{code}")
     lines += ["", "layers at the peak (identical layers grouped):", f"  {'at peak':>12} {'saved':>12}  layer"]
     for label, row in group_layers(result.at_peak.layers):
@@ -167,7 +167,7 @@ def _micro_batches(cfg) -> str:
     return f" x {cfg.accumulate} micro-batches" if cfg.accumulate > 1 else ""
 
 
-def _where(source) -> str:
-    return f"({short_label(f'{source.file}:{source.line}')}: {source.code})" if source else ""
+def _where(source, here: str | None = None) -> str:
+    return f"({short_label(f'{source.file}:{source.line}', here)}: {source.code})" if source else ""
 
 

@@ -34,7 +34,7 @@ from tracer.errors import UsageError
 from tracer.passes.analysis import Analysis
 from tracer.passes.attribution import CATEGORIES
 from tracer.passes.liveness import BEFORE_STEP
-from tracer.reports.line_table import short_path
+from tracer.reports.line_table import model_dir, short_path
 from tracer.reports.policy_view import policy_graph, policy_result
 from tracer.reports.units import byte_unit, format_bytes
 
@@ -89,7 +89,7 @@ def build_timeline(analysis: Analysis, policy: str = "eager") -> PolicyTimeline:
         by_category[cat] = tuple(series)
     total = tuple(sum(col) for col in zip(*by_category.values())) if n else ()
     op = result.peak_op
-    where = f"\n{short_path(op.source.file)}:{op.source.line}  {_clip(op.source.code, 60)}" if op.source else ""
+    where = f"\n{short_path(op.source.file, model_dir(analysis.graph.config.model))}:{op.source.line}  {_clip(op.source.code, 60)}" if op.source else ""
     label = f"peak {format_bytes(result.peak_bytes)} in {result.peak_phase}\n#{op.index} {op.target}{where}"
     return PolicyTimeline(policy=policy, bytes_by_category=by_category, total_bytes=total,
                           bands=phase_bands(graph.ops[:n]), peak_bytes=result.peak_bytes,
@@ -122,7 +122,7 @@ def timeline_figure(analysis: Analysis, *, policies: list[str] | None = None,
     for ax, tl in zip(axes, timelines):
         _draw_panel(ax, tl, device_memory_bytes, max_points, unit)
     top_bytes = max([t.peak_bytes for t in timelines] + [device_memory_bytes or 0])
-    axes[0].set_ylim(0, top_bytes / unit[1] * 1.18 or 1.0)
+    axes[0].set_ylim(0, top_bytes / unit[1] * PEAK_HEADROOM or 1.0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 8), fontsize=8, frameon=False)
     cfg = analysis.graph.config
@@ -148,6 +148,11 @@ def drawn_points(tl: PolicyTimeline, max_points: int) -> tuple[list[int], dict[s
         edges.append(start)
     edges.append(n)
     return edges, {cat: [series[i] for i in picks] for cat, series in tl.bytes_by_category.items()}
+
+
+# the y axis reaches this multiple of the highest peak (or the device line): the peak's label box sits above
+# its marker and below the phases' names at the top of the panel
+PEAK_HEADROOM = 1.5
 
 
 def _draw_panel(ax, tl: PolicyTimeline, device_memory_bytes: int | None, max_points: int,
