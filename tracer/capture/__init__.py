@@ -42,6 +42,7 @@ from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler, uses_grad_scaler
 from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
 from tracer.capture.kernel_scratch import unmodelled_scratch_notes
+from tracer.capture.device_queries import device_queries_observed, device_query_note
 from tracer.capture.calls import call_holds
 from tracer.capture.formulas import expression_holds
 from tracer.capture.pylocals import local_holds
@@ -109,9 +110,9 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
         warnings.filterwarnings("ignore", category=FutureWarning)
         # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
         warnings.filterwarnings("ignore", message="Error detected in")
-        with routing_assumption(parse_routing(options.moe_routing)) as routing:
+        with routing_assumption(parse_routing(options.moe_routing)) as routing, device_queries_observed() as asked:
             graphs = _capture_steps(source, requests, on_policy, on_stage or (lambda message: None))
-        notes = source.notes + routing.notes
+        notes = source.notes + routing.notes + device_query_note(asked, parse_target(options.target).is_cuda)
         if routing.grouped_mm_lines and options.target != "cpu":
             notes += ("whether the CUDA grouped matmul takes "
                       + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))

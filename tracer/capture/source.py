@@ -57,6 +57,11 @@ def model_code_frames(frames: list[tuple[str, str]]) -> list[int]:
     return model or user
 
 
+def is_model_file(path: str) -> bool:
+    """The model's own code: a user file (`is_user_file`) that is not an installed package's."""
+    return is_user_file(path) and not any(d in os.path.abspath(path) for d in _LIBRARY_DIRS)
+
+
 def _in_library(path: str) -> bool:
     """An installed package's file, other than torch.optim's (the optimizer step's own lines)."""
     return any(d in path for d in _LIBRARY_DIRS) and not os.path.abspath(path).startswith(_OPTIM_DIR)
