@@ -19,7 +19,7 @@ def _notes(target):
 
 def test_a_cuda_target_names_the_lines_that_branch_on_the_device():
     (note,) = _notes("cuda:h100")
-    assert "device_branches.py:13 (tensor.is_cuda answered False)" in note
+    assert "device_branches.py:11 (tensor.is_cuda answered False)" in note
     assert "device_branches.py:23 (torch.cuda.is_available() answered False)" in note
 
 
