@@ -64,6 +64,7 @@ class AnalysisOptions:
     lora_targets: tuple[str, ...] = MODEL_DEFAULTS["lora_targets"]  # (): capture/lora.py's default targets
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
+    gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
     full_capture: bool = MODEL_DEFAULTS["full_capture"]   # every block captured, no synthesized depth
 
     def __post_init__(self):
@@ -208,7 +209,7 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "tp": self.tp, "sp": self.sp}
+                "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
         """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`
@@ -289,8 +290,12 @@ def load_source(model, options: AnalysisOptions):
     from tracer.capture import load_model_source
     if not isinstance(model, str):
         return model
-    return load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
-                             hf_attn=options.hf_attn, hf_task=options.hf_task, model_args=tuple(options.model_args))
+    source = load_model_source(model, hf_config=tuple(options.hf_config), config_json=options.config_json,
+                               hf_attn=options.hf_attn, hf_task=options.hf_task, model_args=tuple(options.model_args))
+    if options.gradient_checkpointing is None:
+        return source
+    from tracer.capture.model_input import with_gradient_checkpointing
+    return with_gradient_checkpointing(source, reentrant=options.gradient_checkpointing == "reentrant")
 
 
 def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,

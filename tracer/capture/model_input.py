@@ -323,3 +323,22 @@ def _user_location(exc: BaseException, path: str) -> str:
     inside = [f for f in frames if os.path.abspath(f.filename) == path]
     frame = (inside or frames or [None])[-1]
     return f"{frame.filename}:{frame.lineno}" if frame else path
+
+
+def with_gradient_checkpointing(source: ModelSource, *, reentrant: bool) -> ModelSource:
+    """`source` whose build calls the model's own `gradient_checkpointing_enable` (transformers' models; on
+    an `hf:` model, the wrapped model's), as `Trainer(gradient_checkpointing=True)` does. A model without
+    the method is refused: its checkpointing is written in its code, or given by --policy full."""
+    build = source.build_model
+
+    def build_checkpointed():
+        model = build()
+        owner = next((m for m in (model, getattr(model, "model", None))
+                      if callable(getattr(m, "gradient_checkpointing_enable", None))), None)
+        if owner is None:
+            raise UsageError(f"{source.name}: --gradient-checkpointing calls the model's gradient_checkpointing_enable(), "
+                             f"which {type(model).__name__} does not define",
+                             hint="use --policy full (tracer checkpoints each block), or checkpoint in the model's code")
+        owner.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model
+    return dataclasses.replace(source, build_model=build_checkpointed)

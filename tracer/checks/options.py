@@ -86,6 +86,9 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("sp", False, None,
                 "--tp: Megatron sequence parallelism: the activations outside the tensor-parallel regions "
                 "(layer norms, dropouts, residuals) are split along the sequence too (default off)"),
+    ModelOption("gradient_checkpointing", None, ("reentrant", "non-reentrant"),
+                "call the model's own gradient_checkpointing_enable (transformers' models), with use_reentrant "
+                "as given, as Trainer(gradient_checkpointing=True) does (default off)"),
     ModelOption("full_capture", False, None,
                 "capture every block of a deep model; by default a model with more than 6 identical blocks is "
                 "captured cut to 4 and 6 blocks and the full depth is synthesized from 4, after checking that "

@@ -29,6 +29,10 @@ def build_parser(epilog: str = ""):
         epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups.add_model_group(p)
     groups.add_policy_group(p)
+    p.add_argument("--trainer-args", metavar="JSON",
+                   help="a Hugging Face Trainer's TrainingArguments (the JSON to_json_string() writes): its batch, "
+                        "accumulation, bf16/fp16, optim, torch_compile and gradient checkpointing replace the "
+                        "matching flags")
     planning = p.add_argument_group("planning")
     planning.add_argument("--fit", metavar="SIZE",
                           help="largest batch at --seq (with an explicit --batch: largest --seq) whose peak fits "
@@ -160,6 +164,10 @@ def analysis_options(args):
     from tracer.errors import UsageError
     from tracer.pipeline import AnalysisOptions
 
+    if args.trainer_args:             # the Trainer's arguments decide the fields they name
+        from tracer.trainer_args import trainer_options
+        for name, value in trainer_options(args.trainer_args).items():
+            setattr(args, "policy" if name == "policies" else name, value[0] if name == "policies" else value)
     if args.batch < 1 or args.seq < 1:
         raise UsageError("--batch and --seq must be positive integers")
     device_memory = _size_flag(args, "device_memory")
@@ -180,7 +188,7 @@ def analysis_options(args):
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
         accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-        tp=args.tp, sp=args.sp, full_capture=args.full_capture)
+        tp=args.tp, sp=args.sp, full_capture=args.full_capture, gradient_checkpointing=args.gradient_checkpointing)
     return options                          # AnalysisOptions validates every field when made: before any capture
 
 
