@@ -29,3 +29,24 @@ def analyze(model, *, memory_budget: float | None = None, workers: int = 1, **op
         warnings.warn("tracer.analyze(zero_grad_set_to_none=...) is deprecated: use zero_grad='none' or 'zeros', "
                       "as --zero-grad", DeprecationWarning, stacklevel=2)
     return run_analysis(model, options_from_keywords(memory_budget=memory_budget, **options), workers=workers)
+
+
+def _show_analyses_in_notebooks() -> None:
+    """In a Jupyter kernel (IPython running when tracer is imported), an Analysis displays itself as the
+    report's summary, timeline plot, policy table and top lines (`tracer.reports.html_report.notebook_html`)."""
+    import sys
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    if shell is None or not hasattr(shell, "display_formatter"):
+        return
+    html = shell.display_formatter.formatters.get("text/html")
+    if html is not None:
+        html.for_type_by_name("tracer.passes.analysis", "Analysis", _notebook_html)
+
+
+def _notebook_html(analysis) -> str:
+    from tracer.reports.html_report import notebook_html
+    return notebook_html(analysis)
+
+
+_show_analyses_in_notebooks()

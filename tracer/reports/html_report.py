@@ -87,6 +87,23 @@ def render_html(analysis: Analysis, *, policy: str = "eager", layer: str | None 
     return "\n".join(parts) + "\n"
 
 
+def notebook_html(analysis: Analysis, *, policy: str = "eager", top: int = 10) -> str:
+    """The analysis as a Jupyter cell shows it: the summary, the timeline plot, the policy table and the top
+    `top` lines, in one `<div>` with the report's styles (no script: notebooks do not run it)."""
+    policy = policy if policy in analysis.policies else next(iter(analysis.policies))
+    cfg = analysis.graph.config
+    return "\n".join([
+        '<div class="tracer-report">',
+        f"<style>{STYLE}</style>",
+        f"<h3>tracer: {_e(cfg.model)}</h3>",
+        _summary(analysis, policy),
+        f'<div class="figure">{timeline_svg(analysis)}</div>',
+        _policy_table(analysis),
+        _lines(analysis, policy, top),
+        "</div>",
+    ])
+
+
 def _summary(analysis: Analysis, policy: str) -> str:
     graph = analysis.graph
     cfg = graph.config
