@@ -24,6 +24,12 @@ class GpuSpec:
     memory_bytes: int                 # the total the device reports (nvidia-smi, cudaMemGetInfo), not the label
     description: str
     sm_count: int                     # streaming multiprocessors (Inductor sizes split reductions by it)
+    system_bytes: int = 0             # unified memory (CPU and GPU share it): what the operating system holds of it
+
+    @property
+    def unified(self) -> bool:
+        """CPU and GPU share one memory: host offloading frees nothing of it."""
+        return self.system_bytes > 0
 
 
 _MIB = 2**20
@@ -44,6 +50,11 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("h100", (9, 0), 81_559 * _MIB, "Hopper H100 80GB", 132),
     GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132),
     GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148),
+    # NVIDIA DGX Spark: one GB10 Grace Blackwell superchip, 128 GB of LPDDR5x shared by the CPU and the GPU
+    # (48 SMs, compute capability 12.1); the operating system and the desktop hold part of it, 10 GiB as a
+    # starting guess until measured (--device-memory replaces the total)
+    GpuSpec("dgx-spark", (12, 1), 128 * 2**30, "Grace Blackwell GB10 (DGX Spark) 128GB unified", 48,
+            system_bytes=10 * 2**30),
 )}
 # What a training process's CUDA context takes on the device before its first tensor (driver state and the
 # kernels it loads lazily since CUDA 11.7): about 300 MB reported in pytorch/pytorch#107667, 300-400 MB in

@@ -96,6 +96,8 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return None, "give --world-size N"
     if "shard" in settings:
         settings["world_size"] = world_size
+    if "offload" in settings and _unified_memory(base):
+        return None, (f"the {base.gpu}'s CPU and GPU share one memory: offloading to the host frees none of it")
     if "accumulate" in settings:
         steps = settings["accumulate"]
         if base.batch % steps or base.batch < steps:
@@ -106,6 +108,13 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return dataclasses.replace(base, policies=(policy,), memory_budgets=(None,), **settings), ""
     except UsageError as exc:                  # a combination AnalysisOptions refuses: shown, not fatal
         return None, str(exc).splitlines()[0]
+
+
+def _unified_memory(options: AnalysisOptions) -> bool:
+    """A CUDA target whose GPU shares its memory with the CPU (the DGX Spark)."""
+    from tracer.capture.target import parse_target
+    target = parse_target(options.target, options.gpu)
+    return target.is_cuda and target.gpu.unified
 
 
 def _check_world_size(world_size) -> None:

@@ -240,9 +240,10 @@ class AnalysisOptions:
         from tracer.choices import CUDA_CONTEXT_BYTES
         total = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
         context = self.cuda_context_bytes if self.cuda_context_bytes is not None else CUDA_CONTEXT_BYTES
+        system = target.gpu.system_bytes if self.device_memory_bytes is None else 0   # unified: the OS's share
         return DeviceSetup(device_label=target.label, matmul_extra=workspaces, config=parse_alloc_conf(self.alloc_conf),
-                           capacity_bytes=max(total - context, 0), context_bytes=context,
-                           conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes)
+                           capacity_bytes=max(total - context - system, 0), context_bytes=context,
+                           conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes, system_bytes=system)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,

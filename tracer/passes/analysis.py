@@ -110,10 +110,16 @@ def with_sharding(result: PolicyAnalysis, sharding: ShardingSetup, device: Devic
 
 
 def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnalysis:
+    """On unified memory (`system_bytes` > 0) what the step holds "on the host" (--offload) comes out of the
+    same memory: the device view's capacity is less the host peak."""
+    capacity = device.capacity_bytes
+    if device.system_bytes and capacity is not None and result.host is not None:
+        capacity = max(capacity - result.host.peak_bytes, 0)
     view = predict_device_memory(result, extra=device.extra_for(result.graph), config=device.config,
-                                 capacity_bytes=device.capacity_bytes,
+                                 capacity_bytes=capacity,
                                  conv_workspace_cap_bytes=device.conv_workspace_cap_bytes)
-    return dataclasses.replace(result, device=dataclasses.replace(view, context_bytes=device.context_bytes))
+    return dataclasses.replace(result, device=dataclasses.replace(view, context_bytes=device.context_bytes,
+                                                                  system_bytes=device.system_bytes))
 
 
 def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:

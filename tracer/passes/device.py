@@ -66,6 +66,7 @@ class DeviceMemory:
     conv_calls: int = 0                   # cuDNN convolution calls of the step (each allocates a workspace)
     conv_workspace_cap_bytes: int | None = None   # counted per call when given (an upper bound); else left out
     context_bytes: int = 0                # the CUDA context, taken from the device's total to give capacity_bytes
+    system_bytes: int = 0                 # unified memory: what the operating system holds, taken from it too
 
     @property
     def extra_bytes(self) -> int:
@@ -83,6 +84,7 @@ class DeviceSetup:
     matmul_extra: tuple[tuple[str, int], ...] = ()   # allocated by the first cuBLAS call (its workspaces)
     conv_workspace_cap_bytes: int | None = None      # CUDNN_CONV_WSCAP_DBG of the run; None: not known
     context_bytes: int = 0                           # the CUDA context: capacity_bytes is the device's total less it
+    system_bytes: int = 0                            # unified memory: the OS's share, also taken from the total
 
     def extra_for(self, graph) -> tuple[tuple[str, int], ...]:
         """The extras a step holds: `matmul_extra` only when the step runs a cuBLAS op (a warm step finds

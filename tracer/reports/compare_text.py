@@ -27,8 +27,10 @@ def render_device_memory(device: DeviceMemory, *, target: str = "cuda") -> str:
         lines.append(f"  note: {device.conv_calls:,} cuDNN convolution calls each allocate a workspace for the call, "
                      "sized by the plan cuDNN picks at run time: not counted, so these peaks are lower bounds "
                      "(--cudnn-workspace-cap SIZE, the run's CUDNN_CONV_WSCAP_DBG, counts the cap: an upper bound)")
-    context = (f", the device's {format_bytes(device.capacity_bytes + device.context_bytes)} less "
-               f"{format_bytes(device.context_bytes)} for the CUDA context (--cuda-context)"
+    system = (f" and {format_bytes(device.system_bytes)} the operating system holds of the unified memory "
+              "(an assumption: --device-memory gives what is free)" if device.system_bytes else "")
+    context = (f", the device's {format_bytes(device.capacity_bytes + device.context_bytes + device.system_bytes)} "
+               f"less {format_bytes(device.context_bytes)} for the CUDA context (--cuda-context){system}"
                if device.context_bytes and device.capacity_bytes is not None else "")
     if device.capacity_bytes is not None and device.oom is None:
         lines.append(f"  fits in {format_bytes(device.capacity_bytes)} of device memory "
