@@ -37,7 +37,8 @@ _MIB = 2**20
 # size rounds: T4, A10G, L4, A100 40/80GB, H100, H200 and L40S from the table "Why does an NVIDIA H100 80GB
 # card offer 85.52 GB?" (thundergolfer.com/blog/nvidia-gpu-memory-capacity, read via NVML) and public
 # nvidia-smi logs (A10G 23,028 MiB, T4 15,360 MiB); V100 32GB: 32,510 MiB, B200: 183,359 MiB and RTX 3090:
-# 24,268 MiB from public nvidia-smi outputs (pytorch/pytorch#54564 for the 3090).
+# 24,268 MiB from public nvidia-smi outputs (pytorch/pytorch#54564 for the 3090); RTX 4090: 24,564 MiB
+# (nvidia-smi in RLinf/RLinf#255), RTX 5090: 32,607 MiB (nvidia-smi in noonghunna/club-3090#1261).
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("v100", (7, 0), 32_510 * _MIB, "Volta V100 32GB", 80),
     GpuSpec("t4", (7, 5), 15_360 * _MIB, "Turing T4 16GB", 40),
@@ -46,10 +47,12 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("a10g", (8, 6), 23_028 * _MIB, "Ampere A10G 24GB", 80),
     GpuSpec("rtx3090", (8, 6), 24_268 * _MIB, "Ampere GeForce RTX 3090 24GB", 82),
     GpuSpec("l4", (8, 9), 23_034 * _MIB, "Ada L4 24GB", 58),
+    GpuSpec("rtx4090", (8, 9), 24_564 * _MIB, "Ada GeForce RTX 4090 24GB", 128),
     GpuSpec("l40s", (8, 9), 46_068 * _MIB, "Ada L40S 48GB", 142),
     GpuSpec("h100", (9, 0), 81_559 * _MIB, "Hopper H100 80GB", 132),
     GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132),
     GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148),
+    GpuSpec("rtx5090", (12, 0), 32_607 * _MIB, "Blackwell GeForce RTX 5090 32GB", 170),
     # NVIDIA DGX Spark: one GB10 Grace Blackwell superchip, 128 GB of LPDDR5x shared by the CPU and the GPU
     # (48 SMs, compute capability 12.1); the operating system and the desktop hold part of it, 10 GiB as a
     # starting guess until measured (--device-memory replaces the total)
