@@ -16,6 +16,7 @@ import functools
 import linecache
 import os
 import re
+import sysconfig
 import sys
 
 import torch
@@ -26,6 +27,8 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OPTIM_DIR = os.path.join(_TORCH_DIR, "optim") + os.sep
 _TRACER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _ZOO_DIR = os.path.join(_TRACER_DIR, "models") + os.sep      # the zoo's model files are model code
+# Python's own library (contextlib, functools, copy): it runs model code, it is not model code
+_STDLIB_DIR = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 _FRAME_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)')
 _GRAD_ACC_SUFFIX = "Gradient addition node due to multiple use of tensor around:"
 WRAPPED_ATTR = "_tracer_wrapped"   # attribute name of the user model inside the loss wrapper
@@ -34,10 +37,12 @@ _PREFIXES = ("L__self__", "_export_root.", "L['self'].", "L['self']", "L__self__
 
 @functools.lru_cache(maxsize=None)
 def is_user_file(path: str) -> bool:
-    """Model code: not torch (but torch.optim, whose lines the optimizer step is attributed to), and not
-    tracer's own code (its pipeline and capture wrap the user's forward), except the zoo's model files."""
+    """Model code: not torch (but torch.optim, whose lines the optimizer step is attributed to), not
+    Python's own library, and not tracer's own code (its pipeline and capture wrap the user's forward),
+    except the zoo's model files."""
     path = os.path.abspath(path) if not path.startswith("<") else path
-    if path.startswith("<"):
+    if path.startswith("<") or (path.startswith(_STDLIB_DIR) and _LIBRARY_DIRS[0] not in path
+                                and _LIBRARY_DIRS[1] not in path):
         return False
     if path.startswith(_TRACER_DIR) and not path.startswith(_ZOO_DIR):
         return False
