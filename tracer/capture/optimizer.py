@@ -25,7 +25,7 @@ from tracer.errors import ModelRunError, UsageError
 
 class NotAnOptimizer(Exception):
     """make_optimizer returned something without step(); the argument is what it returned."""
-from tracer.stepgraph import StorageRole, TensorValue
+from tracer.stepgraph import StorageRole
 
 from tracer.choices import OPTIMIZERS  # noqa: E402 - the names, without torch, for the CLI
 
@@ -155,6 +155,12 @@ def no_gradient_error() -> ModelRunError:
                               "loss outside no_grad")
 
 
+def _needs_a_device(exc: Exception) -> bool:
+    """The error says the code wants a GPU (CUDA, XPU) that this CPU build does not have."""
+    text = f"{exc}".lower()
+    return any(word in text for word in ("cuda", "xpu", "gpu"))
+
+
 def not_an_optimizer_error(opt) -> UsageError:
     return UsageError(f"make_optimizer(params) returned {type(opt).__name__}, not an optimizer",
                       hint="return a torch.optim.Optimizer, or a list of them stepped in order; for no "
@@ -199,7 +205,13 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         raise
     except Exception as exc:
         active[0] = None
-        raise ModelRunError(f"the optimizer's warm-up step raised {type(exc).__name__}: {exc}",
+        if _needs_a_device(exc):
+            raise ModelRunError(f"building or stepping the optimizer raised {type(exc).__name__}: {exc}",
+                                hint="the capture runs on the CPU whatever the target, so code that needs a "
+                                     "CUDA device cannot run in it: return the optimizer it wraps from "
+                                     "make_optimizer and give the matching option (torchao's CPUOffloadOptimizer "
+                                     "is its base optimizer with --offload optimizer)") from exc
+        raise ModelRunError(f"building or stepping the optimizer raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) and its step() run on fake tensors (no values); "
                                  "fix what the error names") from exc
     table = StorageTable()
