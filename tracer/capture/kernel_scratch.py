@@ -58,7 +58,7 @@ def scratch_allocations(node: fx.Node, threads: int) -> tuple[int, ...]:
 def eager_scratch_allocations(target: str, args: tuple, kwargs: dict) -> tuple[int, ...]:
     """Scratch of one eager CPU kernel call, from its (fake) arguments; () where none is known."""
     if target == _EIGH:
-        return _lapack_eigh_scratch(args[0], kwargs.get("compute_v", args[2] if len(args) > 2 else True))
+        return _lapack_eigh_scratch(args[0], _eigh_computes_vectors(args, kwargs))
     return ()
 
 
@@ -89,7 +89,7 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
     named: dict[str, int] = {}
     for op in ops:
         values = op.input_values()
-        if op.target in _LAPACK_UNMODELLED and (op.target != _EIGH or not _computes_vectors(op)):
+        if op.target in _LAPACK_UNMODELLED and (op.target != _EIGH or not _eigh_computes_vectors(op.args, dict(op.kwargs))):
             named[_LAPACK_UNMODELLED[op.target]] = named.get(_LAPACK_UNMODELLED[op.target], 0) + 1
         elif op.target in _ONEDNN_MATMULS and values and values[0].dtype in _REDUCED:
             label = "reduced-precision matmuls (oneDNN's scratchpad)"
@@ -102,9 +102,9 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
             "1000 x 1000 matrix)",)
 
 
-def _computes_vectors(op) -> bool:
-    kwargs = dict(op.kwargs)
-    return bool(kwargs.get("compute_v", op.args[2] if len(op.args) > 2 else True))
+def _eigh_computes_vectors(args, kwargs: dict) -> bool:
+    """`_linalg_eigh(A, UPLO="L", compute_v=True)`: whether the call asks for eigenvectors."""
+    return bool(kwargs.get("compute_v", args[2] if len(args) > 2 else True))
 
 
 def _kernel_call(node: fx.Node) -> tuple[str, tuple]:
