@@ -126,7 +126,7 @@ CAPTURE_STAGES = (
                                                                   "eager_rerun", "policies"}),
     ("conversion to ops over storages", {"convert", "splice"}),
     ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held"}),
-    ("the step around it: optimizer, accumulation, offload", {"optimizer", "recorder", "compiled_calls", "bnb8bit", "lion",
+    ("the step around it: optimizer, accumulation, offload", {"optimizer", "optimizer_wrappers", "recorder", "compiled_calls", "bnb8bit", "lion",
                                                               "accumulation", "offload"}),
     ("the dispatch front end and the entry point", {"dispatch", ""}),
 )

@@ -412,13 +412,16 @@ def is_topk_router(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("TopKRouter")
 
 
-def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *, steady: bool = True) -> dict[str, int]:
+def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *, steady: bool = True,
+                              create_graph: bool = False) -> dict[str, int]:
     """Peak bytes per phase (forward, backward, optimizer) of one real CPU step (steady: one warm-up step
     first; else the first step, which makes the optimizer's state), read from the CPU allocator's own
     events (torch.profiler, profile_memory=True): what a
     dispatch-level tracker cannot see is counted too (tensors a custom op's kernel makes and frees inside
     its call, compiled code). The bytes held when the step starts are the unique storages of the
-    parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them)."""
+    parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them).
+    `create_graph`: the loop calls loss.backward(create_graph=True) (a second-order optimizer differentiates
+    the gradients) and drops `loss`, and with it the graph, when the step ends."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from tracer.capture.optimizer import optimizer_held_tensors
@@ -429,11 +432,13 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
         with phase("forward"):
             loss = model(*batch)
         with phase("backward"):
-            loss.backward()
-            del loss
+            loss.backward(create_graph=create_graph)
+            if not create_graph:
+                del loss
         with phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            loss = None
 
     if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
         optimizer.train()            # schedule-free optimizers step in train mode, as the loop sets it

@@ -72,3 +72,68 @@ def test_the_cpu_kernels_hold_fp32_copies_the_cuda_kernel_does_not(tmp_path):
     assert cpu.phases["optimizer"].peak_bytes - cuda.phases["optimizer"].peak_bytes >= 4 * 4 * LARGEST
     first = next(op.index for op in cuda.graph.ops if op.phase.value == "optimizer")
     assert cuda.phases["optimizer"].peak_bytes == cuda.liveness.live_after[first - 1]
+
+
+KEYWORD_STEP = '''
+import torch
+from torch import nn
+
+
+@torch.compile(fullgraph=True)
+def scaled_update(*, grad, exp_avg_sq):
+    exp_avg_sq.mul_(0.99).addcmul_(grad, grad, value=0.01)
+    return grad / (exp_avg_sq.sqrt() + 1e-8)
+
+
+class KeywordRMSprop(torch.optim.Optimizer):
+    """Its compiled update takes every tensor by keyword, as heavyball's calls do."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                p.add_(scaled_update(grad=p.grad, exp_avg_sq=state["exp_avg_sq"]), alpha=-group["lr"])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(256, 512), nn.Linear(512, 8)
+
+    def forward(self, x, y):
+        return ((self.down(self.up(x)) - y) ** 2).mean()
+
+
+def build_model():
+    return Net()
+
+
+def example_batch(batch, seq):
+    return torch.randn(batch, 256), torch.randn(batch, 8)
+
+
+def make_optimizer(params):
+    return KeywordRMSprop(params)
+'''
+
+
+def test_a_compiled_call_with_tensors_by_keyword_is_planned_per_signature(tmp_path):
+    """A compiled call whose tensors are all keyword arguments is one graph per shape: four parameters of
+    four shapes are four plans, each with its own outputs (one plan for all returned the first one's)."""
+    path = tmp_path / "keyword_step.py"
+    path.write_text(KEYWORD_STEP)
+    source = load_model_source(str(path))
+    predicted = analyze_graph(capture_step(source, CaptureOptions(batch=2, seq=8, target="cpu"))).policies["eager"]
+    note = next(n for n in predicted.graph.config.notes if n.startswith("compiled calls in the optimizer step"))
+    assert "(4 distinct graph(s))" in note
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step_at_allocator(model, source.example_batch(2, 8), source.make_optimizer(model.parameters()))
+    for phase, peak in measured.items():
+        assert abs(predicted.phases[phase].peak_bytes - peak) <= peak * 0.001, (phase, predicted.phases[phase].peak_bytes, peak)

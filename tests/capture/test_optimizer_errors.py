@@ -44,3 +44,15 @@ def test_a_cuda_only_optimizer_is_told_the_capture_runs_on_the_cpu(tmp_path):
 def test_any_other_failure_is_the_model_files_to_fix(tmp_path):
     error = _refusal(tmp_path, "raise ValueError('no learning rate given')")
     assert "no learning rate given" in str(error) and "fix what the error names" in error.hint
+
+
+def test_a_second_order_step_without_create_graph_is_told_to_declare_it(tmp_path):
+    """A step that differentiates the gradients (SophiaH, AdaHessian) needs the loop's
+    loss.backward(create_graph=True); without the declaration the gradients have no graph."""
+    error = _refusal(tmp_path, "class Hutchinson(torch.optim.SGD):\n"
+                               "        def step(self):\n"
+                               "            ps = [p for g in self.param_groups for p in g['params']]\n"
+                               "            torch.autograd.grad([p.grad for p in ps], ps, [torch.ones_like(p) for p in ps])\n"
+                               "            return super().step()\n"
+                               "    return Hutchinson(params, lr=0.1)")
+    assert "differentiates the gradients" in str(error) and "create_graph = True" in error.hint

@@ -170,6 +170,13 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     if options.capture == "dispatch":
         on_stage("running the step op by op on fake tensors (no graph) ...")
         return _dispatch_requests(source, requests, reason="--capture dispatch", kept=kept)
+    if source.create_graph:
+        if options.capture != "auto":
+            raise UsageError(f"--capture {options.capture}: {source.name} declares create_graph = True, and a "
+                             "captured graph's gradients have no graph to differentiate",
+                             hint="drop --capture (the step runs op by op)")
+        on_stage("running the step op by op on fake tensors (the loop differentiates the gradients) ...")
+        return _dispatch_requests(source, requests, reason=CREATE_GRAPH_REASON, kept=kept)
     cap, failures = None, []
     for label, rung in _ladder(options.capture):
         on_stage(f"tracing {label} ..." if not failures else f"that failed; tracing {label} ...")
@@ -292,6 +299,10 @@ def _refuse_overwritten_saved_values(cap) -> None:
                             hint="write it out of place (y = y * 2), or clone the tensor before the in-place op")
 
 
+CREATE_GRAPH_REASON = ("the loop calls loss.backward(create_graph=True) (create_graph = True in the model file): "
+                       "the optimizer differentiates the gradients, so the step runs op by op")
+
+
 def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGraph, ...]:
     """The dispatch rung once per distinct options of the requests."""
     by_options: dict = {}
@@ -348,7 +359,8 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
-                        policy="eager", target="cpu", notes=(f"export failed: {reason}",) + notes
+                        policy="eager", target="cpu",
+                        notes=(reason if reason == CREATE_GRAPH_REASON else f"export failed: {reason}",) + notes
                         + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
                             "applied",) if options.target != "cpu" else ()))
     graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
@@ -382,11 +394,17 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
     ops, offload_notes = ops + opt_ops, ()
-    if options.offload is not None:
-        trainable = [p for p in cap.model.parameters() if id(p) in part.grad_sid_by_param]
-        ops, offload_notes = offload_step(ops, table, mode=options.offload, compiled=schedule.compiled,
-                                          param_sids=tuple(dict.fromkeys(table.lookup(p) for p in trainable)),
-                                          grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param.values())))
+    wrapper = recordings[0].host_offload            # an optimizer wrapper that is the offload lever
+    if options.offload is not None or wrapper is not None:
+        trainable = [p for p in cap.model.parameters() if id(p) in part.grad_sid_by_param
+                     and (options.offload is not None or id(p) in wrapper.host_parameter_ids)]
+        ops, offload_notes = offload_step(
+            ops, table, mode=options.offload or "optimizer", compiled=schedule.compiled,
+            param_sids=tuple(dict.fromkeys(table.lookup(p) for p in trainable)),
+            grad_sids=tuple(dict.fromkeys(part.grad_sid_by_param[id(p)] for p in trainable)),
+            **({} if options.offload is not None else {
+                "wrapper": wrapper.wrapper, "free_device_gradients": wrapper.free_device_gradients,
+                "device_state_names": recordings[0].device_state_names}))
     held_notes = _caller_held(ops, table, source, options, kept)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
     scratch_notes = unmodelled_scratch_notes(ops, cpu=not parse_target(options.target).is_cuda)

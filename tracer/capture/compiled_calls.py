@@ -161,7 +161,7 @@ class PlannedCompiledFunction:
                 calls.eager.setdefault(name, f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                 gm = None
             if gm is not None:
-                result = run(*args)              # the graph on the fake inputs: the call's own outputs
+                result = run(*args, *kwargs.values())   # the graph on the fake inputs: the call's own outputs
         if gm is None:
             return self.fn(*args, **kwargs)      # recorded op by op, as eager runs it
         calls.calls[name] = calls.calls.get(name, 0) + 1
@@ -172,12 +172,14 @@ class PlannedCompiledFunction:
         """(graph, plan, flat inputs, the AOT-compiled callable): traced and planned once per signature, on
         stand-ins of the call's tensors, so that nothing cached holds a call's tensor (the recorder sees a
         tensor die only when its last reference goes: a gradient or a temporary would never be freed)."""
-        inputs = flat_inputs(args)
-        key = (getattr(self.fn, "__code__", self.fn), _signature(inputs), tuple(sorted(kwargs)))
+        # keyword arguments are arguments of the graph too (a call made with keywords only differs from
+        # the last only there), in the order the call gives them
+        inputs = flat_inputs([*args, *kwargs.values()])
+        key = (getattr(self.fn, "__code__", self.fn), _signature(inputs), tuple(kwargs))
         plans = window.calls.plans
         if key not in plans:
-            stand_ins = _stand_ins(args, window.fake_mode)
-            gm, traced_inputs, run = self._trace(stand_ins, kwargs, window.fake_mode)
+            stand_ins = _stand_ins([*args, *kwargs.values()], window.fake_mode)
+            gm, traced_inputs, run = self._trace(stand_ins, tuple(kwargs), window.fake_mode)
             if _signature(traced_inputs) != _signature(inputs):
                 raise RuntimeError(f"AOT flattened the compiled call's inputs otherwise than expected: "
                                    f"{_signature(traced_inputs)} against {_signature(inputs)}")
@@ -188,7 +190,9 @@ class PlannedCompiledFunction:
         gm, plan, run = plans[key]
         return gm, plan, inputs, run
 
-    def _trace(self, args, kwargs, fake_mode):
+    def _trace(self, args, keywords: tuple, fake_mode):
+        """AOT autograd's inference graph of the call; the last len(keywords) of `args` are passed by those
+        keywords."""
         from torch._functorch.aot_autograd import aot_function
         from torch._inductor.decomposition import select_decomp_table
 
@@ -200,7 +204,12 @@ class PlannedCompiledFunction:
 
         fn = self.fn
         with fake_mode, torch.no_grad():
-            run = aot_function(lambda *a: fn(*a, **kwargs), fw_compiler=keep, decompositions=select_decomp_table(),
+            positional = len(args) - len(keywords)
+
+            def call(*a):
+                return fn(*a[:positional], **dict(zip(keywords, a[positional:])))
+
+            run = aot_function(call, fw_compiler=keep, decompositions=select_decomp_table(),
                                keep_inference_input_mutations=True)
             run(*args)
         return traced[0][0], traced[0][1], run

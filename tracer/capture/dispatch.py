@@ -12,6 +12,7 @@ What this path cannot do: recompute policies (compiled, selective, full) need a 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -109,7 +110,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
 
     def site():
         node = torch._C._current_autograd_node()
-        if node is not None:
+        if node is not None and phase["now"] is not Phase.OPTIMIZER:   # a second-order step's autograd.grad
+            # runs backward nodes inside the optimizer phase: they are the step's, at its line
             loc, module = node.metadata.get("tracer_site", (None, ""))
             return Phase.BACKWARD, loc, module
         if phase["now"] is Phase.FORWARD:
@@ -117,6 +119,7 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         return phase["now"], loc_from_python_stack(), ""
 
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True)
+    gradients = []                          # (parameter name, storage id) of the recorded step's gradients
 
     def run_step(record: bool):
         with contextlib.ExitStack() as stack:
@@ -129,7 +132,12 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
                 raise no_gradient_error()
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            with warnings.catch_warnings():    # the cycle it warns of is broken by zero_grad(set_to_none=True)
+                warnings.filterwarnings("ignore", message="Using backward.. with create_graph=True")
+                (scaler.scale(loss) if scaler is not None else loss).backward(create_graph=source.create_graph)
+            if record:               # zero_grad(set_to_none=True) drops them before the step ends
+                gradients.extend((fqn, table.lookup(p.grad)) for fqn, p in model.named_parameters()
+                                 if p.grad is not None)
             phase["now"] = Phase.OPTIMIZER
             if opt is not None and scaler is not None:
                 scaler.step(opt)                       # its inf check reads 0: the step is taken
@@ -170,16 +178,16 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)
-    for p in model.parameters():
-        if p.grad is not None and table.lookup(p.grad) is not None:
-            table.update(table.lookup(p.grad), role=StorageRole.GRADIENT, name="grad")
+    for fqn, sid in gradients:
+        if sid is not None and table.get(sid).role is StorageRole.INTERMEDIATE:
+            table.update(sid, role=StorageRole.GRADIENT, name=f"{fqn}.grad")
     names = {id(p): fqn for fqn, p in model.named_parameters()}
     for value, name in optimizer_held_tensors(opt, names):
         if table.lookup(value) is not None:
             table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
-    notes += [f"no graph could be captured; the step ran op by op on fake tensors ({CAPTURE_PATH}): eager "
-             "memory and attribution only, no recompute policies"]
+    notes += [("" if source.create_graph else "no graph could be captured; ") + "the step ran op by op on fake "
+              f"tensors ({CAPTURE_PATH}): eager memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]

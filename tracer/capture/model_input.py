@@ -16,6 +16,9 @@ A model file defines:
   extra_resident_bytes, keep_outputs, optional; what the training loop holds besides the model: resident
   keep_alive(outputs), retain_graph   bytes, forward outputs it keeps, backward(retain_graph=True)
                                       (tracer/capture/caller_held.py)
+  create_graph = True                 optional; the loop calls loss.backward(create_graph=True), as a
+                                      second-order optimizer (SophiaH, AdaHessian) needs: the step is run op
+                                      by op (dispatch.py), since the optimizer differentiates the gradients
 Outputs besides the loss are taken as dropped when the loss is taken (`loss = model(**batch).loss`).
 The file is imported as a fresh module (its top level runs) with `sys.argv` set to just its path, so a
 file that parses the command line at import sees no tracer flags; nothing else is executed here.
@@ -70,6 +73,7 @@ class ModelSource:
     keep: Callable | None = None                # outputs -> ((label, tensor), ...) the loop keeps (caller_held.py)
     extra_resident_bytes: int | Callable | None = None   # bytes the loop holds besides the model (or f(batch, seq))
     retain_graph: bool = False                  # the loop calls loss.backward(retain_graph=True)
+    create_graph: bool = False                  # the loop calls loss.backward(create_graph=True)
 
 
 def load_model_source(model: str, *, hf_config: tuple[str, ...] = (), config_json: str | None = None,
@@ -239,11 +243,13 @@ def _caller_held(module, path: str) -> dict:
                                                       or extra < 0):
         raise ModelInputError(f"{path}: extra_resident_bytes is {extra!r}",
                               hint="a number of bytes (int >= 0), or a function (batch, seq) -> int")
-    retain = getattr(module, "retain_graph", False)
-    if not isinstance(retain, bool):
-        raise ModelInputError(f"{path}: retain_graph is {retain!r}", hint="retain_graph = True or False")
+    flags = {}
+    for flag in ("retain_graph", "create_graph"):
+        flags[flag] = getattr(module, flag, False)
+        if not isinstance(flags[flag], bool):
+            raise ModelInputError(f"{path}: {flag} is {flags[flag]!r}", hint=f"{flag} = True or False")
     return {"keep": keep_function(getattr(module, "keep_outputs", None), getattr(module, "keep_alive", None), path),
-            "extra_resident_bytes": extra, "retain_graph": retain}
+            "extra_resident_bytes": extra, **flags}
 
 
 def _save_policy(module, path: str):

@@ -51,26 +51,41 @@ def check_offload(mode: str | None, *, accumulate: int, zero_grad_set_to_none: b
 
 
 def offload_step(ops: list[OpDraft], table: StorageTable, *, mode: str, param_sids: tuple[int, ...],
-                 grad_sids: tuple[int, ...], compiled: bool) -> tuple[list[OpDraft], tuple[str, ...]]:
-    """`ops` (forward, backward, then the recorded optimizer step) with the optimizer on the host; the
-    table's storages are updated in place. Returns the ops and a note for the report."""
+                 grad_sids: tuple[int, ...], compiled: bool, wrapper: str | None = None,
+                 free_device_gradients: bool = True,
+                 device_state_names: frozenset[str] = frozenset()) -> tuple[list[OpDraft], tuple[str, ...]]:
+    """`ops` (forward, backward, then the recorded optimizer step) with the optimizer on the host for the
+    parameters `param_sids` (gradients `grad_sids`); the table's storages are updated in place. Returns the
+    ops and a note for the report. `wrapper`: the optimizer wrapper that asked for it (optimizer_wrappers.py),
+    which may keep each device gradient until zero_grad (`free_device_gradients=False`) and the state named
+    in `device_state_names` (its small parameters' optimizer) on the device."""
     opt_start = next((i for i, d in enumerate(ops) if d.phase is Phase.OPTIMIZER), len(ops))
     host_of: dict[int, int] = {}
     for sid in param_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.PARAMETER, "host copy")
     for sid in grad_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.GRADIENT, "host buffer")
-        table.update(sid, persistent=False, released_after_op=_gradient_ready(ops, sid, opt_start, compiled))
+        if free_device_gradients:
+            table.update(sid, persistent=False, released_after_op=_gradient_ready(ops, sid, opt_start, compiled))
     on_device = {v.storage_id for d in ops[:opt_start] for v in d.outputs + _inputs(d)}
     for d in ops[opt_start:]:
         for v in d.outputs + _inputs(d):
             if v.storage_id not in on_device and v.storage_id not in host_of:
                 table.update(v.storage_id, host=True)
     for sid in range(len(table)):
-        if table.get(sid).role is StorageRole.OPTIMIZER_STATE:
-            table.update(sid, host=True)
+        entry = table.get(sid)
+        if entry.role is StorageRole.OPTIMIZER_STATE:
+            table.update(sid, host=entry.name not in device_state_names)
     sid_map = {sid: host_of.get(sid, sid) for sid in range(len(table))}
     host_step = [_remapped(d, sid_map) for d in ops[opt_start:]]
+    if wrapper is not None:
+        kept = len(device_state_names)
+        return ops[:opt_start] + host_step + _copy_back(table, param_sids, host_of), (
+            f"{wrapper}: modelled as --offload optimizer: {len(param_sids)} parameter(s) stepped on the host "
+            "(their state, a host copy and a pinned gradient buffer each there)"
+            + (f", {kept} state tensors of the smaller parameters' optimizer on the device" if kept else "")
+            + ("; each device gradient freed once copied to the host (offload_gradients=True)" if free_device_gradients
+               else "; device gradients kept until zero_grad (offload_gradients=False)"),)
     if mode == "optimizer":
         return ops[:opt_start] + host_step + _copy_back(table, param_sids, host_of), (
             "--offload optimizer: optimizer state and step on the host; gradients copied to host buffers as "

@@ -10,6 +10,7 @@ not depend on how the forward and backward were scheduled.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.compiled_calls import CompiledCalls, compiled_calls_planned
+from tracer.capture.optimizer_wrappers import unwrapped_host_offload
 from tracer.capture.recorder import StepRecorder, distinct_fake_data_pointers
 from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
@@ -128,6 +130,8 @@ class OptimizerRecording:
     param_sids: dict[int, int]                 # id(parameter) -> its entry in `table`
     grad_sids: dict[int, int]                  # id(parameter) -> the entry of its gradient in `table`
     notes: tuple[str, ...] = ()                # how the optimizer is simulated, for the report
+    host_offload: object = None                # optimizer_wrappers.HostOffload: a wrapper moved it to the host
+    device_state_names: frozenset[str] = frozenset()   # with host_offload: state the device keeps
 
 
 def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
@@ -161,6 +165,12 @@ def _needs_a_device(exc: Exception) -> bool:
     return any(word in text for word in ("cuda", "xpu", "gpu"))
 
 
+def _differentiates_gradients(exc: Exception) -> bool:
+    """autograd's error for differentiating a tensor with no graph: here, a gradient the step computed
+    without create_graph=True."""
+    return isinstance(exc, RuntimeError) and "does not require grad and does not have a grad_fn" in str(exc)
+
+
 def not_an_optimizer_error(opt) -> UsageError:
     return UsageError(f"make_optimizer(params) returned {type(opt).__name__}, not an optimizer",
                       hint="return a torch.optim.Optimizer, or a list of them stepped in order; for no "
@@ -182,8 +192,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     # compiled step) is planned by Inductor into the recorder that is active (capture/compiled_calls.py)
     active: list = [None]
     compiled = CompiledCalls()
+    wrapped: list = []                   # a CUDA target's host-offload wrappers (optimizer_wrappers.py)
     try:
-        with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled), distinct_fake_data_pointers():
+        with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled), distinct_fake_data_pointers(), \
+                (unwrapped_host_offload(wrapped, OptimizerChain) if kernel_device is None else contextlib.nullcontext()):
             if make_optimizer is not None:
                 opt = as_optimizer(make_optimizer(model.parameters()), kernels_run=kernel_device is not None)
             else:
@@ -210,7 +222,12 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                                 hint="the capture runs on the CPU whatever the target, so code that needs a "
                                      "CUDA device cannot run in it: return the optimizer it wraps from "
                                      "make_optimizer and give the matching option (torchao's CPUOffloadOptimizer "
-                                     "is its base optimizer with --offload optimizer)") from exc
+                                     "is modelled for a CUDA target as --offload optimizer)") from exc
+        if _differentiates_gradients(exc):
+            raise ModelRunError(f"stepping the optimizer raised {type(exc).__name__}: {exc}: it differentiates "
+                                "the gradients (a second-order step such as SophiaH or AdaHessian)",
+                                hint="its loop calls loss.backward(create_graph=True): say so with "
+                                     "create_graph = True in the model file") from exc
         raise ModelRunError(f"building or stepping the optimizer raised {type(exc).__name__}: {exc}",
                             hint="make_optimizer(params) and its step() run on fake tensors (no values); "
                                  "fix what the error names") from exc
@@ -265,7 +282,12 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
              f"({effect})" for loc in dict.fromkeys(recorder.scalar_reads)]
     traced = (f"custom-op kernels the step runs on the {kernel_device}, traced through their Python code: "
               + ", ".join(recorder.traced_kernels),) if recorder.traced_kernels else ()
+    host = wrapped[0] if wrapped else None
+    device_state = frozenset(name for _, name in optimizer_held_tensors(opt, names)
+                             if host is not None and not any(name.startswith(f"{names[id(p)]}.") for p in params
+                                                             if id(p) in host.host_parameter_ids))
     return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
+                              host_offload=host, device_state_names=device_state,
                               notes=optimizer_notes(opt) + tuple(reads) + traced + compiled.notes(
                                   "C++" if kernel_device == "cpu" else "C++ (a CUDA run fuses these kernels with Triton's "
                                   "rules, not planned for the optimizer step)"))
