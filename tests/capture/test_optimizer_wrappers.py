@@ -4,7 +4,7 @@ CPUOffloadOptimizer, returned by make_optimizer, is predicted for a CUDA target 
 least `minimal_size` elements; the smaller ones' optimizer on the device), and `offload_gradients` decides
 whether each device gradient is freed once copied. For a CPU target the real class needs a GPU and the
 capture refuses it with a hint (tests/capture/test_optimizer_errors.py)."""
-import textwrap
+import os
 
 import pytest
 import torch
@@ -12,33 +12,14 @@ import torch
 from tracer.capture import CaptureOptions, capture_step, load_model_source
 from tracer.passes.analysis import analyze_graph
 
-MODEL = textwrap.dedent('''
-    import torch
-    from torch import nn
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.big = nn.Linear(1024, 1000)
-            self.head = nn.Linear(1000, 3, bias=False)
-
-        def forward(self, x, y):
-            return nn.functional.cross_entropy(self.head(self.big(x)), y)
-
-    def build_model():
-        return Net()
-
-    def example_batch(batch, seq):
-        return torch.randn(batch, 1024), torch.zeros(batch, dtype=torch.long)
-
-    def make_optimizer(params):
-        {body}
-''')
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                       "library_optimizer_net.py")       # big: Linear(1024, 1000), head: 3,000 weights
 
 
 def _analysis(tmp_path, body: str, **options):
     path = tmp_path / "net.py"
-    path.write_text(MODEL.format(body=body))
+    with open(FIXTURE) as f:
+        path.write_text(f.read() + f"\n\ndef make_optimizer(params):\n    {body}\n")
     graph = capture_step(load_model_source(str(path)), CaptureOptions(batch=2, seq=8, target="cuda:h100", **options))
     return analyze_graph(graph).policies["eager"]
 
