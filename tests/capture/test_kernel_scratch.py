@@ -119,3 +119,21 @@ def test_eigenvalues_alone_are_not_modelled():
     """`eigvalsh`'s workspace is MKL's own block size times n: no scratch is claimed for it."""
     fake = torch.empty(64, 64, device="meta")
     assert eager_scratch_allocations("aten._linalg_eigh.default", (fake, "L", False), {}) == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape,mode", [((1000, 1000), "reduced"), ((300, 200), "reduced"), ((200, 300), "reduced"),
+                                        ((300, 200), "complete"), ((4, 64, 64), "reduced"), ((3, 1, 1), "reduced")])
+def test_qr_workspaces_are_what_lapack_asks_for(dtype, shape, mode):
+    """torch.linalg.qr on the CPU: besides Q and R it allocates tau (min(m, n) values per matrix), live through
+    the call, and geqrf's then orgqr's work arrays, one after the other, each sized by a LAPACK workspace
+    query. The prediction is tau and the larger work array, asked of the same LAPACK by its own query."""
+    matrix = torch.randn(shape, dtype=dtype)
+    allocated, (q, r) = _allocations(lambda: torch.ops.aten.linalg_qr.default(matrix, mode))
+    scratch = list(allocated)
+    for nbytes in _nbytes(q, r):
+        scratch.remove(nbytes)
+    tau, geqrf, orgqr = scratch
+    fake = torch.empty(shape, dtype=dtype, device="meta")
+    assert eager_scratch_allocations("aten.linalg_qr.default", (fake, mode), {}) == (tau, max(geqrf, orgqr))
+    assert scratch_allocations(_node(torch.ops.aten.linalg_qr.default, fake, mode), 2) == (tau, max(geqrf, orgqr))

@@ -25,14 +25,20 @@ asks LAPACK for its workspace once per call and allocates it through the allocat
 takes 2n^2 + 6n + 1 elements of the matrix's dtype and 5n + 3 ints (LAPACK's documented minimum; torch's
 CPU build answers one element more, measured at n = 2 to 1,024 in fp32 and fp64, batched or not:
 tests/capture/test_kernel_scratch.py). Eigenvalues alone (`eigvalsh`), complex matrices, n < 2 and CUDA's
-cuSOLVER workspaces are not modelled.
+cuSOLVER workspaces are not modelled. Also registered, for eager calls and compiled code's extern kernels
+alike: `torch.linalg.qr` (modes "reduced" and "complete", fp32 and fp64): tau, then geqrf's and orgqr's work
+arrays in turn, sized by asking the LAPACK inside torch's CPU library (`lapack_workspace_elements`, a
+workspace query through ctypes: the block sizes are that build's own, so no formula is guessed).
 
 `unmodelled_scratch_notes(ops, cpu=...)` -> a `note:` naming the kernels of a CPU step whose scratch is known
-to exist and is not counted: LAPACK's other decompositions (QR: geqrf's and orgqr's workspaces, sized by
-the LAPACK build's block size, 772,052 B at 1000 x 1000 fp32 here; SVD, eigenvalues alone) and oneDNN's
-scratchpad for reduced-precision matmuls (260,736 B for a bf16 1000 x 1024 @ 1024 x 1000 on 2 threads).
+to exist and is not counted: LAPACK's other decompositions (QR in mode "r" or complex, SVD, eigenvalues
+alone) and oneDNN's scratchpad for reduced-precision matmuls (260,736 B for a bf16 1000 x 1024 @ 1024 x 1000
+on 2 threads; its size comes from oneDNN's primitive descriptor, which torch's CPU library does not export,
+so no query can ask it).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.fx as fx
@@ -52,6 +58,8 @@ def scratch_allocations(node: fx.Node, threads: int) -> tuple[int, ...]:
         return _flash_forward_scratch(values[0], values[1], threads)
     if target == _FLASH_BACKWARD:
         return _flash_backward_scratch(values[0], values[1], values[2], threads)
+    if target == _QR:
+        return _lapack_qr_scratch(values[0], _qr_mode(values, dict(node.kwargs)))
     return ()
 
 
@@ -59,7 +67,59 @@ def eager_scratch_allocations(target: str, args: tuple, kwargs: dict) -> tuple[i
     """Scratch of one eager CPU kernel call, from its (fake) arguments; () where none is known."""
     if target == _EIGH:
         return _lapack_eigh_scratch(args[0], _eigh_computes_vectors(args, kwargs))
+    if target == _QR:
+        return _lapack_qr_scratch(args[0], _qr_mode(args, kwargs))
     return ()
+
+
+_QR = "aten.linalg_qr.default"
+_LAPACK_PREFIX = {torch.float32: "S", torch.float64: "D"}
+
+
+def _qr_mode(args, kwargs: dict) -> str:
+    return str(kwargs.get("mode", args[1] if len(args) > 1 else "reduced"))
+
+
+def _lapack_qr_scratch(matrix, mode: str) -> tuple[int, ...]:
+    """`linalg_qr` on the CPU (BatchLinearAlgebra.cpp): tau (min(m, n) values per matrix) lives through the
+    call; geqrf's workspace, then orgqr's (which forms Q's m x min(m, n), or m x m for "complete", columns),
+    are allocated and freed in turn, each one element longer than LAPACK's answer to a workspace query (one
+    query per call, batched or not). Mode "r" (no Q) is not modelled."""
+    if (not isinstance(matrix, torch.Tensor) or matrix.dtype not in _LAPACK_PREFIX or mode not in ("reduced", "complete")
+            or matrix.dim() < 2):
+        return ()
+    m, n = int(matrix.shape[-2]), int(matrix.shape[-1])
+    k = min(m, n)
+    prefix = _LAPACK_PREFIX[matrix.dtype]
+    geqrf = lapack_workspace_elements(f"{prefix}GEQRF", m, n) if k else 0
+    orgqr = lapack_workspace_elements(f"{prefix}ORGQR", m, m if mode == "complete" else k, k) if k else 0
+    if geqrf is None or orgqr is None or not k:
+        return ()
+    batch = matrix.numel() // (m * n) if m * n else 0
+    return (batch * k * matrix.element_size(), (max(geqrf, orgqr) + 1) * matrix.element_size())
+
+
+@functools.lru_cache(maxsize=None)
+def lapack_workspace_elements(routine: str, m: int, n: int, k: int | None = None) -> int | None:
+    """LAPACK's optimal workspace for `routine` (Fortran name: SGEQRF, DORGQR, ...) at these sizes, asked
+    of the LAPACK inside torch's CPU library by a workspace query (lwork = -1: nothing is computed, no
+    matrix is read); None where that library does not export the routine (then the scratch is not counted
+    and the report says so)."""
+    import ctypes
+    import os
+
+    library = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    try:
+        function = getattr(ctypes.CDLL(library), routine)
+    except (OSError, AttributeError):
+        return None
+    ctype = ctypes.c_float if routine[0] == "S" else ctypes.c_double
+    work, dummy = (ctype * 2)(), (ctype * 1)()
+    ints = [ctypes.c_int(v) for v in (m, n) + (() if k is None else (k,)) + (max(1, m), -1, 0)]
+    *sizes, lda, lwork, info = ints
+    function(*(ctypes.byref(v) for v in sizes), dummy, ctypes.byref(lda), dummy, work, ctypes.byref(lwork),
+             ctypes.byref(info))
+    return int(work[0]) if info.value == 0 else None
 
 
 _EIGH = "aten._linalg_eigh.default"
@@ -74,7 +134,7 @@ def _lapack_eigh_scratch(matrix, compute_v: bool) -> tuple[int, ...]:
 
 
 _LAPACK_UNMODELLED = {
-    "aten.linalg_qr.default": "torch.linalg.qr (LAPACK's geqrf and orgqr workspaces)",
+    "aten.linalg_qr.default": "torch.linalg.qr (LAPACK's geqrf workspace, mode \"r\" or complex)",
     "aten._linalg_svd.default": "torch.linalg.svd (LAPACK's gesdd workspace)",
     "aten._linalg_eigh.default": "torch.linalg.eigvalsh (LAPACK's syevd workspace without eigenvectors)",
 }
@@ -89,6 +149,8 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
     named: dict[str, int] = {}
     for op in ops:
         values = op.input_values()
+        if op.target == _QR and _qr_counted(op):
+            continue
         if op.target in _LAPACK_UNMODELLED and (op.target != _EIGH or not _eigh_computes_vectors(op.args, dict(op.kwargs))):
             named[_LAPACK_UNMODELLED[op.target]] = named.get(_LAPACK_UNMODELLED[op.target], 0) + 1
         elif op.target in _ONEDNN_MATMULS and values and values[0].dtype in _REDUCED:
@@ -100,6 +162,17 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
     return (f"kernel scratch not counted: {listed} allocate a workspace inside the kernel that the CPU allocator "
             "sees and this step does not (each call's peak is low by that workspace: hundreds of KB at a "
             "1000 x 1000 matrix)",)
+
+
+def _qr_counted(op) -> bool:
+    """Whether a recorded QR's scratch is in the step (its dtype, mode and this LAPACK allow it)."""
+    values = op.input_values()
+    if not values or values[0].dtype not in ("float32", "float64"):
+        return False
+    args = op.args
+    mode = dict(op.kwargs).get("mode", args[1] if len(args) > 1 and isinstance(args[1], str) else "reduced")
+    return mode in ("reduced", "complete") and lapack_workspace_elements(
+        f"{'S' if values[0].dtype == 'float32' else 'D'}GEQRF", 1, 1) is not None
 
 
 def _eigh_computes_vectors(args, kwargs: dict) -> bool:
