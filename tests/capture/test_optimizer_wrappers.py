@@ -72,3 +72,15 @@ def test_the_wrapper_class_is_left_as_found(tmp_path):
     assert vars(torchao_optim.CPUOffloadOptimizer)["__init__"].__module__ == "torchao.optim.cpu_offload"
     with pytest.raises(AssertionError, match="CUDA"):      # its own __init__ runs again: no GPU here
         torchao_optim.CPUOffloadOptimizer([torch.nn.Parameter(torch.zeros(8))])
+
+
+def test_a_step_that_uses_no_wrapper_imports_none_of_their_libraries():
+    """The registry is consulted only for modules the model file imported: the default optimizer's step
+    does not pay for importing torchao (about a second)."""
+    import subprocess
+    import sys
+    code = ("import sys, tracer\n"
+            "tracer.analyze('llama-88m-debug', batch=1, seq=16, target='cuda')\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torchao'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

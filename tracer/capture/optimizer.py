@@ -18,7 +18,7 @@ import torch
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.compiled_calls import CompiledCalls, compiled_calls_planned
-from tracer.capture.optimizer_wrappers import unwrapped_host_offload
+from tracer.capture.optimizer_wrappers import unwrapped_host_offload, wrapper_modules_imported
 from tracer.capture.recorder import StepRecorder, distinct_fake_data_pointers
 from tracer.capture.splice import copy_storages, relocated_ops
 from tracer.capture.storages import StorageTable
@@ -193,6 +193,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     active: list = [None]
     compiled = CompiledCalls()
     wrapped: list = []                   # a CUDA target's host-offload wrappers (optimizer_wrappers.py)
+    wrappers_before = wrapper_modules_imported()
     try:
         with fake_mode, compiled_calls_planned(lambda: active[0], fake_mode, compiled), distinct_fake_data_pointers(), \
                 (unwrapped_host_offload(wrapped, OptimizerChain) if kernel_device is None else contextlib.nullcontext()):
@@ -217,6 +218,11 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
         raise
     except Exception as exc:
         active[0] = None
+        if kernel_device is None and make_optimizer is not None and wrapper_modules_imported() - wrappers_before:
+            # make_optimizer imported a wrapper's module itself: built again, the wrapper is unwrapped
+            return _record_optimizer_step(model, params_with_grad, fake_mode, make_optimizer=make_optimizer,
+                                          optimizer_name=optimizer_name, foreach=foreach, steady=steady,
+                                          set_to_none=set_to_none, grad_scaler=grad_scaler, kernel_device=kernel_device)
         if _needs_a_device(exc):
             raise ModelRunError(f"building or stepping the optimizer raised {type(exc).__name__}: {exc}",
                                 hint="the capture runs on the CPU whatever the target, so code that needs a "

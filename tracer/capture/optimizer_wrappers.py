@@ -3,8 +3,8 @@ optimizer it wraps, and the step is then predicted as `--offload optimizer` pred
 
 The registry `HOST_OFFLOAD_WRAPPERS` names each such class ("module:Class") with a function that takes the
 arguments the model file passed and returns (the optimizers to step, what is offloaded). While
-`make_optimizer` runs for a CUDA target, each registered class that is importable builds that instead of
-itself (the instance becomes an OptimizerChain of the unwrapped optimizers; its own `__init__`, which needs a
+`make_optimizer` runs for a CUDA target, each registered class whose module is imported builds that instead
+of itself (`wrapper_modules_imported` tells the caller to build again when make_optimizer imported one) (the instance becomes an OptimizerChain of the unwrapped optimizers; its own `__init__`, which needs a
 device, never runs). For a CPU target nothing is replaced: the real class refuses to run without a GPU, and so does the
 capture (optimizer.py's hint names this lever).
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import sys
 from typing import Callable
 
 import torch
@@ -68,9 +68,8 @@ def unwrapped_host_offload(found: list[HostOffload], chain: type):
     patched = []
     for name, unwrap in HOST_OFFLOAD_WRAPPERS.items():
         module_name, _, class_name = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except Exception:                       # noqa: BLE001 - not installed or not importable: nothing to replace
+        cls = getattr(sys.modules.get(module_name), class_name, None)   # imported by the model file, or not used
+        if cls is None:
             continue
 
         def init(self, *args, _unwrap=unwrap, _name=name, **kwargs):
@@ -89,3 +88,9 @@ def unwrapped_host_offload(found: list[HostOffload], chain: type):
                 del cls.__init__
             else:
                 cls.__init__ = original
+
+
+def wrapper_modules_imported() -> frozenset[str]:
+    """The registered wrappers' modules imported in this process (make_optimizer may import one itself)."""
+    return frozenset(name.partition(":")[0] for name in HOST_OFFLOAD_WRAPPERS
+                     if name.partition(":")[0] in sys.modules)
