@@ -421,9 +421,10 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
     its call, compiled code). The bytes held when the step starts are the unique storages of the
     parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them).
     `create_graph`: the loop calls loss.backward(create_graph=True) (a second-order optimizer differentiates
-    the gradients) and drops `loss`, and with it the graph, when the step ends."""
+    the gradients). The loop drops `loss`, and with it the graph, when the step ends."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from tracer.capture.build import model_held_tensors
     from tracer.capture.optimizer import optimizer_held_tensors
 
     def step(ranged: bool):
@@ -433,18 +434,17 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
             loss = model(*batch)
         with phase("backward"):
             loss.backward(create_graph=create_graph)
-            if not create_graph:
-                del loss
         with phase("optimizer"):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = None
+            loss = None          # the loop's `loss` (and what its graph still holds) lives through the step
 
     if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
         optimizer.train()            # schedule-free optimizers step in train mode, as the loop sets it
     if steady:
         step(ranged=False)
     held = [*model.parameters(), *model.buffers(), *_batch_tensors(batch),
+            *(tensor for tensor, _ in model_held_tensors(model)),
             *(tensor for tensor, _ in optimizer_held_tensors(optimizer))]
     live = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
     del held

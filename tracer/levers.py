@@ -55,6 +55,7 @@ LEVERS: tuple[Lever, ...] = (
     _lever("pure bf16", precision="bf16-pure"),
     _lever(f"accumulate {ACCUMULATE_STEPS}", accumulate=ACCUMULATE_STEPS),
     _lever(f"LoRA r={LORA_RANK}", lora_rank=LORA_RANK),
+    _lever(f"QLoRA: 4-bit base + LoRA r={LORA_RANK}", "eager", quantized_base="4bit", lora_rank=LORA_RANK),
     _lever("offload optimizer", offload="optimizer"),
     _lever("ZeRO-2", shard="zero2", needs_world_size=True),
     _lever("FSDP", shard="fsdp", needs_world_size=True),
@@ -96,6 +97,8 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return None, "give --world-size N"
     if "shard" in settings:
         settings["world_size"] = world_size
+    if "quantized_base" in settings and not _quantized_base_available():
+        return None, "needs bitsandbytes and peft (pip install bitsandbytes peft)"
     if "offload" in settings and _unified_memory(base):
         return None, (f"the {base.gpu}'s CPU and GPU share one memory: offloading to the host frees none of it")
     if "accumulate" in settings:
@@ -108,6 +111,11 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return dataclasses.replace(base, policies=(policy,), memory_budgets=(None,), **settings), ""
     except UsageError as exc:                  # a combination AnalysisOptions refuses: shown, not fatal
         return None, str(exc).splitlines()[0]
+
+
+def _quantized_base_available() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(name) is not None for name in ("bitsandbytes", "peft"))
 
 
 def _unified_memory(options: AnalysisOptions) -> bool:

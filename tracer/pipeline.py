@@ -19,7 +19,7 @@ from typing import Callable
 from tracer.checks.options import MODEL_DEFAULTS
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
-                   "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets")
+                   "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets", "quantized_base")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,7 @@ class AnalysisOptions:
     fsdp_mixed_precision: bool = False     # fsdp: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     lora_rank: int | None = MODEL_DEFAULTS["lora_rank"]   # LoRA rank (capture/lora.py); None: off
     lora_targets: tuple[str, ...] = MODEL_DEFAULTS["lora_targets"]  # (): capture/lora.py's default targets
+    quantized_base: str | None = MODEL_DEFAULTS["quantized_base"]  # 4bit | 8bit (capture/quantized_base.py)
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
@@ -209,7 +210,7 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
+                "quantized_base": self.quantized_base, "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
         """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`

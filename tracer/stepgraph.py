@@ -63,6 +63,7 @@ class Storage:
     host: bool = False                # held in host memory (--offload): not on the device
     frozen: bool = False              # a parameter with requires_grad=False: no gradient, no optimizer state
     caller_held: bool = False         # held by the training loop (capture/caller_held.py), not by the model
+    weights: int | None = None        # a packed quantized parameter: the weights it holds (else its elements)
 
 
 @dataclasses.dataclass(frozen=True)

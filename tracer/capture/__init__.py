@@ -28,6 +28,7 @@ import gc
 import warnings
 
 from tracer.capture.accumulation import KeptPairs, MicroBatch, chain_micro_batches
+from tracer.capture.build import restore_module_caches
 from tracer.capture.caller_held import observe_kept_outputs
 from tracer.capture.convert import OpDraft, convert_step, input_values
 from tracer.capture.eager_checkpoint import eager_checkpoint_semantics, recompute_local_holds
@@ -50,6 +51,7 @@ from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
+from tracer.capture.quantized_base import QLORA_RANK
 from tracer.capture.storages import StorageTable, dtype_name
 from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
@@ -73,6 +75,7 @@ class CaptureOptions:
     offload: str | None = None       # None | optimizer | optimizer+params: held in host memory (offload.py)
     lora_rank: int | None = None     # LoRA adapters of this rank on the built model (lora.py); None: off
     lora_targets: tuple[str, ...] = ()
+    quantized_base: str | None = None  # 4bit | 8bit: the linears as bitsandbytes' layers (quantized_base.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -102,9 +105,24 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
     if any(joint_key(o) != joint_key(options) for o, _ in requests):
         raise UsageError("capture requests that share a joint capture may differ only in "
                          + ", ".join(STEP_FIELDS))
-    if options.lora_rank is not None:
+    if options.quantized_base is not None:
+        from tracer.capture.quantized_base import quantized_base_source
+        source = quantized_base_source(source, options.quantized_base, options.precision)
+    rank = options.lora_rank if options.lora_rank is not None or options.quantized_base is None else QLORA_RANK
+    if rank is not None:
         from tracer.capture.lora import lora_source
-        source = lora_source(source, options.lora_rank, options.lora_targets)
+        source = lora_source(source, rank, options.lora_targets)
+        if options.lora_rank is None:
+            source = dataclasses.replace(source, notes=source.notes + (
+                f"--base {options.quantized_base}: the frozen quantized base is trained through LoRA adapters of "
+                f"rank {rank} (--lora RANK sets another)",))
+    try:
+        return _requested_steps(source, requests, options, on_policy, on_stage)
+    finally:
+        restore_module_caches()        # the process's libraries keep no tensor of this capture
+
+
+def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[StepGraph, ...]:
     with warnings.catch_warnings(), _gc_skips_the_heap_so_far():
         # torch's own pytree deprecation warnings while tracing are noise for the user
         warnings.filterwarnings("ignore", category=FutureWarning)
@@ -170,6 +188,9 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     if options.capture == "dispatch":
         on_stage("running the step op by op on fake tensors (no graph) ...")
         return _dispatch_requests(source, requests, reason="--capture dispatch", kept=kept)
+    if options.quantized_base is not None and options.capture == "auto":
+        on_stage("running the step op by op on fake tensors (a quantized base) ...")
+        return _dispatch_requests(source, requests, reason=QUANTIZED_BASE_REASON, kept=kept)
     if source.create_graph:
         if options.capture != "auto":
             raise UsageError(f"--capture {options.capture}: {source.name} declares create_graph = True, and a "
@@ -303,6 +324,10 @@ CREATE_GRAPH_REASON = ("the loop calls loss.backward(create_graph=True) (create_
                        "the optimizer differentiates the gradients, so the step runs op by op")
 
 
+QUANTIZED_BASE_REASON = ("--base: bitsandbytes' quantized layers are run op by op (their Parameter subclasses "
+                         "cannot be traced into a graph)")
+
+
 def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGraph, ...]:
     """The dispatch rung once per distinct options of the requests."""
     by_options: dict = {}
@@ -360,11 +385,14 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
                         policy="eager", target="cpu",
-                        notes=(reason if reason == CREATE_GRAPH_REASON else f"export failed: {reason}",) + notes
+                        notes=(reason if reason in (CREATE_GRAPH_REASON, QUANTIZED_BASE_REASON)
+                               else f"export failed: {reason}",) + notes
                         + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
                             "applied",) if options.target != "cpu" else ()))
-    graph = StepGraph(config=config, ops=tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops)),
-                      storages=table.freeze(), parameter_count=n_params, frozen_parameter_count=n_frozen)
+    frozen_ops = tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops))
+    config = dataclasses.replace(config, notes=config.notes + unmodelled_scratch_notes(frozen_ops, cpu=True))
+    graph = StepGraph(config=config, ops=frozen_ops, storages=table.freeze(), parameter_count=n_params,
+                      frozen_parameter_count=n_frozen)
     return {spec.label: graph for spec in specs}
 
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import sys
 import warnings
 from collections.abc import Mapping
 
@@ -69,10 +71,12 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
     """Build the user's model and example batch under `fake_mode` (no real memory at model size).
     `where(exc)` names the user line of an exception for the error message."""
     default_dtype = torch.get_default_dtype()
+    set_module_caches_aside(fake_mode)
     values = _BuildValues(fake_mode)
     try:
         with fake_mode, values, _TensorsFromKnownValues(values), _deep_copies_share_the_fake_mode(), \
-                _swappable_fakes(), _bounded_module_count(source.name), warnings.catch_warnings():
+                _swappable_fakes(), _bounded_module_count(source.name), _parameter_subclasses_of_fakes(), \
+                warnings.catch_warnings():
             # deepcopy asks a fake tensor for its data pointer, which warns
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             if precision == "bf16-pure":
@@ -357,6 +361,88 @@ def _deep_copies_share_the_fake_mode():
             del FakeTensorMode.__deepcopy__
 
 
+_CACHE_ENTRIES = 64          # a library's cache of tensors by name is small; larger dicts are tables
+_SET_ASIDE: dict[tuple[int, object], tuple[dict, torch.Tensor]] = {}   # (id(dict), key) -> (dict, real tensor)
+
+
+def _module_tensor_caches():
+    """(dict, key, tensor) for each tensor in a small module-level dict of any imported module."""
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if type(value) is dict and 0 < len(value) <= _CACHE_ENTRIES:
+                for key, item in list(value.items()):
+                    if isinstance(item, torch.Tensor):
+                        yield value, key, item
+
+
+def set_module_caches_aside(fake_mode) -> None:
+    """A library that caches a tensor it made in a module-level dict (bitsandbytes' quantization code maps,
+    `functional.name2qmap`) would hand a build under `fake_mode` a real tensor, or a fake one of an earlier
+    capture, which the fake mode refuses: such entries are taken out, so the library makes them again (real
+    ones are kept aside for `restore_module_caches`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for cache, key, tensor in _module_tensor_caches():
+        if isinstance(tensor, FakeTensor):
+            if tensor.fake_mode is not fake_mode:
+                del cache[key]
+        else:
+            _SET_ASIDE[(id(cache), key)] = (cache, tensor)
+            del cache[key]
+
+
+def restore_module_caches() -> None:
+    """After a capture: the fake tensors it left in module-level caches are dropped and the real ones set
+    aside are put back, so the process's libraries hold nothing of the capture."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for cache, key, tensor in _module_tensor_caches():
+        if isinstance(tensor, FakeTensor):
+            del cache[key]
+    for (_, key), (cache, tensor) in list(_SET_ASIDE.items()):
+        cache.setdefault(key, tensor)
+    _SET_ASIDE.clear()
+
+
+@contextlib.contextmanager
+def _parameter_subclasses_of_fakes():
+    """`torch.Tensor._make_subclass(cls, data)` with a fake `data` (a library's Parameter subclass, such as
+    bitsandbytes' `Params4bit` and `Int8Params`, made in the build): torch refuses to give a fake tensor's
+    TensorImpl a second Python object. The fake tensor itself becomes the instance: its class is extended
+    with `cls` (a class deriving from both), so the library's methods and attributes work on it and the
+    fake mode still runs its ops."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.Tensor._make_subclass          # TensorBase's; torch.Tensor gets its own while building
+
+    def make_subclass(cls, data, require_grad=False, *args, **kwargs):
+        if not isinstance(data, FakeTensor) or args or kwargs:
+            return original(cls, data, require_grad, *args, **kwargs)
+        fake = data.detach()
+        fake.__class__ = fake_subclass(cls, type(data))
+        return fake.requires_grad_(require_grad)
+
+    torch.Tensor._make_subclass = staticmethod(make_subclass)
+    try:
+        yield
+    finally:
+        del torch.Tensor._make_subclass
+
+
+@functools.lru_cache(maxsize=None)
+def fake_subclass(cls: type, fake_type: type) -> type:
+    """The class of a fake tensor that is also an instance of `cls` (see `_parameter_subclasses_of_fakes`).
+    Its `detach()` keeps the class and the library's attributes, as `nn.Parameter(t)` and `Module._apply`'s
+    swap of a converted parameter require of a Parameter subclass."""
+    def detach(self):
+        out = fake_type.detach(self)
+        out.__class__ = type(self)
+        out.__dict__.update(self.__dict__)
+        return out
+
+    return type(f"Fake{cls.__name__}", (cls, fake_type), {"__module__": cls.__module__, "detach": detach})
+
+
 @contextlib.contextmanager
 def _swappable_fakes():
     """`torch.utils.swap_tensors` does not count the weak references of a fake mode's memo
@@ -493,4 +579,49 @@ def probe_build(source: ModelSource, precision: str, seq: int) -> None:
     """Build the model and a batch of one under fake tensors and drop them: what building records (the
     depth a cut source sees, tracer/depth_capture.py) without a capture."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    build_fake(source, 1, seq, precision, FakeTensorMode())
+    try:
+        build_fake(source, 1, seq, precision, FakeTensorMode())
+    finally:
+        restore_module_caches()
+
+
+_HELD_DEPTH = 3               # QuantState -> state2 -> absmax: how deep held objects are read
+
+
+def model_held_tensors(model: nn.Module) -> list[tuple[torch.Tensor, str]]:
+    """(tensor, name) for every tensor the model holds inside objects, each once, besides its parameters,
+    buffers and plain tensor attributes: in a parameter's attributes (bitsandbytes' `Params4bit.quant_state`:
+    absmax, its nested scales and code maps, "<param fqn>.quant_state.absmax") and in a module's attributes
+    that are neither modules nor tensors (`Linear8bitLt.state`, a MatmulLtState holding the int8 weight's
+    scales: "<module>.state.SCB"), read through objects, lists, tuples and dicts up to three levels deep.
+    The one reader for the capture and the tests' measured steps."""
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    found: dict[int, tuple[torch.Tensor, str]] = {}
+    seen: set[int] = set()
+
+    def walk(value, name: str, depth: int) -> None:
+        if depth > _HELD_DEPTH or id(value) in seen or isinstance(value, (nn.Module, type)):
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if id(value) not in own:
+                found.setdefault(id(value), (value, name))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{name}.{key}", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(item, f"{name}[{i}]", depth + 1)
+        elif hasattr(value, "__dict__"):
+            for attribute, item in vars(value).items():
+                walk(item, f"{name}.{attribute}", depth + 1)
+
+    for fqn, p in model.named_parameters():
+        for attribute, value in vars(p).items():
+            walk(value, f"{fqn}.{attribute}", 1)
+    for path, module in model.named_modules():
+        for attribute, value in vars(module).items():
+            if attribute.startswith("_") or isinstance(value, torch.Tensor):
+                continue          # torch's own registries; a plain tensor attribute is read on its own
+            walk(value, f"{path}.{attribute}" if path else attribute, 1)
+    return list(found.values())

@@ -12,13 +12,14 @@ What this path cannot do: recompute policies (compiled, selective, full) need a 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.build import step_module
+from tracer.capture.build import model_held_tensors, step_module
 from tracer.capture.joint import build_fake
 from tracer.capture.source import exception_location
 from tracer.capture.precision import autocast_context, make_grad_scaler
@@ -118,7 +119,9 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
             return Phase.FORWARD, loc_from_python_stack(), modules.current
         return phase["now"], loc_from_python_stack(), ""
 
-    recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True)
+    # the step runs CPU kernels (the target's are not applied here): a custom op's Python kernel is traced
+    recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
+                            opaque_raw_kernels=True)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
 
     def run_step(record: bool):
@@ -186,7 +189,8 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         if table.lookup(value) is not None:
             table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
-    notes += [("" if source.create_graph else "no graph could be captured; ") + "the step ran op by op on fake "
+    chosen = source.create_graph or options.quantized_base is not None      # op by op by choice, not by failure
+    notes += [("" if chosen else "no graph could be captured; ") + "the step ran op by op on fake "
               f"tensors ({CAPTURE_PATH}): eager memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
@@ -195,21 +199,33 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
 
 
 def parameter_counts(model) -> tuple[int, int]:
-    """(parameters, of which frozen: requires_grad=False)."""
+    """(parameters, of which frozen: requires_grad=False); a quantized weight counts the weights it packs."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if not p.requires_grad)
+    return sum(_weights(p) for p in params), sum(_weights(p) for p in params if not p.requires_grad)
+
+
+def _weights(p) -> int:
+    """The weights a parameter holds: a packed quantized weight (bitsandbytes' 4-bit `Params4bit`, two
+    weights per byte) gives the shape it unpacks to in its `quant_state`."""
+    shape = getattr(getattr(p, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else p.numel()
 
 
 def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
     """What lives before the step; persistent unless the recorder sees it released during the step."""
     table = recorder.table
     for fqn, p in model.named_parameters():
-        recorder.add_existing(p, StorageRole.PARAMETER, name=fqn, frozen=not p.requires_grad)
+        weights = _weights(p)
+        recorder.add_existing(p, StorageRole.PARAMETER, name=fqn, frozen=not p.requires_grad,
+                              weights=weights if weights != p.numel() else None)
         if p.grad is not None:
             recorder.add_existing(p.grad, StorageRole.GRADIENT, name=f"{fqn}.grad")
     for fqn, b in model.named_buffers():
         if b not in table:
             recorder.add_existing(b, StorageRole.BUFFER, name=fqn)
+    for t, name in model_held_tensors(model):      # a quantized weight's scales and code maps
+        if t not in table:                            # frozen model memory, but not parameters (not counted)
+            recorder.add_existing(t, StorageRole.BUFFER, name=name)
     for i, t in enumerate(x for x in batch if isinstance(x, torch.Tensor)):
         if t not in table:
             recorder.add_existing(t, StorageRole.INPUT, name=f"input {i}")

@@ -13,8 +13,8 @@ else every `nn.Linear` except the output head (the model's `get_output_embedding
 the last `nn.Linear` registered). A name matches a module whose path is the name or ends in `.name`, as in
 peft; names that match no module are refused with the model's linear layers listed.
 
-Not modelled: other peft methods (DoRA, QLoRA's 4-bit base weights: bitsandbytes is not installed), and
-`lora_dropout > 0` (the adapters' dropout would save a mask); the scaling (`lora_alpha`) changes no memory.
+A quantized base under the adapters (QLoRA) is `--base` (quantized_base.py), applied before them.
+Not modelled: other peft methods (DoRA), and `lora_dropout > 0` (the adapters' dropout would save a mask); the scaling (`lora_alpha`) changes no memory.
 """
 from __future__ import annotations
 
@@ -57,8 +57,14 @@ def default_targets(model: nn.Module) -> tuple[str, ...]:
     model_type = getattr(getattr(hf, "config", None), "model_type", None)
     if model_type in PEFT_DEFAULTS:
         return _matching(model, tuple(PEFT_DEFAULTS[model_type]))
+    return linears_except_head(model)
+
+
+def linears_except_head(model: nn.Module) -> tuple[str, ...]:
+    """The paths of every nn.Linear except the output head (the transformers model's
+    `get_output_embeddings()` when it has one, else the last nn.Linear registered)."""
     linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    head = _output_head(model, hf, linears)
+    head = _output_head(model, _transformers_model(model), linears)
     return tuple(name for name in linears if name != head)
 
 

@@ -44,11 +44,16 @@ def _optimizer_site() -> tuple[Phase, SourceLoc | None, str]:
 class StepRecorder(TorchDispatchMode):
     def __init__(self, table: StorageTable, ops_offset: int,
                  site: Callable[[], tuple[Phase, SourceLoc | None, str]] = _optimizer_site,
-                 read_scalars_as_zero: bool = False, kernel_device: str | None = None):
+                 read_scalars_as_zero: bool = False, kernel_device: str | None = None,
+                 opaque_raw_kernels: bool = False):
         super().__init__()
         self.kernel_device = kernel_device
         self._inside_kernel = False
         self.traced_kernels: dict[str, None] = {}         # custom ops traced through their kernel, in order
+        # `opaque_raw_kernels`: a Python kernel that cannot run on fake tensors (it hands raw memory to C
+        # code, which allocates nothing through torch) is recorded as one op, its outputs, instead of refused
+        self.opaque_raw_kernels = opaque_raw_kernels
+        self.opaque_kernels: dict[str, None] = {}         # custom ops recorded whole, their kernel not traced
         self.table, self.ops_offset, self.site = table, ops_offset, site
         self.read_scalars_as_zero = read_scalars_as_zero
         self.ops: list[OpDraft] = []
@@ -106,7 +111,9 @@ class StepRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.ensure_tracked(t)      # made outside the dispatcher during the step (a lifted constant)
         if self._traces_kernel_of(func):
-            return self._through_kernel(func, args, kwargs)
+            if not self.opaque_raw_kernels or self._kernel_runs_on_fakes(func, args, kwargs):
+                return self._through_kernel(func, args, kwargs)
+            self.opaque_kernels[str(func)] = None
         plain_args = plain_value(args, self.table)
         plain_kwargs = tuple((k, plain_value(v, self.table)) for k, v in kwargs.items())
         out = func(*args, **kwargs)
@@ -134,8 +141,20 @@ class StepRecorder(TorchDispatchMode):
 
     def _traces_kernel_of(self, func) -> bool:
         return (self.kernel_device is not None and not self._inside_kernel
-                and func.namespace not in _BUILTIN_NAMESPACES
+                and func.namespace not in _BUILTIN_NAMESPACES and str(func) not in self.opaque_kernels
                 and python_kernel_for(func, self.kernel_device))
+
+    def _kernel_runs_on_fakes(self, func, args, kwargs) -> bool:
+        """A trial run of the kernel, nothing recorded: False where it stops (a raw memory read)."""
+        import warnings
+        keys = torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device])
+        try:
+            with warnings.catch_warnings(), _real_fake_data_pointers():
+                warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+                func.redispatch(keys, *args, **kwargs)
+        except Exception:                     # noqa: BLE001 - the op is recorded whole instead
+            return False
+        return True
 
     def _through_kernel(self, func, args, kwargs):
         """The custom op's Python kernel for the device, run under this recorder on the fake tensors."""
@@ -181,19 +200,28 @@ def distinct_fake_data_pointers():
         del FakeTensor.data_ptr
 
 
+class RawMemoryRead(RuntimeError):
+    """A traced kernel asked a fake tensor for its data pointer (to hand raw memory to C code)."""
+
+
 @contextlib.contextmanager
 def _real_fake_data_pointers():
-    """Inside a traced kernel: a fake tensor's own data_ptr (0, with the warning that stops the kernel)."""
+    """Inside a traced kernel: a fake tensor's data_ptr() raises RawMemoryRead (torch's own answers 0 with
+    a warning it gives once per process, after which C code would be handed a null pointer)."""
     from torch._subclasses.fake_tensor import FakeTensor
+
+    def data_ptr(self) -> int:
+        raise RawMemoryRead("Accessing the data pointer of FakeTensor: the kernel reads raw memory")
+
     patched = FakeTensor.__dict__.get("data_ptr")
-    if patched is None:
-        yield
-        return
-    del FakeTensor.data_ptr
+    FakeTensor.data_ptr = data_ptr
     try:
         yield
     finally:
-        FakeTensor.data_ptr = patched
+        if patched is None:
+            del FakeTensor.data_ptr
+        else:
+            FakeTensor.data_ptr = patched
 
 
 _BUILTIN_NAMESPACES = frozenset({"aten", "prims", "profiler", "prim", "debugprims", "rngprims", "_c10d_functional",
@@ -202,15 +230,20 @@ _DISPATCH_KEYS = {"cpu": torch._C.DispatchKey.CPU}
 
 
 def python_kernel_for(func, device: str) -> bool:
-    """Whether the op's kernel for `device` is a Python function (registered through torch.library):
-    the dispatcher's registration record names torch/library.py for such a kernel."""
+    """Whether the op's kernel for `device` is a Python function (registered through torch.library): the
+    dispatcher's registration record names torch/library.py for such a kernel, registered for the device's
+    key or, without one, for CompositeExplicitAutograd (a library's "default" kernel, which every backend
+    runs: bitsandbytes' gemm_4bit on the CPU)."""
     key = {"cpu": "CPU"}.get(device)
-    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key):
+    if key is None:
         return False
+    registered = {}
     for line in torch._C._dispatch_dump(func.name()).splitlines():
-        if line.startswith(f"{key}: registered at "):
-            return line.split("registered at ", 1)[1].split(":", 1)[0].endswith(_LIBRARY_FILE)
-    return False
+        name, found, where = line.partition(": registered at ")
+        if found:
+            registered[name] = where.split(":", 1)[0]
+    where = registered.get(key, registered.get("CompositeExplicitAutograd[alias]"))
+    return where is not None and where.endswith(_LIBRARY_FILE)
 
 
 _LIBRARY_FILE = os.path.join("torch", "library.py")

@@ -45,6 +45,7 @@ class _Entry:
     host: bool = False
     frozen: bool = False
     caller_held: bool = False
+    weights: int | None = None
 
 
 class StorageTable:

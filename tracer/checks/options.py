@@ -13,7 +13,8 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
-from tracer.choices import DEFAULT_GPU, DEFAULT_TARGET, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS, TARGET_DEVICES
+from tracer.choices import (DEFAULT_GPU, DEFAULT_TARGET, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS, QUANTIZED_BASES,
+                            TARGET_DEVICES)
 from tracer.errors import UsageError
 
 
@@ -80,6 +81,11 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("lora_targets", (), None,
                 "--lora: comma-separated module names to adapt, e.g. q_proj,v_proj (default: peft's targets for "
                 "known transformers architectures, else every nn.Linear except the output head)", kind="names"),
+    ModelOption("quantized_base", None, QUANTIZED_BASES,
+                "a quantized, frozen base trained through LoRA adapters (--lora, rank 8 when not given): every "
+                "nn.Linear but the head as bitsandbytes' layer, 4bit: QLoRA's NF4 with double quantization, "
+                "8bit: LLM.int8; then peft's prepare_model_for_kbit_training; run op by op, eager only "
+                "(default: off)", cli="base"),
     ModelOption("tp", 1, None,
                 "Megatron tensor parallelism: the memory of one of N tensor-parallel ranks (column/row-parallel "
                 "linears and vocab-parallel embeddings found from the captured graph) (default 1: off)"),

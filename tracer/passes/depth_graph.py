@@ -458,7 +458,9 @@ class _Builder:
         params = [s for s, tag in zip(self.graph.storages, self.tags.storage)
                   if tag == _BASE and s.role is StorageRole.PARAMETER]
         params = list({s.name.split(" (", 1)[0]: s for s in reversed(params)}.values())   # one per parameter
-        return (sum(math.prod(s.shape) for s in params), sum(math.prod(s.shape) for s in params if s.frozen))
+        def weights(s: Storage) -> int:
+            return s.weights if s.weights is not None else math.prod(s.shape)
+        return sum(weights(s) for s in params), sum(weights(s) for s in params if s.frozen)
 
 
 def _changed(element, **changes):
