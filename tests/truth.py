@@ -422,10 +422,7 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
     parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them).
     `create_graph`: the loop calls loss.backward(create_graph=True) (a second-order optimizer differentiates
     the gradients). The loop drops `loss`, and with it the graph, when the step ends."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from tracer.capture.build import model_held_tensors
-    from tracer.capture.optimizer import optimizer_held_tensors
+    from torch.profiler import record_function
 
     def step(ranged: bool):
         def phase(name):
@@ -443,7 +440,20 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
         optimizer.train()            # schedule-free optimizers step in train mode, as the loop sets it
     if steady:
         step(ranged=False)
-    held = [*model.parameters(), *model.buffers(), *_batch_tensors(batch),
+    return peaks_at_allocator(step, model, batch, optimizer)
+
+
+def peaks_at_allocator(step, model: torch.nn.Module, batch, optimizer) -> dict[str, int]:
+    """Peak bytes per phase of `step(ranged=True)`, whose phases are `record_function("phase:<name>")`
+    ranges, from the CPU allocator's events; held when it starts: the unique storages of the model's
+    parameters, buffers and held tensors, the batch's tensors (a tuple or a dict) and the optimizer's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tracer.capture.build import model_held_tensors
+    from tracer.capture.optimizer import optimizer_held_tensors
+
+    tensors = list(batch.values()) if isinstance(batch, dict) else _batch_tensors(batch)
+    held = [*model.parameters(), *model.buffers(), *tensors,
             *(tensor for tensor, _ in model_held_tensors(model)),
             *(tensor for tensor, _ in optimizer_held_tensors(optimizer))]
     live = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
@@ -457,10 +467,10 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
     peaks = {}
     for phase, (begin, end) in ranges.items():
         # what is held when the phase begins (a phase that only frees peaks there), then after each event
-        held = live + sum(nbytes for at, nbytes in changes if at < begin)
-        peaks[phase] = held
+        now = live + sum(nbytes for at, nbytes in changes if at < begin)
+        peaks[phase] = now
         for at, nbytes in changes:
             if begin <= at <= end:
-                held += nbytes
-                peaks[phase] = max(peaks[phase], held)
+                now += nbytes
+                peaks[phase] = max(peaks[phase], now)
     return peaks

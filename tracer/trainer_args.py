@@ -5,7 +5,9 @@
 
 Read: `per_device_train_batch_size` (batch), `gradient_accumulation_steps` (accumulate), `bf16` / `fp16`
 (autocast around forward and loss, as the Trainer's accelerator runs it; fp16 with its GradScaler), `optim`
-(the optimizer's state layout; those without one here are refused by name), `torch_compile` (the compiled
+(the optimizer's state layout, named in the report; those without one here are refused by name; the
+optimizer itself is built by transformers' `Trainer.create_optimizer` from the same file, as
+`trainer_args`: tracer/capture/trainer_optimizer.py), `torch_compile` (the compiled
 policy), and `gradient_checkpointing` / `activation_checkpointing` with their `*_kwargs` `use_reentrant`
 (transformers 5 defaults it to False): the model's own `gradient_checkpointing_enable`, as the Trainer calls
 it. Not modelled: `max_grad_norm`'s clipping (a 0-dim norm per gradient), the learning-rate schedule,
@@ -15,6 +17,7 @@ it. Not modelled: `max_grad_norm`'s clipping (a 0-dim norm per gradient), the le
 from __future__ import annotations
 
 import json
+import os
 
 from tracer.errors import UsageError
 
@@ -48,6 +51,7 @@ def trainer_options(path: str) -> dict:
         raise UsageError(f"--trainer-args {path}: optim {optim!r} has no optimizer of the same state here",
                          hint=f"one of {', '.join(OPTIMIZERS)}, or a model file's make_optimizer")
     fields["optimizer"] = OPTIMIZERS[optim]
+    fields["trainer_args"] = os.path.abspath(path)   # the optimizer itself is built as the Trainer builds it
     if args.get("torch_compile"):
         fields["policies"] = ("compiled",)
     checkpointing = _checkpointing(args, path)

@@ -76,6 +76,7 @@ class CaptureOptions:
     lora_rank: int | None = None     # LoRA adapters of this rank on the built model (lora.py); None: off
     lora_targets: tuple[str, ...] = ()
     quantized_base: str | None = None  # 4bit | 8bit: the linears as bitsandbytes' layers (quantized_base.py)
+    trainer_args: str | None = None    # TrainingArguments JSON: the Trainer's own optimizer (trainer_optimizer.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -116,6 +117,9 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
             source = dataclasses.replace(source, notes=source.notes + (
                 f"--base {options.quantized_base}: the frozen quantized base is trained through LoRA adapters of "
                 f"rank {rank} (--lora RANK sets another)",))
+    if options.trainer_args is not None and source.make_optimizer is None:
+        from tracer.capture.trainer_optimizer import trainer_optimizer_source
+        source = trainer_optimizer_source(source, options.trainer_args)
     try:
         return _requested_steps(source, requests, options, on_policy, on_stage)
     finally:
