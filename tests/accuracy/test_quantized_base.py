@@ -74,23 +74,46 @@ def test_a_bf16_compute_dtype_flags_the_matmul_scratch_it_does_not_count(tmp_pat
     assert 0 <= measured["forward"] - predicted.phases["forward"].peak_bytes <= measured["forward"] * 0.05
 
 
-@pytest.mark.parametrize("base", ["4bit", "8bit"])
-def test_the_base_option_is_the_quantized_base_a_script_builds(base):
-    """`--base 4bit|8bit` on the built-in Llama: its linears but the head as bitsandbytes' layers, peft's
-    prepare_model_for_kbit_training and LoRA r=8, predicted against the same model built for real."""
+HF_LLAMA = ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+            "num_key_value_heads=2", "vocab_size=512")
+
+
+class _KeywordBatch(torch.nn.Module):
+    """A model that takes a dict batch as keywords, called with the batch's values in order (the measured
+    step calls `model(*batch)`), returning the loss."""
+
+    def __init__(self, model, keys):
+        super().__init__()
+        self.model, self.keys = model, tuple(keys)
+
+    def forward(self, *values):
+        return self.model(**dict(zip(self.keys, values)))
+
+
+@pytest.mark.parametrize("model_name,base", [("llama-88m-debug", "4bit"), ("llama-88m-debug", "8bit"),
+                                             ("hf:llama", "4bit"), ("hf:qwen2", "4bit")])
+def test_the_base_option_is_the_quantized_base_a_script_builds(model_name, base):
+    """`--base 4bit|8bit` on the built-in Llama and on transformers' Llama and Qwen2: the linears but the head
+    as bitsandbytes' layers, peft's prepare_model_for_kbit_training and LoRA r=8, predicted against the same
+    model built for real."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from tracer.capture.lora import apply_lora
     from tracer.capture.quantized_base import QLORA_RANK, quantize_base
 
-    source = load_model_source("llama-88m-debug")
+    source = load_model_source(model_name, hf_config=HF_LLAMA if model_name.startswith("hf:") else ())
     graph = capture_step(source, CaptureOptions(batch=2, seq=32, target="cpu", quantized_base=base))
     predicted = analyze_graph(graph).policies["eager"]
     torch.manual_seed(0)
     model = apply_lora(quantize_base(source.build_model(), base, torch.float32), QLORA_RANK)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
-    measured = measure_step_at_allocator(model, source.example_batch(2, 32), optimizer)
-    for phase, peak in measured.items():      # measured: forward 112 B (8 B per quantized layer) above, unexplained
+    batch = source.example_batch(2, 32)
+    if isinstance(batch, dict):
+        model, batch = _KeywordBatch(model, batch), tuple(batch.values())
+    measured = measure_step_at_allocator(model, batch, optimizer)
+    # measured: the built-in Llama's forward 112 B (8 B per quantized layer) above, unexplained; the
+    # transformers models' 32 B above (0-dim scalars)
+    for phase, peak in measured.items():
         assert abs(predicted.phases[phase].peak_bytes - peak) <= peak * 0.001, (phase, predicted.phases[phase].peak_bytes, peak)
     real_weights = sum(p.numel() for p in source.build_model().parameters())
     assert graph.parameter_count == real_weights + sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)

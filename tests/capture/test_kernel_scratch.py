@@ -137,3 +137,48 @@ def test_qr_workspaces_are_what_lapack_asks_for(dtype, shape, mode):
     fake = torch.empty(shape, dtype=dtype, device="meta")
     assert eager_scratch_allocations("aten.linalg_qr.default", (fake, mode), {}) == (tau, max(geqrf, orgqr))
     assert scratch_allocations(_node(torch.ops.aten.linalg_qr.default, fake, mode), 2) == (tau, max(geqrf, orgqr))
+
+
+QR_STEP = '''
+import torch
+from torch import nn
+
+
+class QrSGD(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            if p.dim() == 2:
+                torch.linalg.qr(p.grad, mode=MODE)
+        return super().step()
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4))
+
+
+def example_batch(batch, seq):
+    return torch.randn(batch, 32), torch.randn(batch, 4)
+
+
+def loss_fn(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def make_optimizer(params):
+    return QrSGD(params, lr=0.1)
+'''
+
+
+@pytest.mark.parametrize("mode,flagged", [("reduced", False), ("complete", False), ("r", True)])
+def test_a_qr_whose_workspace_is_counted_is_not_flagged(tmp_path, mode, flagged):
+    """The report's "kernel scratch not counted" names torch.linalg.qr only where its workspaces are not in the
+    step (mode "r"); a reduced or complete QR's are counted (the workspace query above)."""
+    from tracer.capture import CaptureOptions, capture_step, load_model_source
+    path = tmp_path / "qr_step.py"
+    path.write_text(QR_STEP.replace("MODE", repr(mode)))
+    graph = capture_step(load_model_source(str(path)), CaptureOptions(batch=2, seq=8, target="cpu"))
+    notes = [n for n in graph.config.notes if n.startswith("kernel scratch not counted")]
+    assert bool(notes and "torch.linalg.qr" in notes[0]) is flagged
+    scratch = [s for s in graph.storages if s.name.startswith("kernel scratch of aten.linalg_qr")]
+    assert bool(scratch) is not flagged

@@ -191,17 +191,18 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     kept = observe_kept_outputs(source, options) if source.keep is not None else ()
     if options.capture == "dispatch":
         on_stage("running the step op by op on fake tensors (no graph) ...")
-        return _dispatch_requests(source, requests, reason="--capture dispatch", kept=kept)
+        return _dispatch_requests(source, requests, reason="--capture dispatch: the step runs op by op, as asked",
+                                  kept=kept, chosen=True)
     if options.quantized_base is not None and options.capture == "auto":
         on_stage("running the step op by op on fake tensors (a quantized base) ...")
-        return _dispatch_requests(source, requests, reason=QUANTIZED_BASE_REASON, kept=kept)
+        return _dispatch_requests(source, requests, reason=QUANTIZED_BASE_REASON, kept=kept, chosen=True)
     if source.create_graph:
         if options.capture != "auto":
             raise UsageError(f"--capture {options.capture}: {source.name} declares create_graph = True, and a "
                              "captured graph's gradients have no graph to differentiate",
                              hint="drop --capture (the step runs op by op)")
         on_stage("running the step op by op on fake tensors (the loop differentiates the gradients) ...")
-        return _dispatch_requests(source, requests, reason=CREATE_GRAPH_REASON, kept=kept)
+        return _dispatch_requests(source, requests, reason=CREATE_GRAPH_REASON, kept=kept, chosen=True)
     cap, failures = None, []
     for label, rung in _ladder(options.capture):
         on_stage(f"tracing {label} ..." if not failures else f"that failed; tracing {label} ...")
@@ -332,15 +333,16 @@ QUANTIZED_BASE_REASON = ("--base: bitsandbytes' quantized layers are run op by o
                          "cannot be traced into a graph)")
 
 
-def _dispatch_requests(source, requests, *, reason: str, kept) -> tuple[StepGraph, ...]:
-    """The dispatch rung once per distinct options of the requests."""
+def _dispatch_requests(source, requests, *, reason: str, kept, chosen: bool = False) -> tuple[StepGraph, ...]:
+    """The dispatch rung once per distinct options of the requests; `chosen`: run op by op for `reason`, not
+    because every graph rung failed with it."""
     by_options: dict = {}
     for options, spec in requests:
         by_options.setdefault(options, []).append(spec)
     graphs = {}
     for options, specs in by_options.items():
         for spec, graph in zip(specs, _dispatch_steps(source, options, tuple(specs), reason=reason,
-                                                      kept=kept).values()):
+                                                      kept=kept, chosen=chosen).values()):
             graphs[(options, spec)] = graph
     return tuple(graphs[(options, spec)] for options, spec in requests)
 
@@ -371,26 +373,26 @@ def _ladder(capture: str) -> list:
     return rungs[capture]
 
 
-def _dispatch_steps(source, options, specs, *, reason: str, kept=()) -> dict[str, StepGraph]:
+def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: bool = False) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
+    why = f"; the step runs op by op: {reason}" if chosen else f", and none could be captured: {reason}"
+    fix = "" if chosen else "fix what export reports, or "
     if options.offload is not None:
-        raise CaptureError(f"--offload rewrites a captured graph's optimizer step, and none could be captured: "
-                           f"{reason}", hint="fix what export reports, or drop --offload")
+        raise CaptureError(f"--offload rewrites a captured graph's optimizer step{why}", hint=f"{fix}drop --offload")
     if options.accumulate > 1:
-        raise CaptureError(f"--accumulate {options.accumulate} repeats a captured graph's forward and backward, "
-                           f"and none could be captured: {reason}", hint="fix what export reports, or drop --accumulate")
+        raise CaptureError(f"--accumulate {options.accumulate} repeats a captured graph's forward and backward{why}",
+                           hint=f"{fix}drop --accumulate")
     others = [spec.label for spec in specs if spec.name != "eager"]
     if others:
-        raise CaptureError(f"policies {', '.join(others)} need a captured graph, and none could be captured: "
-                           f"{reason}", hint="fix what export reports, or ask for --policy eager only")
-    ops, table, (n_params, n_frozen), notes, loss_position = capture_step_dispatch(source, options)
+        raise CaptureError(f"policies {', '.join(others)} need a captured graph{why}",
+                           hint=f"{fix}ask for --policy eager only")
+    ops, table, (n_params, n_frozen), notes, loss_position = capture_step_dispatch(source, options, chosen=chosen)
     notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position))
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
                         policy="eager", target="cpu",
-                        notes=(reason if reason in (CREATE_GRAPH_REASON, QUANTIZED_BASE_REASON)
-                               else f"export failed: {reason}",) + notes
+                        notes=(reason if chosen else f"export failed: {reason}",) + notes
                         + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
                             "applied",) if options.target != "cpu" else ()))
     frozen_ops = tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops))

@@ -84,8 +84,10 @@ class _NodeStamper(TorchFunctionMode):
         return out
 
 
-def capture_step_dispatch(source: ModelSource, options) -> tuple:
-    """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes)."""
+def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False) -> tuple:
+    """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes). `chosen`: the step runs
+    op by op by choice (a second-order step, a quantized base, --capture dispatch), not because no graph
+    could be captured."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_mode = FakeTensorMode()
@@ -189,7 +191,6 @@ def capture_step_dispatch(source: ModelSource, options) -> tuple:
         if table.lookup(value) is not None:
             table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
-    chosen = source.create_graph or options.quantized_base is not None      # op by op by choice, not by failure
     notes += [("" if chosen else "no graph could be captured; ") + "the step ran op by op on fake "
               f"tensors ({CAPTURE_PATH}): eager memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "

@@ -165,14 +165,12 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
 
 
 def _qr_counted(op) -> bool:
-    """Whether a recorded QR's scratch is in the step (its dtype, mode and this LAPACK allow it)."""
+    """Whether a recorded QR's scratch is in the step: `_lapack_qr_scratch` models its dtype and mode here."""
     values = op.input_values()
-    if not values or values[0].dtype not in ("float32", "float64"):
+    if not values or not values[0].dtype.startswith("float"):
         return False
-    args = op.args
-    mode = dict(op.kwargs).get("mode", args[1] if len(args) > 1 and isinstance(args[1], str) else "reduced")
-    return mode in ("reduced", "complete") and lapack_workspace_elements(
-        f"{'S' if values[0].dtype == 'float32' else 'D'}GEQRF", 1, 1) is not None
+    matrix = torch.empty(values[0].shape, dtype=getattr(torch, values[0].dtype), device="meta")
+    return bool(_lapack_qr_scratch(matrix, _qr_mode(op.args, dict(op.kwargs))))
 
 
 def _eigh_computes_vectors(args, kwargs: dict) -> bool:

@@ -20,7 +20,9 @@ The capture (capture/__init__.py) then adds LoRA adapters (`--lora`, rank 8 when
 op by op (dispatch.py): bitsandbytes' layers are traced through their CPU kernels, and their memory is
 exact against real CPU steps (tests/accuracy/test_quantized_base.py). The layers' new weights are
 bitsandbytes' own initialisation: a quantized base's memory does not depend on the values.
-Not modelled: other quantizers (GPTQ, AWQ, HQQ, torchao's int4), `llm_int8_skip_modules` beyond the head,
+Not modelled: other quantizers (GPTQ, AWQ, HQQ, torchao's int4), layers other than nn.Linear (transformers'
+Conv1D in GPT-2, which transformers' own bitsandbytes integration quantizes: refused when nothing else is
+left), `llm_int8_skip_modules` beyond the head,
 and CUDA's fused 4-bit kernel for calls of at most 1,536 tokens (it allocates only the output; the CPU kernel
 traced here dequantizes the weight, as CUDA does above that size).
 """
@@ -66,7 +68,8 @@ def quantize_base(model: nn.Module, base: str, compute: torch.dtype) -> nn.Modul
         raise UsageError("--base needs bitsandbytes and peft", hint="pip install bitsandbytes peft") from exc
     paths = linears_except_head(model)
     if not paths:
-        raise UsageError(f"--base {base}: {type(model).__name__} has no nn.Linear besides its head to quantize")
+        raise UsageError(f"--base {base}: {type(model).__name__} has no nn.Linear besides its head to quantize",
+                         hint="only nn.Linear layers are quantized here (transformers' Conv1D, as in GPT-2, is not)")
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model

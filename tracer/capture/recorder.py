@@ -146,26 +146,24 @@ class StepRecorder(TorchDispatchMode):
 
     def _kernel_runs_on_fakes(self, func, args, kwargs) -> bool:
         """A trial run of the kernel, nothing recorded: False where it stops (a raw memory read)."""
-        import warnings
-        keys = torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device])
         try:
-            with warnings.catch_warnings(), _real_fake_data_pointers():
-                warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
-                func.redispatch(keys, *args, **kwargs)
+            self._run_kernel(func, args, kwargs)
         except Exception:                     # noqa: BLE001 - the op is recorded whole instead
             return False
         return True
 
+    def _run_kernel(self, func, args, kwargs):
+        """The custom op's Python kernel for the device on the fake tensors; RawMemoryRead where it reads
+        raw memory."""
+        with _real_fake_data_pointers():
+            return func.redispatch(torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device]), *args, **kwargs)
+
     def _through_kernel(self, func, args, kwargs):
         """The custom op's Python kernel for the device, run under this recorder on the fake tensors."""
-        import warnings
-        keys = torch._C.DispatchKeySet(_DISPATCH_KEYS[self.kernel_device])
         self._inside_kernel = True
         try:
-            with self, warnings.catch_warnings(), _real_fake_data_pointers():
-                # a fake tensor's data pointer is 0 with a warning: a kernel that reads raw memory must stop
-                warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
-                out = func.redispatch(keys, *args, **kwargs)
+            with self:
+                out = self._run_kernel(func, args, kwargs)
         except Exception as exc:
             from tracer.errors import ModelRunError
             raise ModelRunError(f"the {self.kernel_device} kernel of {func} cannot run on fake tensors "
@@ -182,7 +180,7 @@ def distinct_fake_data_pointers():
     """`data_ptr()` of a fake tensor is 0 (with a warning): code that keys state by a tensor's data pointer
     (heavyball maps each parameter to its state so) would take every tensor for one. While active, each fake
     storage answers a distinct address that points at nothing (above 2**48, outside user space), stable
-    for the storage; a custom op's kernel traced by the recorder still gets 0 and stops on its warning."""
+    for the storage; a custom op's kernel traced by the recorder is refused one (RawMemoryRead)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     addresses: dict[int, int] = {}
