@@ -125,7 +125,7 @@ CAPTURE_STAGES = (
     ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks", "triton_target",
                                                                   "eager_rerun", "policies"}),
     ("conversion to ops over storages", {"convert", "splice"}),
-    ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held"}),
+    ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held", "activation_offload"}),
     ("the step around it: optimizer, accumulation, offload", {"optimizer", "optimizer_wrappers", "recorder", "compiled_calls", "bnb8bit", "lion",
                                                               "accumulation", "offload"}),
     ("the dispatch front end and the entry point", {"dispatch", ""}),

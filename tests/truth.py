@@ -413,7 +413,7 @@ def is_topk_router(module: torch.nn.Module) -> bool:
 
 
 def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *, steady: bool = True,
-                              create_graph: bool = False) -> dict[str, int]:
+                              create_graph: bool = False, saved_on_cpu: bool = False) -> dict[str, int]:
     """Peak bytes per phase (forward, backward, optimizer) of one real CPU step (steady: one warm-up step
     first; else the first step, which makes the optimizer's state), read from the CPU allocator's own
     events (torch.profiler, profile_memory=True): what a
@@ -421,13 +421,15 @@ def measure_step_at_allocator(model: torch.nn.Module, batch: tuple, optimizer, *
     its call, compiled code). The bytes held when the step starts are the unique storages of the
     parameters, buffers, batch and every tensor the optimizer holds (tracer's one reader of them).
     `create_graph`: the loop calls loss.backward(create_graph=True) (a second-order optimizer differentiates
-    the gradients). The loop drops `loss`, and with it the graph, when the step ends."""
+    the gradients). The loop drops `loss`, and with it the graph, when the step ends. `saved_on_cpu`: the
+    loop runs forward and loss inside torch.autograd.graph.save_on_cpu(pin_memory=True)."""
     from torch.profiler import record_function
 
     def step(ranged: bool):
         def phase(name):
             return record_function(f"phase:{name}") if ranged else contextlib.nullcontext()
-        with phase("forward"):
+        saving = torch.autograd.graph.save_on_cpu(pin_memory=True) if saved_on_cpu else contextlib.nullcontext()
+        with phase("forward"), saving:
             loss = model(*batch)
         with phase("backward"):
             loss.backward(create_graph=create_graph)

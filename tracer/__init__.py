@@ -1,7 +1,7 @@
 """tracer: a static memory tracer for one PyTorch training step.
 
 Public API:
-    analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=True, step="steady",
+    analyze(model, *, batch, seq, precision="fp32", optimizer="adamw", foreach=None, step="steady",
             zero_grad="none", policies=("eager",), memory_budget=None, blocks=None,
             checkpoint_every=1, save_policy=None, save_ops=(), hf_config=(), config_json=None,
             hf_attn="sdpa", hf_task=None, target="cuda", gpu=None, capture="auto", moe_routing="balanced", alloc_conf="",

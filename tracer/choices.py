@@ -12,7 +12,7 @@ import dataclasses
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", "adafactor-hf", "lion",
               "adamw8bit", "paged-adamw8bit", "none")          # tracer.capture.optimizer builds each
-OFFLOAD_MODES = ("optimizer", "optimizer+params")               # tracer.capture.offload
+OFFLOAD_MODES = ("optimizer", "optimizer+params", "activations")  # tracer.capture.offload, activation_offload
 QUANTIZED_BASES = ("4bit", "8bit")                                # tracer.capture.quantized_base
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")             # tracer.capture.precision
 TARGET_DEVICES = ("cpu", "cuda")                                # tracer.capture.target

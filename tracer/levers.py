@@ -57,6 +57,7 @@ LEVERS: tuple[Lever, ...] = (
     _lever(f"LoRA r={LORA_RANK}", lora_rank=LORA_RANK),
     _lever(f"QLoRA: 4-bit base + LoRA r={LORA_RANK}", "eager", quantized_base="4bit", lora_rank=LORA_RANK),
     _lever("offload optimizer", offload="optimizer"),
+    _lever("offload activations (save_on_cpu)", "eager", offload="activations"),
     _lever("ZeRO-2", shard="zero2", needs_world_size=True),
     _lever("FSDP", shard="fsdp", needs_world_size=True),
     _lever("full + 8-bit AdamW", "full", optimizer="adamw8bit"),

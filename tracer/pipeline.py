@@ -31,7 +31,7 @@ class AnalysisOptions:
     seq: int = MODEL_DEFAULTS["seq"]
     precision: str = MODEL_DEFAULTS["precision"]
     optimizer: str = MODEL_DEFAULTS["optimizer"]
-    foreach: bool = MODEL_DEFAULTS["foreach"]
+    foreach: bool | None = MODEL_DEFAULTS["foreach"]
     step: str = MODEL_DEFAULTS["step"]
     zero_grad_set_to_none: bool = MODEL_DEFAULTS["zero_grad"] == "none"
     policies: tuple[str, ...] = ("eager",)
@@ -120,7 +120,7 @@ class AnalysisOptions:
             raise UsageError(f"model_args={self.model_args!r} is not valid", hint='strings "KEY=VALUE"')
         from tracer.capture.offload import check_offload
         check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
-                      shard=self.shard)
+                      shard=self.shard, policies=self.policies)
         self.tensor_parallel_setup()
         if self.lora_targets and self.lora_rank is None:
             raise UsageError("--lora-targets needs --lora RANK", hint="e.g. --lora 8 --lora-targets q_proj,v_proj")

@@ -52,7 +52,7 @@ def predict_and_measure(model: str, accumulate: int, *, batch=2, seq=64):
     torch.manual_seed(0)
     real = source.build_model()
     micro_batches = [source.example_batch(batch, seq) for _ in range(accumulate)]
-    opt = torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(real.parameters(), lr=1e-3)
     return result, measure_accumulated_step(real, micro_batches, opt)
 
 

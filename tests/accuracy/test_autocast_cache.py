@@ -35,7 +35,7 @@ def _predict(source, precision):
 def _measure(source, precision):
     torch.manual_seed(0)
     model = source.build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return measure_step(model, source.example_batch(BATCH, SEQ), optimizer, precision=precision)
 
 
@@ -107,6 +107,6 @@ def test_transformers_gradient_checkpointing_under_bf16_autocast(reentrant):
     torch.manual_seed(0)
     model = source.build_model()
     measured = measure_step(model, source.example_batch(2, 64),
-                            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True), precision="bf16")
+                            torch.optim.AdamW(model.parameters(), lr=1e-3), precision="bf16")
     _assert_phases_exact(predicted, measured, scalar_bytes=0)
     assert _live_when_forward_ends(predicted) == measured.forward_end_bytes

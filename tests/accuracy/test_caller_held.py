@@ -46,7 +46,7 @@ def predict_and_measure(fixture, pick=lambda out: out):
         torch.empty(extra_bytes(source.extra_resident_bytes, fixture, BATCH, SEQ), dtype=torch.uint8),)
     loop = KeepingLoop(model, source.keep, pick)
     measured = measure_step(loop, source.example_batch(BATCH, SEQ),
-                            torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
+                            torch.optim.AdamW(model.parameters(), lr=1e-3),
                             retain_graph=source.retain_graph, resident=resident, loop_held=lambda: loop.held)
     return graph, predicted, measured
 

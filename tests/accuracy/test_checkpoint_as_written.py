@@ -36,7 +36,7 @@ def _measure(source, batch=BATCH, seq=SEQ):
     torch.manual_seed(0)
     model = source.build_model()
     return measure_step(model, source.example_batch(batch, seq),
-                        torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+                        torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
 def _assert_phases(predicted, measured, rel=0.001):

@@ -40,7 +40,7 @@ def _measure(source, options):
     torch.manual_seed(0)
     real = source.build_model()
     return measure_step(real, source.example_batch(options.batch, options.seq),
-                        torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True), precision=options.precision)
+                        torch.optim.AdamW(real.parameters(), lr=1e-3), precision=options.precision)
 
 
 def _assert_matches(predicted, measured):

@@ -109,7 +109,7 @@ def _measure_rank(batch: int, seq: int, reshard: bool) -> dict:
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens, targets = llama.example_batch(CONFIG, batch, seq)
     loss = model(tokens, targets)                       # warm-up: optimizer state exists (steady step)
     loss.backward()

@@ -28,7 +28,7 @@ def predict_and_measure(source, rank, targets=(), *, batch=2, seq=32):
     predicted = analyze_graphs({"eager": graph}).policies["eager"]
     torch.manual_seed(0)
     real = apply_lora(source.build_model(), rank, targets)
-    opt = torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(real.parameters(), lr=1e-3)
     return graph, predicted, measure_step(real, source.example_batch(batch, seq), opt), real
 
 

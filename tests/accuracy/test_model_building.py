@@ -49,7 +49,7 @@ def predict_and_measure(fixture, *, pick=None, batch=2, seq=16, capture="auto"):
     if isinstance(real_batch, dict):
         keys, real_batch = tuple(real_batch), tuple(real_batch.values())
     model = real if pick is None else TakeLoss(real, pick, keys)
-    opt = torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(real.parameters(), lr=1e-3)
     return graph, predicted, measure_step(model, real_batch, opt, loop_held=lambda: getattr(model, "held", []))
 
 

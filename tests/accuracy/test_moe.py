@@ -36,7 +36,7 @@ def _measure(source, batch, seq):
     torch.manual_seed(0)
     model = source.build_model()
     return measure_step(model, source.example_batch(batch, seq),
-                        torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+                        torch.optim.AdamW(model.parameters(), lr=1e-3))
 
 
 def test_balanced_routing_of_a_hand_written_moe_is_exact_against_a_real_step():

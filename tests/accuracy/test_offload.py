@@ -31,7 +31,7 @@ def measure_offloaded_step(model, batch):
     host_grads = [torch.zeros_like(p) for p in params]
     for host, grad in zip(host_params, host_grads):
         host.grad = grad
-    opt = torch.optim.AdamW(host_params, lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(host_params, lr=1e-3)
 
     def to_host(i):
         def hook(p):

@@ -33,7 +33,7 @@ def _real_model(model, every, save_ops=None):
 
 def _measure(model, every, batch, seq, save_ops=None):
     source, m = _real_model(model, every, save_ops)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     return measure_step(m, source.example_batch(batch, seq), opt)
 
 
@@ -115,8 +115,7 @@ def test_a_model_without_repeated_blocks_is_checkpointed_whole():
     source = load_model_source(model)
     torch.manual_seed(0)
     real = Checkpointed(source.build_model())
-    measured = measure_step(real, source.example_batch(2, 64), torch.optim.AdamW(real.parameters(), lr=1e-3,
-                                                                                 foreach=True))
+    measured = measure_step(real, source.example_batch(2, 64), torch.optim.AdamW(real.parameters(), lr=1e-3))
     assert predicted.start_bytes == measured.start_bytes
     for phase in ("forward", "backward", "optimizer"):
         assert predicted.phases[phase].peak_bytes == measured.phase_peaks[phase], phase

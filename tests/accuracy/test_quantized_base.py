@@ -35,7 +35,7 @@ def _predicted_and_measured(path: str, step: str):
                               ).policies["eager"]
     torch.manual_seed(0)
     model = source.build_model()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     return predicted, measure_step_at_allocator(model, source.example_batch(2, 16), optimizer,
                                                 steady=step == "steady")
 
@@ -106,7 +106,7 @@ def test_the_base_option_is_the_quantized_base_a_script_builds(model_name, base)
     predicted = analyze_graph(graph).policies["eager"]
     torch.manual_seed(0)
     model = apply_lora(quantize_base(source.build_model(), base, torch.float32), QLORA_RANK)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     batch = source.example_batch(2, 32)
     if isinstance(batch, dict):
         model, batch = _KeywordBatch(model, batch), tuple(batch.values())

@@ -92,7 +92,7 @@ def test_batchnorm_buffers_and_a_module_under_two_names():
     assert len(params) == 6 and graph.parameter_count == 64 * 128 + 128 + 2 * 128 + 128 * 10 + 10
     torch.manual_seed(0)
     real = source.build_model()
-    measured = measure_step(real, source.example_batch(4, 16), torch.optim.AdamW(real.parameters(), lr=1e-3, foreach=True))
+    measured = measure_step(real, source.example_batch(4, 16), torch.optim.AdamW(real.parameters(), lr=1e-3))
     assert predicted.start_bytes == measured.start_bytes
     assert predicted.phases["optimizer"].peak_bytes == measured.phase_peaks["optimizer"]
 
@@ -111,7 +111,7 @@ def test_python_holds_observed_by_the_direct_trace_are_exact():
     torch.manual_seed(0)
     model = source.build_model()
     measured = measure_step(StepModule(model, loss_fn=source.loss_fn, loss_index=source.loss_index),
-                            source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True),
+                            source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3),
                             precision="bf16")
     for phase in ("forward", "backward", "optimizer"):
         assert abs(predicted.phases[phase].peak_bytes - measured.phase_peaks[phase]) <= 8, phase   # a 0-dim scalar
@@ -134,7 +134,7 @@ def test_value_reads_of_constants_stay_on_the_direct_trace_and_are_exact():
     torch.manual_seed(0)
     model = source.build_model()
     measured = measure_step(StepModule(model, loss_fn=source.loss_fn, loss_index=source.loss_index),
-                            source.example_batch(2, 16), torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+                            source.example_batch(2, 16), torch.optim.AdamW(model.parameters(), lr=1e-3))
     for phase in ("forward", "backward", "optimizer"):
         assert predicted.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
     assert predicted.saved.total_bytes == measured.saved_bytes

@@ -74,7 +74,7 @@ def _predicted_and_measured(path: str, batch: int, seq: int):
     torch.manual_seed(0)
     model = source.build_model()
     measured = measure_step(StepModule(model, loss_fn=source.loss_fn, loss_index=source.loss_index),
-                            source.example_batch(batch, seq), torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True))
+                            source.example_batch(batch, seq), torch.optim.AdamW(model.parameters(), lr=1e-3))
     return graphs["eager"], predicted, measured
 
 

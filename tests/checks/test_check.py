@@ -118,7 +118,7 @@ def test_module_attribute_cache_is_caught(tmp_path, monkeypatch, baseline):
         torch.manual_seed(0)
         model = source.build_model()
         real[edit] = measure_step(model, source.example_batch(B, S),
-                                  torch.optim.AdamW(model.parameters(), foreach=True), precision="bf16")
+                                  torch.optim.AdamW(model.parameters()), precision="bf16")
     grown = real["attribute_cache"].phase_peaks["optimizer"] - real[None].phase_peaks["optimizer"]
     assert grown == predicted == LAYERS * B * S * H * 2
 

@@ -52,7 +52,7 @@ from tracer.capture.routing import RoutingError, parse_routing, routing_assumpti
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
 from tracer.capture.quantized_base import QLORA_RANK
-from tracer.capture.storages import StorageTable, dtype_name
+from tracer.capture.storages import StorageTable, dtype_name, flat_tensors
 from tracer.policies import PolicySpec
 from tracer.stepgraph import OpNode, Phase, StepConfig, StepGraph, StorageRole, TensorValue
 
@@ -65,7 +65,7 @@ class CaptureOptions:
     seq: int = 1024
     precision: str = "fp32"          # capture/precision.py: fp32 | bf16 | bf16-pure | fp16 (autocast + GradScaler)
     optimizer: str = "adamw"         # used when the model file defines no make_optimizer
-    foreach: bool = True
+    foreach: bool | None = None      # None: torch's default for the target's device (foreach on CUDA, loop on CPU)
     step: str = "steady"             # steady (optimizer state exists) | first (state created lazily)
     zero_grad_set_to_none: bool = True
     capture: str = "auto"            # auto (every graph rung, then dispatch) | export | compile | dispatch
@@ -167,8 +167,10 @@ def seq_free_input_shapes(source: ModelSource, batch: int, seq: int) -> str | No
 
 
 def joint_key(options: CaptureOptions) -> CaptureOptions:
-    """The options with the step-only fields at their defaults: equal keys share one joint capture."""
-    return dataclasses.replace(options, **{f: getattr(CaptureOptions, f) for f in STEP_FIELDS})
+    """The options with the step-only fields at their defaults: equal keys share one joint capture
+    (--offload activations is traced under save_on_cpu: a capture of its own)."""
+    key = dataclasses.replace(options, **{f: getattr(CaptureOptions, f) for f in STEP_FIELDS})
+    return dataclasses.replace(key, offload="activations") if options.offload == "activations" else key
 
 
 @contextlib.contextmanager
@@ -352,7 +354,8 @@ def _ladder(capture: str) -> list:
     directly (one trace), non-strict export, strict export, torch.compile's joint graph. `auto` falls back
     to the dispatch run after them."""
     def direct(source, o):
-        return export_joint(source, o.batch, o.seq, o.precision, target=o.target, direct=True)
+        return export_joint(source, o.batch, o.seq, o.precision, target=o.target, direct=True,
+                            offload_activations=o.offload == "activations")
 
     def non_strict(source, o):
         return export_joint(source, o.batch, o.seq, o.precision, target=o.target)
@@ -410,9 +413,11 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     autocast = autocast_dtype(options.precision)
     autocast = dtype_name(autocast) if autocast is not None else None
     scaled = uses_grad_scaler(options.precision)
+    cuda = parse_target(options.target).is_cuda
+    offload_activations = options.offload == "activations"
     first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
                          grads_preexisting=steady and not options.zero_grad_set_to_none, autocast_dtype=autocast,
-                         scaled_loss=scaled)
+                         scaled_loss=scaled, offload_activations=offload_activations, cuda=cuda)
     part, table = first.part, first.table
     if not recordings:
         recordings.append(record_optimizer_step(
@@ -423,13 +428,13 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
         later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast,
-                             scaled_loss=scaled)
+                             scaled_loss=scaled, offload_activations=offload_activations, cuda=cuda)
         ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
     ops, offload_notes = ops + opt_ops, ()
     wrapper = recordings[0].host_offload            # an optimizer wrapper that is the offload lever
-    if options.offload is not None or wrapper is not None:
+    if (options.offload is not None and not offload_activations) or wrapper is not None:
         trainable = [p for p in cap.model.parameters() if id(p) in part.grad_sid_by_param
                      and (options.offload is not None or id(p) in wrapper.host_parameter_ids)]
         ops, offload_notes = offload_step(
@@ -456,12 +461,18 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
 
 
 def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool,
-                 autocast_dtype: str | None, scaled_loss: bool = False) -> MicroBatch:
+                 autocast_dtype: str | None, scaled_loss: bool = False, offload_activations: bool = False,
+                 cuda: bool = False) -> MicroBatch:
     """One forward + backward over `table`, with eager's lifetimes (Python locals, backward formulas'
-    temporaries, checkpointing, autocast's cast cache, tensors kept on module attributes). `autocast_dtype`: the
-    dtype name of the autocast around forward and loss, or None; `scaled_loss`: the loop calls
-    `scaler.scale(loss).backward()` (GradScaler)."""
+    temporaries, checkpointing, autocast's cast cache, tensors kept on module attributes, activation
+    offloading). `autocast_dtype`: the dtype name of the autocast around forward and loss, or None;
+    `scaled_loss`: the loop calls `scaler.scale(loss).backward()` (GradScaler); `offload_activations`:
+    --offload activations (else only the model file's save_on_cpu regions are); `cuda`: a CUDA target."""
     part = convert_step(cap, table, schedule, grads_preexisting=grads_preexisting)
+    # eager's own autograd graph: the joint as traced, no block compiled (a compiled block saves its own set)
+    joint_as_traced = not schedule.compiled and schedule.forward is None and not schedule.regions
+    offloaded, offload_notes = _offloaded_activations(cap, part, table, everything=offload_activations, cuda=cuda,
+                                                      joint_as_traced=joint_as_traced)
     leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
     requiring_grad = _requiring_grad(part.ops, table, leaves)
     notes = reuse_cached_casts(part.ops, table, autocast_dtype, requiring_grad) if not schedule.compiled else ()
@@ -475,9 +486,11 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         forward = [(i, d.frames, _python_visible_outputs(d),
                     tuple(v.storage_id for v in input_values(d)))
                    for i, d in enumerate(part.ops) if d.phase is Phase.FORWARD and d.frames]
-        # eager's own autograd graph: the joint as traced, no block compiled (a compiled block saves its own set)
-        joint_as_traced = schedule.forward is None and not schedule.regions
         holds, saved_until = _python_holds(cap, part.ops, table, forward, joint_as_traced=joint_as_traced)
+        if offloaded is not None:     # autograd holds the host copies, not the storages they were copied from
+            saved_until = {sid: i for sid, i in saved_until.items() if sid not in offloaded.offloaded}
+            for sid, op_index in offloaded.holds.items():
+                table.hold_until(sid, op_index)
         recompute_local_holds(part.ops, table, holds)
         # eager's hold rules, each storage id -> the last op through which something holds it; merged by
         # extending only (a new rule is one entry here)
@@ -494,7 +507,46 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
         eager_checkpoint_semantics(part.ops, table, remade)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
-    return MicroBatch(part=part, table=table, kept=kept, notes=notes)
+    return MicroBatch(part=part, table=table, kept=kept, notes=tuple(notes) + offload_notes)
+
+
+def _offloaded_activations(cap, part, table: StorageTable, *, everything: bool, cuda: bool, joint_as_traced: bool):
+    """The step with its saved tensors offloaded where the model file's save_on_cpu or --offload activations
+    says (activation_offload.py; `part.ops` is replaced), or None; and the notes: what was offloaded, the
+    user's saved-tensor hooks that are not run, a save_on_cpu the step cannot apply."""
+    from tracer.capture.activation_offload import offload_note, offload_saved_tensors
+    notes = tuple(f"the forward's saved-tensor hooks {name} are not run by the capture: what they pack is "
+                  "counted as autograd saves it without hooks (save_on_cpu and checkpointing are modelled)"
+                  for name in cap.foreign_saved_hooks)
+    if everything and cap.saved_packs is None:
+        raise UsageError(f"--offload activations needs the joint graph traced from the module; {cap.path} does "
+                         "not see autograd's saves", hint="drop --offload activations, or pass --capture auto")
+    packs = cap.saved_packs or ()
+    in_file = any(p.offload is not None for p in packs)
+    if not (everything or in_file):
+        return None, notes
+    if not joint_as_traced or any(d.checkpoint_region is not None or d.recomputed for d in part.ops):
+        if in_file:
+            notes += ("the model file's save_on_cpu is modelled on the eager step without checkpointing only: "
+                      "under this policy its saved tensors are counted on the device",)
+        return None, notes
+    forward_outputs = {d.name: d.outputs for d in part.ops if d.phase is Phase.FORWARD and not d.recomputed}
+    placeholders = {n.name: n for n in cap.joint.graph.find_nodes(op="placeholder")}
+
+    def sid_of(producer: tuple[str, int]) -> int | None:
+        name, position = producer
+        if name in forward_outputs:
+            outputs = forward_outputs[name]
+            return outputs[position].storage_id if position < len(outputs) else None
+        if name in placeholders:
+            values = flat_tensors(placeholders[name].meta.get("val"))
+            return table.lookup(values[position]) if position < len(values) else None
+        return None
+
+    step = offload_saved_tensors(part.ops, table, packs, everything=everything, cuda=cuda, sid_of=sid_of,
+                                 joint_order=[node.name for node in cap.joint.graph.nodes])
+    part.ops = step.ops
+    return step, notes + (offload_note(step, everything=everything, cuda=cuda),)
 
 
 def _loss_as_the_loop_holds_it(part, table: StorageTable, last_backward: int) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 from tracer.capture.build import step_module
 from tracer.capture.inplace import formula_writes_marked, is_inplace_call
 from tracer.capture.meta import CHECKPOINT_KEY, FRAME_HELD_KEY, INPLACE_CALL_KEY, MODULE_CALL_ENTRIES, PARTIAL_HELD_KEY
-from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths
+from tracer.capture.python_lifetimes import PythonLifetimes, resolve_deaths, resolve_packs
 from tracer.capture.model_input import ModelSource
 from tracer.capture.precision import autocast_context
 from tracer.capture.pylocals import ExecutedLines, UntracedCall, record_executed_lines
@@ -54,6 +54,9 @@ class JointCapture:
     # the forward's Python objects, observed dying (python_lifetimes.py); None: not observed on this path
     python_deaths: tuple | None = None
     forward_leaves: tuple = ()            # forward_leaves.ForwardLeaf: leaves the forward makes, lifted as inputs
+    # every save autograd made in the forward (python_lifetimes.ResolvedPack); None: not observed on this path
+    saved_packs: tuple | None = None
+    foreign_saved_hooks: tuple[str, ...] = ()   # the user's saved-tensor hooks the capture does not run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +87,13 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
-                 target: str = "cpu", direct: bool = False) -> JointCapture:
+                 target: str = "cpu", direct: bool = False, offload_activations: bool = False) -> JointCapture:
     """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py).
     `direct`: trace the joint graph from the module itself, with tracer's own source metadata
     (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and no separate fake run of
     the forward. Models whose forward runs torch.utils.checkpoint or keeps tensors on module attributes
-    are left to the export rungs (`_trace_directly`)."""
+    are left to the export rungs (`_trace_directly`). `offload_activations` (direct only): the forward and
+    loss are traced inside save_on_cpu(pin_memory=True), as --offload activations runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracer.capture.target import parse_target
@@ -101,7 +105,7 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     stack = contextlib.ExitStack()
     if direct:
         with record_executed_lines(_is_user_file, traced) as executed:
-            jd = _trace_directly(stack, traced, args, precision, device, source)
+            jd = _trace_directly(stack, traced, args, precision, device, source, offload_activations)
         seen, leaves = _NOTHING_SEEN, ()
     else:
         with record_executed_lines(_is_user_file) as executed:
@@ -123,11 +127,12 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
                         build_notes=built.notes + traced.notes(), loss_position=traced.loss_position,
                         python_backward_nodes=getattr(jd, "python_backward_nodes", frozenset()),
                         executed_lines=executed, python_deaths=getattr(jd, "python_deaths", None),
-                        forward_leaves=leaves)
+                        forward_leaves=leaves, saved_packs=getattr(jd, "saved_packs", None),
+                        foreign_saved_hooks=getattr(jd, "foreign_saved_hooks", ()))
 
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
-                    source: ModelSource):
+                    source: ModelSource, offload_activations: bool = False):
     """The joint graph traced from the module itself, for a forward that runs no torch.utils.checkpoint,
     keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
     run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
@@ -138,7 +143,8 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
     leaves = ForwardLeafRecorder()
     try:
         with _record_checkpoints(names, calls), leaves:
-            jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True)
+            jd, kept_tensors = _aot_joint(stack, traced, args, precision, device, source_meta=True,
+                                          offload_activations=offload_activations)
     except Exception as exc:
         stack.close()
         if isinstance(exc, ModelRunError):      # the model's own failure, found while tracing
@@ -218,7 +224,7 @@ def _export_module(traced: nn.Module, args: tuple, source: ModelSource, strict: 
 
 
 def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, precision: str, device, *,
-               source_meta: bool):
+               source_meta: bool, offload_activations: bool = False):
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
@@ -236,10 +242,13 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
                 kernels_as_in_eager(cpu=not device.is_cuda), unused_forward_ops_kept(), custom, formula_writes_marked(), \
-                unpacking:
+                unpacking, (torch.autograd.graph.save_on_cpu(pin_memory=True) if offload_activations
+                            else contextlib.nullcontext()):
             jd = aot_export_joint_with_descriptors(stack, module, args)
         jd.python_backward_nodes = frozenset(custom.seq_nrs)
         jd.python_deaths = resolve_deaths(meta.lifetimes.take_deaths(), jd.graph_module) if source_meta else None
+        jd.saved_packs = resolve_packs(meta.lifetimes.take_packs(), jd.graph_module) if source_meta else None
+        jd.foreign_saved_hooks = tuple(sorted(meta.lifetimes.foreign_hooks)) if source_meta else ()
     finally:
         kept_tensors = 0
         for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was

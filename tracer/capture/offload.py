@@ -1,5 +1,6 @@
 """CPU offload (--offload optimizer | optimizer+params), as ZeRO-Offload and FSDP2's CPUOffloadPolicy do it:
-the optimizer state lives in host memory and the optimizer step runs on the host CPU.
+the optimizer state lives in host memory and the optimizer step runs on the host CPU (--offload
+activations, the saved tensors, is capture/activation_offload.py).
 
 What is modelled, on the captured step (the device's memory and, apart, the host's: `Storage.host`):
   * host memory: the optimizer state, a copy of each trainable parameter in its own dtype (the copy the
@@ -33,12 +34,20 @@ from tracer.choices import OFFLOAD_MODES  # noqa: F401 - the names, without torc
 from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 
-def check_offload(mode: str | None, *, accumulate: int, zero_grad_set_to_none: bool, shard: str | None = None) -> None:
+def check_offload(mode: str | None, *, accumulate: int, zero_grad_set_to_none: bool, shard: str | None = None,
+                  policies: tuple[str, ...] = ("eager",)) -> None:
     """Raises UsageError for an unknown mode or a combination that is not modelled."""
     if mode is None:
         return
     if mode not in OFFLOAD_MODES:
         raise UsageError(f"--offload {mode!r} is not valid", hint=f"valid: {', '.join(OFFLOAD_MODES)}")
+    if mode == "activations":      # capture/activation_offload.py
+        others = [p for p in policies if p != "eager"]
+        if others or shard is not None:
+            raise UsageError(f"--offload activations is modelled on the eager step without sharding, not with "
+                             f"{', '.join(others) or '--shard ' + str(shard)}",
+                             hint="pass --policy eager, without --shard")
+        return
     if shard is not None:
         raise UsageError("--offload with --shard is not modelled (the per-rank view keeps the state on the device)",
                          hint="drop one of them")

@@ -32,7 +32,7 @@ from tracer.stepgraph import StorageRole
 from tracer.choices import OPTIMIZERS  # noqa: E402 - the names, without torch, for the CLI
 
 
-def make_standard_optimizer(name: str, params, *, foreach: bool,
+def make_standard_optimizer(name: str, params, *, foreach: bool | None,
                             kernels_run: bool = False) -> torch.optim.Optimizer | None:
     """The optimizer of `--optimizer name`. `sgd` keeps its old meaning (momentum 0.9, = sgd-momentum);
     adafactor-hf is transformers' Adafactor as its docs advise for fine-tuning (scale_parameter=False,
@@ -135,7 +135,7 @@ class OptimizerRecording:
 
 
 def record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
-                          make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
+                          make_optimizer: Callable | None, optimizer_name: str, foreach: bool | None, steady: bool,
                           set_to_none: bool, target: str = "cpu", grad_scaler=None) -> OptimizerRecording:
     """Run step() + zero_grad() under the recorder, for the parameters whose ids are `params_with_grad`.
     `target` "cuda[:gpu]": an optimizer built without foreach=/fused= takes CUDA's default (foreach).
@@ -178,7 +178,7 @@ def not_an_optimizer_error(opt) -> UsageError:
 
 
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
-                           make_optimizer: Callable | None, optimizer_name: str, foreach: bool, steady: bool,
+                           make_optimizer: Callable | None, optimizer_name: str, foreach: bool | None, steady: bool,
                            set_to_none: bool, grad_scaler, kernel_device: str | None) -> OptimizerRecording:
     params = [p for p in model.parameters() if id(p) in params_with_grad]
     if not params:

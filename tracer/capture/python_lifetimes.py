@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Sequence
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from tracer.capture.storages import flat_tensors, storage_key
+from tracer.capture.storages import dtype_name, flat_tensors, storage_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,73 @@ class PythonDeath:
     saved: bool = False               # autograd's saved reference died (its node was freed), not a Python
                                       # object's: in the forward, a branch the loss does not reach; in
                                       # backward, right after its node ran (ctx.save_for_backward's unused ones)
+
+
+@dataclasses.dataclass
+class SavedPack:
+    """One tensor autograd saved in the forward (one SavedVariable: a tensor two nodes save is packed twice),
+    seen by the capture's pack hook. `offload`: the pack ran inside the user's `save_on_cpu` region (True or
+    False: its pin_memory), else None. `pack_node` / `release_node`: the fx node the trace had made last
+    when autograd packed it and when it let go of it (its node ran in backward, or died in the forward)."""
+    storage_key: int
+    nbytes: int                       # the packed tensor's own elements (a saved view copies only its own)
+    shape: tuple[int, ...]
+    dtype: str
+    pack_node: object
+    offload: bool | None = None
+    release_node: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedPack:
+    """A `SavedPack` in the names of the joint graph (see `resolve_packs`)."""
+    producer: tuple[str, int] | None  # (node name, output position) that made the saved storage (a
+                                      # placeholder's name for a parameter, buffer or input)
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    pack_node: str | None             # the last node a graph keeps at or before the pack; None: before any
+    release_node: str | None          # likewise for the release; None: not released while traced
+    offload: bool | None = None
+
+
+def resolve_packs(packs: Sequence[SavedPack], joint) -> tuple[ResolvedPack, ...]:
+    """The packs in terms of the traced joint graph (`joint`: its GraphModule)."""
+    kept = {node.name for node in joint.graph.nodes}
+    producer_of: dict[int, tuple[str, int]] = {}
+    for node in joint.graph.nodes:
+        for position, t in enumerate(flat_tensors(node.meta.get("val"))):    # as OpDraft.outputs
+            producer_of.setdefault(storage_key(t), (node.name, position))
+
+    def kept_name(node) -> str | None:
+        while node is not None and getattr(node, "op", None) != "root" and node.name not in kept:
+            node = node.prev
+        return node.name if node is not None and getattr(node, "op", None) != "root" else None
+
+    return tuple(ResolvedPack(producer=producer_of.get(p.storage_key), nbytes=p.nbytes, shape=p.shape, dtype=p.dtype,
+                              pack_node=kept_name(p.pack_node), release_node=kept_name(p.release_node),
+                              offload=p.offload) for p in packs)
+
+
+def save_on_cpu_pinning(hooks) -> bool | None:
+    """The pin_memory of a `torch.autograd.graph.save_on_cpu` whose (pack, unpack) hooks are `hooks`, or
+    None when they are another's. save_on_cpu's pack is a closure over `pin_memory`."""
+    pack = hooks[0] if hooks else None
+    if getattr(pack, "__qualname__", "") != "save_on_cpu.__init__.<locals>.pack_to_cpu":
+        return None
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or ()))
+    return bool(cells["pin_memory"].cell_contents) if "pin_memory" in cells else False
+
+
+def foreign_hooks_name(hooks) -> str | None:
+    """The qualified name of the user's saved-tensor pack hook when it is neither checkpointing's (modelled
+    by the checkpoint capture) nor save_on_cpu's (modelled as activation offloading): what the capture
+    does not run, for a note."""
+    pack = hooks[0] if hooks else None
+    module = getattr(pack, "__module__", "") or ""
+    if pack is None or module.startswith("torch.utils.checkpoint") or save_on_cpu_pinning(hooks) is not None:
+        return None
+    return f"{module}.{getattr(pack, '__qualname__', type(pack).__name__)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +151,8 @@ class PythonLifetimes:
         self._graph = None
         self._open = True
         self._unpacked = None                         # what the unpack hook returned last (see `unpacking`)
+        self.packs: list[SavedPack] = []              # every save autograd made in the forward
+        self.foreign_hooks: set[str] = set()          # the user's saved-tensor hooks the capture does not run
 
     def watch(self, args: tuple, out, inplace: bool) -> None:
         graph = self._current_graph()
@@ -111,23 +181,45 @@ class PythonLifetimes:
         are to run at runtime); these are turned on for the call only, and never over the user's own
         hooks (checkpointing's), nor where hooks are disabled."""
         autograd = torch._C._autograd
-        if (not self._open or self._current_graph() is None or not autograd._saved_tensors_hooks_is_enabled()
-                or autograd._top_saved_tensors_default_hooks(True) is not None):
+        if not self._open or self._current_graph() is None or not autograd._saved_tensors_hooks_is_enabled():
+            yield
+            return
+        users = autograd._top_saved_tensors_default_hooks(True)
+        offload = save_on_cpu_pinning(users) if users is not None else None
+        if users is not None and offload is None:
+            # the user's own hooks (checkpointing's are modelled by the checkpoint capture; others are named)
+            foreign = foreign_hooks_name(users)
+            if foreign is not None:
+                self.foreign_hooks.add(foreign)
             yield
             return
         tracing = autograd._saved_tensors_hooks_set_tracing(False)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            # inside the user's save_on_cpu these hooks stand in for its own: what it packs is recorded as
+            # offloaded (capture/activation_offload.py makes the copies), and the trace keeps the tensor
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, offload=offload),
+                                                          self._unpack):
                 yield
         finally:
             autograd._saved_tensors_hooks_set_tracing(tracing)
 
-    def _pack(self, t):
-        holder = _SavedHolder(t)
+    def _pack(self, t, offload: bool | None = None):
+        holder = _SavedHolder(t, offloaded=offload is not None)
         key = _inner_key(t)
         if key is not None and self._open and self._current_graph() is not None:
-            weakref.finalize(holder, self._saved_died, key)
+            inner = torch._from_functional_tensor(t.elem)
+            pack = SavedPack(storage_key=key, nbytes=inner.numel() * inner.element_size(),
+                             shape=tuple(int(d) for d in inner.shape), dtype=dtype_name(inner.dtype),
+                             pack_node=_last_node(self._current_graph()), offload=offload)
+            self.packs.append(pack)
+            weakref.finalize(holder, self._pack_released, pack)
+            if offload is None:      # an offloaded save holds the host copy, not this storage
+                weakref.finalize(holder, self._saved_died, key)
         return holder
+
+    def _pack_released(self, pack: SavedPack) -> None:
+        if self._open and self._graph is not None:
+            pack.release_node = _last_node(self._graph)
 
     def _unpack(self, holder: _SavedHolder):
         # without hooks, autograd hands back a saved original as it is and makes a variable of a saved
@@ -172,6 +264,11 @@ class PythonLifetimes:
         self._keys_of.clear()
         return deaths
 
+    def take_packs(self) -> list[SavedPack]:
+        """The saves recorded, handed over once (after `take_deaths`)."""
+        packs, self.packs = self.packs, []
+        return packs
+
     def _died(self, object_id: int, keys: list[int]) -> None:
         self._keys_of.pop(object_id, None)
         if self._open and self._graph is not None:
@@ -192,12 +289,18 @@ class _SavedHolder:
     is the newest one (its sequence number is the last one handed out)."""
     __slots__ = ("tensor", "original", "__weakref__")
 
-    def __init__(self, tensor):
+    def __init__(self, tensor, offloaded: bool = False):
         from torch._subclasses.functional_tensor import FunctionalTensor
         node = tensor.grad_fn
         self.original = not (isinstance(tensor, FunctionalTensor) and node is not None
                              and node._sequence_nr() == torch._C._autograd._get_sequence_nr() - 1)
-        self.tensor = tensor if self.original else tensor.detach()
+        if self.original and offloaded and isinstance(tensor, FunctionalTensor):
+            # save_on_cpu keeps a copy, not the object: the object dies when the forward's Python lets go
+            # of it, as in eager; the trace keeps the value through a new wrapper made without dispatch
+            self.tensor = FunctionalTensor(tensor.elem, torch._C._get_dispatch_mode(
+                torch._C._TorchDispatchModeKey.FUNCTIONAL))
+        else:
+            self.tensor = tensor if self.original else tensor.detach()
 
 
 def _inner_key(t) -> int | None:

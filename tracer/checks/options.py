@@ -25,7 +25,8 @@ class ModelOption:
     choices: tuple[str, ...] | None
     help: str
     cli: str | None = None               # the flag's name when it differs from `name` (--lora for lora_rank)
-    kind: str | None = None              # "count": None or a positive int; "names": a tuple of names (a,b on the CLI)
+    kind: str | None = None              # "count": None or a positive int; "names": a tuple of names (a,b on the CLI);
+                                         # "switch": None (the default stated in help), True or False (--x/--no-x)
 
     @property
     def flag(self) -> str:
@@ -50,8 +51,11 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("offload", None, OFFLOAD_MODES,
                 "CPU offload (ZeRO-Offload, FSDP2 CPUOffloadPolicy): optimizer = optimizer state and step in host "
                 "memory, gradients copied there as each completes; optimizer+params = the parameters too, copied "
-                "to the device around their forward and backward uses (default: none)"),
-    ModelOption("foreach", True, None, "foreach (multi-tensor) implementation of --optimizer (default on, as on CUDA)"),
+                "to the device around their forward and backward uses; activations = the saved tensors, as "
+                "torch.autograd.graph.save_on_cpu(pin_memory=True) around forward and loss (default: none)"),
+    ModelOption("foreach", None, None,
+                "foreach (multi-tensor) implementation of --optimizer; default: torch's own for the target's "
+                "device (foreach on CUDA, the per-parameter loop on CPU)", kind="switch"),
     ModelOption("step", "steady", ("steady", "first"),
                 "steady: optimizer state exists before the step; first: it is created in step() (default steady)"),
     ModelOption("zero_grad", "none", ("none", "zeros"),
@@ -111,13 +115,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
     baseline's setting)."""
     for option in MODEL_OPTIONS:
         default = argparse.SUPPRESS if only_given else option.default
-        if option.kind is not None:
+        if option.kind == "switch" or isinstance(option.default, bool):
+            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                                default=default, help=option.help)
+        elif option.kind is not None:
             parser.add_argument(option.flag, dest=option.name, default=default, help=option.help,
                                 type=int if option.kind == "count" else comma_names,
                                 metavar="RANK" if option.kind == "count" else "NAMES")
-        elif isinstance(option.default, bool):
-            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                                default=default, help=option.help)
         elif isinstance(option.default, int):
             parser.add_argument(option.flag, dest=option.name, type=int, default=default, help=option.help)
         elif option.choices is None:
@@ -133,6 +137,8 @@ def check_option_value(option: ModelOption, value) -> None:
     if option.kind == "count":
         ok, wanted = value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1), \
             "None or a positive integer"
+    elif option.kind == "switch":
+        ok, wanted = value is None or isinstance(value, bool), "None (the default), True or False"
     elif option.kind == "names":
         ok, wanted = isinstance(value, tuple) and all(isinstance(v, str) and v for v in value), \
             "a tuple of names, e.g. ('q_proj', 'v_proj')"

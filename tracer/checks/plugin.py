@@ -20,7 +20,7 @@ Marker keywords:
               budgets for that category of the bill at the peak.
   policy      which policy's analysis to check (default "eager").
   batch, seq, precision, optimizer, foreach, step, zero_grad
-              the model options of `python -m tracer` (defaults 2, 1024, "fp32", "adamw", True, "steady",
+              the model options of `python -m tracer` (defaults 2, 1024, "fp32", "adamw", None (torch's default for the target), "steady",
               "none").
 Every `memory_budget` marker on a test is checked (stacked markers, class- and module-level
 `pytestmark`); the test fails if any one fails. At least one budget is required per marker. A budget is bytes (int) or a size string read by

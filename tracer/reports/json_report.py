@@ -5,7 +5,7 @@ frozen_parameter_count, policies: {<name>: {peak_bytes, peak_phase, peak_op, pha
 start_bytes, end_bytes, saved_bytes, saved_activation_bytes, by_category_at_peak, frozen_parameter_bytes, top_lines, layers, recompute_flops,
 step_flops, flops_by_phase, flops_by_layer, unknown_flop_ops, device (CUDA target only: requested_peak_bytes,
 allocated_peak_bytes, reserved_peak_bytes, peak_phase, phases_requested_bytes, before_bytes, extra,
-segment_count, capacity_bytes, out_of_memory), host (--offload only: peak_bytes, start_bytes,
+segment_count, capacity_bytes, out_of_memory), host (--offload only: peak_bytes, start_bytes, saved_bytes,
 resident_bytes {optimizer_state, parameter, gradient})}}}.
 """
 from __future__ import annotations
@@ -57,7 +57,8 @@ def policy_json(result: PolicyAnalysis, *, top: int) -> dict:
         **({"device": device_json(result.device)} if result.device is not None else {}),
         **({"per_rank": per_rank_json(result)} if result.sharded is not None else {}),
         **({"host": {"peak_bytes": result.host.peak_bytes, "start_bytes": result.host.start_bytes,
-                     "resident_bytes": dict(result.host.resident_bytes)}} if result.host is not None else {}),
+                     "resident_bytes": dict(result.host.resident_bytes),
+                     "saved_bytes": result.host.saved_bytes}} if result.host is not None else {}),
     }
 
 

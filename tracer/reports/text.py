@@ -158,9 +158,13 @@ def _host_lines(result: PolicyAnalysis) -> list[str]:
     host = result.host
     if host is None:
         return []
-    held = ", ".join(f"{kind} {format_bytes(nbytes)}" for kind, nbytes in host.resident_bytes.items() if nbytes)
-    return [f"  in host memory (offloaded, not counted above): {held}; host peak {format_bytes(host.peak_bytes)} "
-            "with the optimizer step's temporaries"]
+    held = [f"{kind} {format_bytes(nbytes)}" for kind, nbytes in host.resident_bytes.items() if nbytes]
+    if host.saved_bytes:
+        held.append(f"saved tensors {format_bytes(host.saved_bytes)} in all (each from its save until its node "
+                    "runs in backward)")
+    temporaries = " with the optimizer step's temporaries" if any(host.resident_bytes.values()) else ""
+    return [f"  in host memory (offloaded, not counted above): {', '.join(held)}; host peak "
+            f"{format_bytes(host.peak_bytes)}{temporaries}"]
 
 
 def _micro_batches(cfg) -> str:
