@@ -38,7 +38,6 @@ class OffloadedStep:
     holds: dict[int, int]                 # a host copy's storage id -> the op after which autograd lets go of it
     offloaded: frozenset[int]             # storages whose saves all went to the host: autograd holds none of them
     copies: int                           # saves copied
-    host_bytes: int                       # their bytes, together
 
 
 def offload_saved_tensors(ops: list[OpDraft], table: StorageTable, packs: Sequence, *, everything: bool, cuda: bool,
@@ -63,7 +62,6 @@ def offload_saved_tensors(ops: list[OpDraft], table: StorageTable, packs: Sequen
     before: dict[int, list[OpDraft]] = {}         # op index -> device copies made right before it
     host_copy: dict[int, int] = {}                # id(pack) -> its copy's storage id
     release_name: dict[int, str | None] = {}      # copy's storage id -> the op name after which it is let go
-    nbytes = 0
     kept_by_autograd: dict[int, int | None] = {}  # storage id -> release op of a save in the region kept as it is
     for sid, saves in saves_of.items():
         for pack_at, release, pack, offloaded in saves:
@@ -74,7 +72,6 @@ def offload_saved_tensors(ops: list[OpDraft], table: StorageTable, packs: Sequen
             copy = table.add(None, StorageRole.INTERMEDIATE, nbytes=pack.nbytes, dtype=pack.dtype, shape=pack.shape,
                              host=cuda, name=f"{table.get(sid).name or 'saved tensor'} (saved on the host)".strip())
             host_copy[id(pack)] = copy
-            nbytes += pack.nbytes
             release_name[copy] = ops[release].name if release is not None else None
             source = ops[pack_at] if pack_at >= 0 else None
             after.setdefault(pack_at, []).append(_copy_op(f"save_on_cpu_pack_{copy}", Phase.FORWARD, sid, copy, pack,
@@ -114,7 +111,7 @@ def offload_saved_tensors(ops: list[OpDraft], table: StorageTable, packs: Sequen
     for sid, release in kept_by_autograd.items():
         holds[sid] = final_index[ops[release].name] if release is not None and release >= 0 else last
     offloaded = frozenset(sid for sid, saves in saves_of.items() if all(s[3] for s in saves))
-    return OffloadedStep(ops=out, holds=holds, offloaded=offloaded, copies=len(release_name), host_bytes=nbytes)
+    return OffloadedStep(ops=out, holds=holds, offloaded=offloaded, copies=len(release_name))
 
 
 def _save_read_at(saves: list, op_index: int):
@@ -157,5 +154,5 @@ def offload_note(step: OffloadedStep, *, everything: bool, cuda: bool) -> str:
         else "the model file's torch.autograd.graph.save_on_cpu"
     view = ("each copied back to the device for the node that reads it in backward" if cuda
             else "on a CPU target the copies share the CPU's memory and backward reads them as they are")
-    return (f"{where}: {step.copies} saved tensor(s), {step.host_bytes:,} B, copied to host memory as "
-            f"autograd saves them (parameters and inputs a node saves included); {view}")
+    return (f"{where}: every saved tensor is copied to host memory as autograd saves it, once per save "
+            f"(parameters and inputs a node saves included; their bytes: the host line); {view}")
