@@ -111,3 +111,9 @@ def test_offload_activations_is_refused_with_a_recompute_policy():
 def test_saved_tensor_hooks_the_capture_does_not_run_are_named():
     predicted = _predicted(os.path.join(FIXTURES, "foreign_saved_hooks.py"), 2, 8)
     assert any("foreign_saved_hooks.pack" in n and "not run by the capture" in n for n in predicted.graph.config.notes)
+
+
+def test_a_custom_functions_forward_is_not_taken_for_foreign_hooks():
+    """The capture's own hooks, active around a custom Function's forward, are not the user's."""
+    predicted = _predicted(os.path.join(FIXTURES, "autograd_holds.py"), 2, 8)
+    assert not any("saved-tensor hooks" in n for n in predicted.graph.config.notes)

@@ -32,9 +32,11 @@ workspace query through ctypes: the block sizes are that build's own, so no form
 
 `unmodelled_scratch_notes(ops, cpu=...)` -> a `note:` naming the kernels of a CPU step whose scratch is known
 to exist and is not counted: LAPACK's other decompositions (QR in mode "r" or complex, SVD, eigenvalues
-alone) and oneDNN's scratchpad for reduced-precision matmuls (260,736 B for a bf16 1000 x 1024 @ 1024 x 1000
+alone), oneDNN's scratchpad for reduced-precision matmuls (260,736 B for a bf16 1000 x 1024 @ 1024 x 1000
 on 2 threads; its size comes from oneDNN's primitive descriptor, which torch's CPU library does not export,
-so no query can ask it).
+so no query can ask it), and torch._scaled_mm, which a CPU without a float8 oneDNN kernel emulates: a
+contiguous copy of the second operand, float copies of both operands scaled, and a float product, inside
+the kernel (measured at 512 x 64 @ 64 x 256: 1,261,568 B at the kernel's peak for a 524,288 B output).
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ def eager_scratch_allocations(target: str, args: tuple, kwargs: dict) -> tuple[i
 
 
 _QR = "aten.linalg_qr.default"
+_SCALED_MM = "aten._scaled_mm.default"
 _LAPACK_PREFIX = {torch.float32: "S", torch.float64: "D"}
 
 
@@ -155,6 +158,9 @@ def unmodelled_scratch_notes(ops, *, cpu: bool) -> tuple[str, ...]:
             named[_LAPACK_UNMODELLED[op.target]] = named.get(_LAPACK_UNMODELLED[op.target], 0) + 1
         elif op.target in _ONEDNN_MATMULS and values and values[0].dtype in _REDUCED:
             label = "reduced-precision matmuls (oneDNN's scratchpad)"
+            named[label] = named.get(label, 0) + 1
+        elif op.target == _SCALED_MM:
+            label = "torch._scaled_mm (emulated on this CPU: float copies of both operands and a float product)"
             named[label] = named.get(label, 0) + 1
     if not named:
         return ()

@@ -185,6 +185,9 @@ class PythonLifetimes:
             yield
             return
         users = autograd._top_saved_tensors_default_hooks(True)
+        if users is not None and getattr(users[0], "func", None) == self._pack:
+            yield                     # a torch call inside one this records (a custom Function's forward)
+            return
         offload = save_on_cpu_pinning(users) if users is not None else None
         if users is not None and offload is None:
             # the user's own hooks (checkpointing's are modelled by the checkpoint capture; others are named)
