@@ -15,7 +15,8 @@ the checkpoint runs inside the compiled block (torchtitan's order). Predicted by
 `compiled-blocks`, `compiled+full`, `compiled+selective`, `compiled-blocks+full` and
 `compiled-blocks+selective` policies.
 
-The real step: forward+loss, backward, foreach AdamW step, zero_grad, after two warm-up steps (compiled
+The real step: forward+loss, backward, AdamW step (torch's CPU default, the per-parameter loop),
+zero_grad, after two warm-up steps (compiled
 code and optimizer state exist). The profiler's allocator events give bytes allocated since profiling
 started; adding the bytes live before the step (parameters, optimizer state, inputs) gives the absolute
 bytes, and record_function ranges split them into the three phases. Inductor's caches are off, so every
@@ -118,7 +119,7 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str, accumul
     model = source.build_model()
     batches = [source.example_batch(batch, seq) for _ in range(accumulate)]
     tokens = batches[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)      # torch's default on CPU, as --target cpu predicts
     torch._dynamo.reset()
     if style.startswith("whole+") and not checkpoint_blocks(model, CHECKPOINTED[style]):
         return None

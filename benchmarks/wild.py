@@ -14,7 +14,7 @@ run with that config (transformers raises on real tensors: the shrinking broke a
 gentler shrinks are tried (`SHRINKS`), and the row names the one used.
 
 One row per model: built (the real model builds), traced (the capture rung), peak / phase peaks / saved bytes
-predicted vs measured (tests/truth.py's `measure_step`, AdamW foreach, steady step), seconds. A model is
+predicted vs measured (tests/truth.py's `measure_step`, AdamW at torch's CPU default, steady step), seconds. A model is
 `exact` when every phase peak is within 0.1% and saved bytes are equal, `off` otherwise; `fail` names the
 stage (build, trace, measure) and the error's first line; mixtures of experts are compared with their
 transformers routers made to route as the `balanced` assumption (truth.balanced_routers), any other router
@@ -368,7 +368,7 @@ def run_one(name: str, time_limit_s: int) -> Row:
         # assumes it: a returned tuple's other outputs stay bound until the next forward returns
         keep = source.keep if source.keep is not None else outputs_besides(None, source.loss_index)
         step = StepModule(built_model, loss_fn=source.loss_fn, loss_index=source.loss_index, keep=keep)
-        optimizer = torch.optim.AdamW(built_model.parameters(), lr=1e-3, foreach=True)
+        optimizer = torch.optim.AdamW(built_model.parameters(), lr=1e-3)    # torch's default on CPU
         with choosing:
             measured = measure_step(step, batch, optimizer, loop_held=lambda: [t for _, t in step.kept])
         row.measured = {"peak": measured.peak_bytes, "saved": measured.saved_bytes,

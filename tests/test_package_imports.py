@@ -119,7 +119,7 @@ CAPTURE_STAGES = (
     ("what every stage reads", {"meta", "source", "storages", "precision", "process_state", "target", "pylocals",
                                 "kernel_scratch"}),
     ("the model input", {"model_input", "loop_declarations", "routing", "device_queries"}),
-    ("building the model on fake tensors", {"build", "lora", "quantized_base", "trainer_optimizer"}),
+    ("building the model on fake tensors", {"build", "lora", "quantized_base", "float8", "trainer_optimizer"}),
     ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
                                  "dynamo_joint"}),
     ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks", "triton_target",

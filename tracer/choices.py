@@ -14,6 +14,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", 
               "adamw8bit", "paged-adamw8bit", "none")          # tracer.capture.optimizer builds each
 OFFLOAD_MODES = ("optimizer", "optimizer+params", "activations")  # tracer.capture.offload, activation_offload
 QUANTIZED_BASES = ("4bit", "8bit")                                # tracer.capture.quantized_base
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")      # tracer.capture.float8
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")             # tracer.capture.precision
 TARGET_DEVICES = ("cpu", "cuda")                                # tracer.capture.target
 

@@ -56,6 +56,7 @@ LEVERS: tuple[Lever, ...] = (
     _lever(f"accumulate {ACCUMULATE_STEPS}", accumulate=ACCUMULATE_STEPS),
     _lever(f"LoRA r={LORA_RANK}", lora_rank=LORA_RANK),
     _lever(f"QLoRA: 4-bit base + LoRA r={LORA_RANK}", "eager", quantized_base="4bit", lora_rank=LORA_RANK),
+    _lever("FP8 (torchao, tensorwise)", fp8="tensorwise"),
     _lever("offload optimizer", offload="optimizer"),
     _lever("offload activations (save_on_cpu)", "eager", offload="activations"),
     _lever("ZeRO-2", shard="zero2", needs_world_size=True),
@@ -98,8 +99,10 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return None, "give --world-size N"
     if "shard" in settings:
         settings["world_size"] = world_size
-    if "quantized_base" in settings and not _quantized_base_available():
+    if "quantized_base" in settings and not _installed("bitsandbytes", "peft"):
         return None, "needs bitsandbytes and peft (pip install bitsandbytes peft)"
+    if "fp8" in settings and not _installed("torchao"):
+        return None, "needs torchao (pip install torchao)"
     if "offload" in settings and _unified_memory(base):
         return None, (f"the {base.gpu}'s CPU and GPU share one memory: offloading to the host frees none of it")
     if "accumulate" in settings:
@@ -114,9 +117,9 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return None, str(exc).splitlines()[0]
 
 
-def _quantized_base_available() -> bool:
+def _installed(*names: str) -> bool:
     import importlib.util
-    return all(importlib.util.find_spec(name) is not None for name in ("bitsandbytes", "peft"))
+    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def _unified_memory(options: AnalysisOptions) -> bool:

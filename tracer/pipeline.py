@@ -20,7 +20,7 @@ from tracer.checks.options import MODEL_DEFAULTS
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
                    "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets", "quantized_base",
-                   "trainer_args")
+                   "trainer_args", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +65,7 @@ class AnalysisOptions:
     lora_targets: tuple[str, ...] = MODEL_DEFAULTS["lora_targets"]  # (): capture/lora.py's default targets
     quantized_base: str | None = MODEL_DEFAULTS["quantized_base"]  # 4bit | 8bit (capture/quantized_base.py)
     trainer_args: str | None = None  # a TrainingArguments JSON: the Trainer's optimizer (capture/trainer_optimizer.py)
+    fp8: str | None = MODEL_DEFAULTS["fp8"]     # torchao's float8 recipe on the linears (capture/float8.py)
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
@@ -212,7 +213,7 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "quantized_base": self.quantized_base, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
+                "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
         """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`

@@ -77,6 +77,7 @@ class CaptureOptions:
     lora_targets: tuple[str, ...] = ()
     quantized_base: str | None = None  # 4bit | 8bit: the linears as bitsandbytes' layers (quantized_base.py)
     trainer_args: str | None = None    # TrainingArguments JSON: the Trainer's own optimizer (trainer_optimizer.py)
+    fp8: str | None = None             # torchao's float8 recipe on the linears (float8.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -109,6 +110,9 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
     if options.quantized_base is not None:
         from tracer.capture.quantized_base import quantized_base_source
         source = quantized_base_source(source, options.quantized_base, options.precision)
+    if options.fp8 is not None:
+        from tracer.capture.float8 import float8_source
+        source = float8_source(source, options.fp8)
     rank = options.lora_rank if options.lora_rank is not None or options.quantized_base is None else QLORA_RANK
     if rank is not None:
         from tracer.capture.lora import lora_source
@@ -578,9 +582,17 @@ def _python_holds(cap, ops, table: StorageTable, forward: list, *,
                      for position, value in enumerate(d.outputs)
                      if table.get(value.storage_id).role is StorageRole.INTERMEDIATE
                      and not table.get(value.storage_id).preexisting}
+    # what a custom Function's Python backward makes: its locals hold it until the backward returns
+    python_backward_outputs = {(d.name, position): value.storage_id for d in ops
+                               if d.phase is Phase.BACKWARD and d.seq_nr in cap.python_backward_nodes
+                               and not d.recomputed and not d.rerun and not d.is_view
+                               for position, value in enumerate(d.outputs)} if joint_as_traced else None
     observed = observed_holds(cap.python_deaths, sid_of_output, op_index_of,
-                              [node.name for node in cap.joint.graph.nodes], backward_index_of)
+                              [node.name for node in cap.joint.graph.nodes], backward_index_of,
+                              python_backward_outputs)
     holds = dict(observed.until)
+    for sid, op_index in observed.backward_until.items():
+        holds[sid] = max(op_index, holds.get(sid, -1))
     if observed.unseen:
         for sid, op_index in local_holds(forward, cap.executed_lines).items():
             if sid in observed.unseen:

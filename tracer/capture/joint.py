@@ -232,7 +232,8 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     from tracer.capture.target import cuda_capture
     autocast = autocast_context(precision)
     meta = _SourceMetaMode(module) if source_meta else contextlib.nullcontext()
-    custom = _CustomFunctionNodes(meta.lifetimes.saving if source_meta else contextlib.nullcontext)
+    custom = (_CustomFunctionNodes(meta.lifetimes.saving, meta.lifetimes.watching) if source_meta
+              else _CustomFunctionNodes())
     _format_frames.cache_clear()            # a model file may have been rewritten since the last capture
     linecache.checkcache()
     tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
@@ -264,15 +265,27 @@ class _CustomFunctionNodes:
     use: capture/formulas.py). `Function.apply` is wrapped for the trace only; `saving` is the context its
     call runs in (PythonLifetimes.saving: what `ctx.save_for_backward` saves is seen as eager saves it)."""
 
-    def __init__(self, saving=contextlib.nullcontext):
+    def __init__(self, saving=contextlib.nullcontext, watching=contextlib.nullcontext):
         self.seq_nrs: set[int] = set()
         self._apply = None
+        self._backward_apply = None
         self._saving = saving
+        self._watching = watching
 
     def __enter__(self):
         function = torch.autograd.function.Function
         self._apply = function.__dict__["apply"]
         original, seq_nrs, saving = self._apply.__func__, self.seq_nrs, self._saving
+        # the Python backward runs under `watching` (PythonLifetimes.watching: its locals' lifetimes)
+        backward = torch.autograd.function.BackwardCFunction
+        self._backward_apply = backward.__dict__["apply"]
+        original_backward, watching = self._backward_apply, self._watching
+
+        def backward_apply(node, *args):
+            with watching():
+                return original_backward(node, *args)
+
+        backward.apply = backward_apply
 
         def apply(cls, *args, **kwargs):
             with saving():
@@ -288,6 +301,7 @@ class _CustomFunctionNodes:
 
     def __exit__(self, *exc):
         torch.autograd.function.Function.apply = self._apply
+        torch.autograd.function.BackwardCFunction.apply = self._backward_apply
 
 
 @contextlib.contextmanager

@@ -166,11 +166,22 @@ class PythonLifetimes:
             self.deaths.append(PythonDeath(tuple(keys), _last_node(graph)))
             keys[:] = [_inner_key(args[0])]
         for t in tree_leaves(out):
-            key = _inner_key(t)
-            if key is None or id(t) in self._keys_of:
+            if id(t) in self._keys_of:
                 continue
-            keys = self._keys_of[id(t)] = [key]
+            key = _inner_key(t)
+            keys = [key] if key is not None else _subclass_inner_keys(t)
+            if not keys:
+                continue
+            self._keys_of[id(t)] = keys
             weakref.finalize(t, self._died, id(t), keys)
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Around a custom Function's Python backward: each torch call it makes is watched as the forward's
+        are, so what its locals hold (until it returns) is seen. AOT runs backward inside its own
+        torch.autograd.grad call, where the forward's mode is off."""
+        with _WatchMode(self):
+            yield
 
     @contextlib.contextmanager
     def saving(self):
@@ -284,6 +295,20 @@ class PythonLifetimes:
         return getattr(getattr(mode, "tracer", None), "graph", None)
 
 
+class _WatchMode(torch.overrides.TorchFunctionMode):
+    """Watches the outputs of every torch call for `PythonLifetimes` (the forward's mode does more)."""
+
+    def __init__(self, lifetimes: "PythonLifetimes"):
+        super().__init__()
+        self._lifetimes = lifetimes
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from tracer.capture.inplace import is_inplace_call
+        out = func(*args, **(kwargs or {}))
+        self._lifetimes.watch(args, out, is_inplace_call(func, kwargs))
+        return out
+
+
 class _SavedHolder:
     """What a saved-tensor pack hook returns, holding what autograd would hold without hooks: a node's own
     output as `tensor_data()` would (a traced detach, so no node -> holder -> tensor -> node cycle keeps
@@ -314,6 +339,17 @@ def _inner_key(t) -> int | None:
     return storage_key(torch._from_functional_tensor(t.elem))
 
 
+def _subclass_inner_keys(t) -> list[int]:
+    """The storage keys of a tensor subclass's inner tensors (torchao's float8 tensors: data and scale),
+    which the object holds while it lives; [] for anything else."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
+        return []
+    names, _ = t.__tensor_flatten__()
+    keys = [_inner_key(getattr(t, name)) for name in names]
+    return [k for k in keys if k is not None]
+
+
 def _last_node(graph):
     return next(iter(reversed(graph.nodes)), None)
 
@@ -326,11 +362,15 @@ class ObservedHolds:
     saved_until: dict[int, int] = dataclasses.field(default_factory=dict)
                                    # storage id -> the backward op after which autograd let go of it: what
                                    # eager saves, used in backward or not (only the joint as traced has it)
+    backward_until: dict[int, int] = dataclasses.field(default_factory=dict)
+                                   # storage id -> the backward op through which a custom Function's Python
+                                   # backward held what it made (its locals live until it returns)
 
 
 def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[str, int], int],
                    op_index_of: dict[str, int], joint_order: Sequence[str],
-                   backward_index_of: dict[str, int] | None = None) -> ObservedHolds:
+                   backward_index_of: dict[str, int] | None = None,
+                   python_backward_outputs: dict[tuple[str, int], int] | None = None) -> ObservedHolds:
     """`sid_of_output`: (node name, output position) -> storage id, for the forward's intermediates;
     `op_index_of`: the op index of each forward op's node name; `joint_order`: the joint graph's node names
     in order (a death after a node that is no op, a getitem or a placeholder, is placed at the nearest
@@ -338,14 +378,21 @@ def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[st
     tensor holds the object itself), so its storage is `unseen`: under a policy that does not save it,
     another rule must say how long Python held it. `backward_index_of` (backward ops' node names, for a
     step read from the joint as traced): autograd's saved references that die in backward give
-    `saved_until`."""
+    `saved_until`; `python_backward_outputs` ((node name, position) -> storage id of what the ops of a custom
+    Function's Python backward make) gives `backward_until`, from the deaths of that code's objects."""
     op_at = _nearest_earlier(op_index_of, joint_order)
     backward_at = _nearest_earlier(backward_index_of or {}, joint_order)
     until: dict[int, int] = {}
     saved_until: dict[int, int] = {}
     unseen: set[int] = set()
+    backward_until: dict[int, int] = {}
     for death in deaths:
         op_index = op_at.get(death.last_node) if not death.in_backward else None
+        if death.in_backward and not death.saved and python_backward_outputs and death.last_node in backward_at:
+            for producer in death.producers:
+                sid = python_backward_outputs.get(producer)
+                if sid is not None:
+                    backward_until[sid] = max(backward_until.get(sid, -1), backward_at[death.last_node])
         for producer in death.producers:
             sid = sid_of_output.get(producer)
             if sid is None:
@@ -357,7 +404,7 @@ def observed_holds(deaths: Sequence[ObservedDeath], sid_of_output: dict[tuple[st
                 unseen.add(sid)
             elif op_index is not None:
                 until[sid] = max(until.get(sid, -1), op_index)
-    return ObservedHolds(until=until, unseen=frozenset(unseen), saved_until=saved_until)
+    return ObservedHolds(until=until, unseen=frozenset(unseen), saved_until=saved_until, backward_until=backward_until)
 
 
 def _nearest_earlier(index_of: dict[str, int], order: Sequence[str]) -> dict[str, int]:

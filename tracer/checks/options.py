@@ -13,8 +13,8 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
-from tracer.choices import (DEFAULT_GPU, DEFAULT_TARGET, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS, QUANTIZED_BASES,
-                            TARGET_DEVICES)
+from tracer.choices import (DEFAULT_GPU, DEFAULT_TARGET, FP8_RECIPES, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS,
+                            QUANTIZED_BASES, TARGET_DEVICES)
 from tracer.errors import UsageError
 
 
@@ -90,6 +90,9 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "nn.Linear but the head as bitsandbytes' layer, 4bit: QLoRA's NF4 with double quantization, "
                 "8bit: LLM.int8; then peft's prepare_model_for_kbit_training; run op by op, eager only "
                 "(default: off)", cli="base"),
+    ModelOption("fp8", None, FP8_RECIPES,
+                "FP8 training with torchao's float8 recipe: every nn.Linear but the head whose features are "
+                "multiples of 16 converted by convert_to_float8_training (default: off)"),
     ModelOption("tp", 1, None,
                 "Megatron tensor parallelism: the memory of one of N tensor-parallel ranks (column/row-parallel "
                 "linears and vocab-parallel embeddings found from the captured graph) (default 1: off)"),
