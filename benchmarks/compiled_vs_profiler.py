@@ -119,7 +119,9 @@ def measured_compiled_peaks(name: str, batch: int, seq: int, style: str, accumul
     model = source.build_model()
     batches = [source.example_batch(batch, seq) for _ in range(accumulate)]
     tokens = batches[0]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)      # torch's default on CPU, as --target cpu predicts
+    # the model file's optimizer, else AdamW at torch's CPU default (the loop), as --target cpu predicts
+    opt = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
+           else torch.optim.AdamW(model.parameters(), lr=1e-3))
     torch._dynamo.reset()
     if style.startswith("whole+") and not checkpoint_blocks(model, CHECKPOINTED[style]):
         return None

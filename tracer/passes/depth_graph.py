@@ -102,7 +102,10 @@ class _Tags:
                     touched.setdefault(value.storage_id, set()).add(tag)
         for s in graph.storages:                       # freed blocks away from its uses (compiled code's del)
             for op in (s.released_after_op, s.held_until_op):
-                if op is not None and s.storage_id in touched and self.op[op] is not None:
+                # (zero_grad's release of every gradient at the step's end is not a block's: under a
+                # for-loop optimizer that op is the last parameter's)
+                if op is not None and s.storage_id in touched and self.op[op] is not None \
+                        and graph.ops[op].phase is not Phase.OPTIMIZER:
                     touched[s.storage_id].add(self.op[op])
         return frozenset(sid for sid, blocks in touched.items() if max(blocks) - min(blocks) > 1)
 
