@@ -117,3 +117,11 @@ def test_a_custom_functions_forward_is_not_taken_for_foreign_hooks():
     """The capture's own hooks, active around a custom Function's forward, are not the user's."""
     predicted = _predicted(os.path.join(FIXTURES, "autograd_holds.py"), 2, 8)
     assert not any("saved-tensor hooks" in n for n in predicted.graph.config.notes)
+
+
+def test_a_step_run_op_by_op_runs_the_loops_save_on_cpu_itself():
+    """The op-by-op path (a second-order step, a quantized base, --capture dispatch) runs save_on_cpu's own
+    hooks on the fake tensors: a CPU view, exact as the graph path is."""
+    model = os.path.join(FIXTURES, "dropout_zero.py")
+    predicted = _predicted(model, 2, 64, offload="activations", capture="dispatch")
+    _assert_every_phase_exact(predicted, _measured(model, 2, 64, saved_on_cpu=True))

@@ -384,7 +384,7 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
     why = f"; the step runs op by op: {reason}" if chosen else f", and none could be captured: {reason}"
     fix = "" if chosen else "fix what export reports, or "
-    if options.offload is not None:
+    if options.offload is not None and options.offload != "activations":    # save_on_cpu runs in it (dispatch.py)
         raise CaptureError(f"--offload rewrites a captured graph's optimizer step{why}", hint=f"{fix}drop --offload")
     if options.accumulate > 1:
         raise CaptureError(f"--accumulate {options.accumulate} repeats a captured graph's forward and backward{why}",

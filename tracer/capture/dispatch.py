@@ -132,7 +132,11 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             if record:
                 stack.enter_context(recorder)
             phase["now"] = Phase.FORWARD
-            with modules, _NodeStamper(modules), autocast():
+            # --offload activations: the loop's save_on_cpu runs for real on the fake tensors (a CPU view:
+            # with pin_memory=True every save is copied, activation_offload.py's model of a CPU target)
+            offloaded = (torch.autograd.graph.save_on_cpu(pin_memory=True) if options.offload == "activations"
+                         else contextlib.nullcontext())
+            with modules, _NodeStamper(modules), autocast(), offloaded:
                 loss = step(*batch)
             phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
