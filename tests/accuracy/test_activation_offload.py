@@ -125,3 +125,39 @@ def test_a_step_run_op_by_op_runs_the_loops_save_on_cpu_itself():
     model = os.path.join(FIXTURES, "dropout_zero.py")
     predicted = _predicted(model, 2, 64, offload="activations", capture="dispatch")
     _assert_every_phase_exact(predicted, _measured(model, 2, 64, saved_on_cpu=True))
+
+
+def test_offload_activations_under_gradient_accumulation():
+    """Two micro-batches, each forward under save_on_cpu(pin_memory=True), then one optimizer step: every
+    phase's peak over the micro-batches is the real loop's."""
+    import contextlib
+
+    from torch.profiler import record_function
+
+    from truth import peaks_at_allocator
+    predicted = _predicted("llama-debug", 2, 64, offload="activations", accumulate=2)
+    source = load_model_source("llama-debug")
+    torch.manual_seed(0)
+    model = source.build_model()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batches = [source.example_batch(2, 64) for _ in range(2)]
+
+    def step(ranged: bool):
+        def phase(name):
+            return record_function(f"phase:{name}") if ranged else contextlib.nullcontext()
+        loss = None
+        for batch in batches:
+            with phase("forward"), torch.autograd.graph.save_on_cpu(pin_memory=True):
+                loss = model(*batch)
+            with phase("backward"):
+                loss.backward()
+        with phase("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = None
+
+    step(False)
+    measured = peaks_at_allocator(step, model, batches[0] + batches[1], optimizer)
+    for phase, peak in measured.items():
+        worst = max(p.peak_bytes for name, p in predicted.phases.items() if name.startswith(phase))
+        assert abs(worst - peak) <= SCALARS, (phase, worst, peak)
