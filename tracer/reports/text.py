@@ -32,7 +32,9 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         "per phase: " + "  |  ".join(f"{name} {format_bytes(p.peak_bytes)}" for name, p in result.phases.items()),
         f"live before the step: {format_bytes(result.start_bytes)}   after: {format_bytes(result.end_bytes)}",
         f"saved for backward: {format_bytes(result.saved.activation_bytes)} of activations"
-        + (f" (+ {format_bytes(result.saved.input_bytes)} of inputs)" if result.saved.input_bytes else ""),
+        + (f" (+ {format_bytes(result.saved.input_bytes)} of inputs)" if result.saved.input_bytes else "")
+        + (f", {format_bytes(result.host.saved_bytes)} of them copies in host memory (offloaded)"
+           if result.host is not None and result.host.saved_bytes else ""),
         *_device_lines(result, cfg.target),
         "",
         "bill at the peak:",
