@@ -25,7 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from tracer.capture.convert import OpDraft
+from tracer.capture.convert import OpDraft, input_values
+from tracer.capture.splice import remap
 from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, StorageRole, TensorValue
 
@@ -82,7 +83,7 @@ def offload_saved_tensors(ops: list[OpDraft], table: StorageTable, packs: Sequen
         if d.phase is not Phase.BACKWARD:
             continue
         sid_map = {}
-        for value in _inputs(d):
+        for value in input_values(d):
             saves = saves_of.get(value.storage_id)
             if not saves or value.storage_id in sid_map:
                 continue
@@ -135,15 +136,10 @@ class _Others(dict):
 
 
 def _remapped(d: OpDraft, sid_map: dict[int, int]) -> OpDraft:
-    from tracer.capture.splice import remap
-    # a view's output (autograd's detach of what it unpacks) is the copy too
-    return dataclasses.replace(d, args=remap(d.args, _Others(sid_map)), kwargs=remap(d.kwargs, _Others(sid_map)),
-                               outputs=remap(d.outputs, _Others(sid_map)))
-
-
-def _inputs(d: OpDraft) -> tuple[TensorValue, ...]:
-    from tracer.stepgraph import _iter_values
-    return tuple(_iter_values((d.args, tuple(v for _, v in d.kwargs))))
+    """`d` reading (and, for a view, making: autograd's detach of what it unpacks) the copies in `sid_map`."""
+    others = _Others(sid_map)
+    return dataclasses.replace(d, args=remap(d.args, others), kwargs=remap(d.kwargs, others),
+                               outputs=remap(d.outputs, others))
 
 
 def offload_note(step: OffloadedStep, *, everything: bool, cuda: bool) -> str:
