@@ -228,7 +228,7 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         return _dispatch_requests(source, requests, reason="; ".join(str(e) for e in failures), kept=kept)
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
-    kept = kept or _default_loop_kept(source, options, cap.loss_position)
+    kept = kept or _default_loop_kept(source, options, cap.loss_position, cap.model)
     try:
         _refuse_overwritten_saved_values(cap)
         out, recordings, schedules = [], {}, {}
@@ -298,10 +298,17 @@ def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:
     return dataclasses.replace(graph, config=dataclasses.replace(graph.config, notes=graph.config.notes + notes))
 
 
-def _default_loop_kept(source, options, loss_position: int | None) -> tuple:
-    """A forward that returned a tuple or list, from a model file that declares nothing about its loop: the
-    default loop (`logits, loss = model(X, Y)`) keeps the other outputs (caller_held.py)."""
-    if source.keep is not None or loss_position is None:
+def _default_loop_kept(source, options, loss_position: int | None, model=None) -> tuple:
+    """What the loop keeps of forward's outputs when the model file declares nothing about it
+    (caller_held.py): the default loop (`logits, loss = model(X, Y)`) keeps the other outputs of a tuple or
+    list; Lightning's keeps a training_step mapping's other tensors (lightning_loop.py)."""
+    from tracer.capture.lightning_loop import is_lightning_module, training_step_extras
+    if source.keep is not None:
+        return ()
+    if is_lightning_module(model):
+        return observe_kept_outputs(dataclasses.replace(source, keep=training_step_extras), options, declared=False,
+                                    loop="Lightning's closure keeps what training_step returned until the step ends")
+    if loss_position is None:
         return ()
     from tracer.capture.caller_held import outputs_besides
     return observe_kept_outputs(dataclasses.replace(source, keep=outputs_besides(loss_position)), options,
@@ -393,10 +400,13 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph{why}",
                            hint=f"{fix}ask for --policy eager only")
-    ops, table, (n_params, n_frozen), notes, loss_position = capture_step_dispatch(source, options, chosen=chosen)
-    notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position))
+    ops, table, (n_params, n_frozen), notes, loss_position, model = capture_step_dispatch(source, options,
+                                                                                          chosen=chosen)
+    notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position, model),
+                          model)
+    notes += _loop_order(ops, table, model, options.step == "steady")
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
-                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
+                        optimizer=_optimizer_label(source, options, model), step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
                         policy="eager", target="cpu",
                         notes=(reason if chosen else f"export failed: {reason}",) + notes
@@ -448,11 +458,11 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
             **({} if options.offload is not None else {
                 "wrapper": wrapper.wrapper, "free_device_gradients": wrapper.free_device_gradients,
                 "device_state_names": recordings[0].device_state_names}))
-    held_notes = _caller_held(ops, table, source, options, kept)
+    held_notes = _caller_held(ops, table, source, options, kept, cap.model) + _loop_order(ops, table, cap.model, steady)
     ops = tuple(_freeze(i, d, eager_autograd=not schedule.compiled) for i, d in enumerate(ops))
     scratch_notes = unmodelled_scratch_notes(ops, cpu=not parse_target(options.target).is_cuda)
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
-                        optimizer="custom" if source.make_optimizer else options.optimizer, step=options.step,
+                        optimizer=_optimizer_label(source, options, cap.model), step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none,
                         capture_path=cap.path,
                         policy=spec.label, target=options.target, accumulate=options.accumulate, offload=options.offload,
@@ -611,14 +621,31 @@ def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int
     return shared
 
 
-def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept) -> tuple[str, ...]:
-    """What the model file says its training loop holds, put on the step's storages (caller_held.py)."""
+def _loop_order(ops, table, model, steady: bool) -> tuple[str, ...]:
+    """A loop that zeroes the gradients somewhere else than after the optimizer step (Lightning's, before
+    backward: lightning_loop.py), put on the step's storages; returns its notes."""
+    from tracer.capture.lightning_loop import hold_previous_gradients, is_lightning_module
+    return hold_previous_gradients(ops, table, steady=steady) if is_lightning_module(model) else ()
+
+
+def _optimizer_label(source: ModelSource, options: CaptureOptions, model) -> str:
+    """The optimizer the config names: "custom" when the model file (make_optimizer) or the module
+    (Lightning's configure_optimizers) builds it, else the --optimizer option."""
+    from tracer.capture.lightning_loop import optimizer_factory
+    return "custom" if optimizer_factory(model, source.make_optimizer) is not None else options.optimizer
+
+
+def _caller_held(ops, table, source: ModelSource, options: CaptureOptions, kept, model) -> tuple[str, ...]:
+    """What the model file says its training loop holds, put on the step's storages (caller_held.py).
+    Lightning's loop holds nothing of a step into the next one's forward."""
     from tracer.capture.caller_held import hold_caller_tensors
+    from tracer.capture.lightning_loop import is_lightning_module
     from tracer.capture.loop_declarations import extra_bytes
     extra = 0 if source.extra_resident_bytes is None else extra_bytes(source.extra_resident_bytes, source.name,
                                                                       options.batch, options.seq)
     return tuple(hold_caller_tensors(ops, table, kept=kept, extra_resident_bytes=extra,
-                                     retain_graph=source.retain_graph, steady=options.step == "steady",
+                                     retain_graph=source.retain_graph,
+                                     steady=options.step == "steady" and not is_lightning_module(model),
                                      accumulate=options.accumulate))
 
 

@@ -500,7 +500,14 @@ class StepModule(nn.Module):
         return scaled_loss(self._loss(*batch), self._precision) if self._precision else self._loss(*batch)
 
     def _loss(self, *batch):
+        from tracer.capture.lightning_loop import is_lightning_module, training_step_loss
         model = getattr(self, WRAPPED_ATTR)
+        if is_lightning_module(model):
+            self.handed_over = "training_step(batch, batch_idx)'s loss, as Lightning's loop takes it"
+            with _transformers_masks_as_in_eager():
+                loss, out = training_step_loss(model, batch, self._batch_keys)
+            self._keep_outputs(out)
+            return loss
         if self._loss_fn is not None:
             out = model(*batch[:-1])
             self._keep_outputs(out)
@@ -535,6 +542,8 @@ class StepModule(nn.Module):
     def notes(self) -> tuple[str, ...]:
         if self.handed_over is None:
             return ()
+        if self.handed_over.startswith("training_step"):
+            return (f"the loss is {self.handed_over}",)
         if self.loss_position is not None:    # what the loop holds of the rest: caller_held.py's notes
             return (f"the loss is {self.handed_over}",)
         return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "

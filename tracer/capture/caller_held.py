@@ -47,9 +47,10 @@ class KeptOutput:
     dtype: str
     shape: tuple[int, ...] = ()
     declared: bool = True             # False: kept by the default loop (`logits, loss = model(x, y)`)
+    loop: str = ""                    # with declared=False: the loop that keeps it, when not that default
 
 
-def observe_kept_outputs(source, options, *, declared: bool = True) -> tuple[KeptOutput, ...]:
+def observe_kept_outputs(source, options, *, declared: bool = True, loop: str = "") -> tuple[KeptOutput, ...]:
     """One fake forward of the model, recording the line, bytes and dtype of each tensor `source.keep`
     picks from its outputs (`declared`: the model file named them, else the default loop keeps them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -71,7 +72,7 @@ def observe_kept_outputs(source, options, *, declared: bool = True) -> tuple[Kep
         loc = lines.lines.get(storage._cdata)
         out.append(KeptOutput(label=label, file=loc.file if loc else None, line=loc.line if loc else None,
                               nbytes=storage.nbytes(), dtype=str(t.dtype).removeprefix("torch."),
-                              shape=tuple(int(d) for d in t.shape), declared=declared))
+                              shape=tuple(int(d) for d in t.shape), declared=declared, loop=loop))
     return tuple(out)
 
 
@@ -138,7 +139,8 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
     notes += missing
     if found:
         declared = all(by_label[label].declared for label in found.values())
-        how = ("the model file's keep_outputs / keep_alive" if declared else
+        loops = {by_label[label].loop for label in found.values()} - {""}
+        how = ("the model file's keep_outputs / keep_alive" if declared else ", ".join(sorted(loops)) if loops else
                "as `logits, loss = model(x, y)` binds a returned tuple; keep_outputs = () in the model file "
                "if the loop drops them")
         previous = ("; the previous step's are held until this step's forward returns (the loop rebinds its "

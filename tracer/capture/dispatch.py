@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.build import model_held_tensors, step_module
+from tracer.capture.lightning_loop import optimizer_factory
 from tracer.capture.joint import build_fake
 from tracer.capture.source import exception_location
 from tracer.capture.precision import autocast_context, make_grad_scaler
@@ -85,7 +86,8 @@ class _NodeStamper(TorchFunctionMode):
 
 
 def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False) -> tuple:
-    """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes). `chosen`: the step runs
+    """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes, the loss's position in a
+    returned tuple, the built model). `chosen`: the step runs
     op by op by choice (a second-order step, a quantized base, --capture dispatch), not because no graph
     could be captured."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -95,10 +97,11 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     model, batch, step = built.model, built.batch, step_module(built, source)
     autocast = lambda: autocast_context(options.precision)        # noqa: E731
     scaler = make_grad_scaler(options.precision)       # the dispatch run scales the loss as a loop does
+    make_optimizer = optimizer_factory(model, source.make_optimizer)
     with fake_mode:
-        made = (source.make_optimizer(model.parameters()) if source.make_optimizer is not None
+        made = (make_optimizer(model.parameters()) if make_optimizer is not None
                 else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
-    if source.make_optimizer is None:
+    if make_optimizer is None:
         opt = simulated_if_bitsandbytes(made)
     else:
         try:
@@ -200,7 +203,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
-    return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position
+    return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position, model
 
 
 def parameter_counts(model) -> tuple[int, int]:

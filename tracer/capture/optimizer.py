@@ -180,6 +180,8 @@ def not_an_optimizer_error(opt) -> UsageError:
 def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], fake_mode, *,
                            make_optimizer: Callable | None, optimizer_name: str, foreach: bool | None, steady: bool,
                            set_to_none: bool, grad_scaler, kernel_device: str | None) -> OptimizerRecording:
+    from tracer.capture.lightning_loop import optimizer_factory
+    make_optimizer = optimizer_factory(model, make_optimizer)
     params = [p for p in model.parameters() if id(p) in params_with_grad]
     if not params:
         raise no_gradient_error()
