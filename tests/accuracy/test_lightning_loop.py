@@ -78,14 +78,14 @@ class _PhasePeaks(L.Callback):
                     self.peaks[phase] = max(self.peaks[phase], now)
 
 
-def _lightning_fit_peaks(model_args: dict, at: int) -> dict[str, int]:
+def _lightning_fit_peaks(model_args: dict, at: int, precision: str = "32-true") -> dict[str, int]:
     source = load_model_source(FIXTURE)
     torch.manual_seed(0)
     module = __import__("lightning_lm")
     model = module.build_model(**model_args)
     batches = [module.example_batch(BATCH, SEQ) for _ in range(at + 1)]
     peaks = _PhasePeaks(at)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=at + 1, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=at + 1, precision=precision, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[peaks])
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     assert source is not None and peaks.peaks is not None
@@ -123,5 +123,14 @@ def test_the_first_lightning_step_is_exact():
 def test_the_op_by_op_run_follows_lightnings_loop():
     predicted = _predicted({"returns": "dict"}, capture="dispatch")
     measured = _lightning_fit_peaks({"returns": "dict"}, at=2)
+    for phase in ("forward", "backward", "optimizer"):
+        assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)
+
+
+def test_bf16_mixed_runs_autocast_without_its_weight_cast_cache():
+    """Lightning's "bf16-mixed" enters torch.autocast(cache_enabled=False): each bf16 copy of a weight is
+    freed after its last use instead of living to the end of the forward."""
+    predicted = _predicted({}, precision="bf16")
+    measured = _lightning_fit_peaks({}, at=2, precision="bf16-mixed")
     for phase in ("forward", "backward", "optimizer"):
         assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)

@@ -42,6 +42,7 @@ from tracer.capture.target import parse_target
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler, uses_grad_scaler
 from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
+from tracer.capture.lightning_loop import autocast_cache_enabled
 from tracer.capture.kernel_scratch import unmodelled_scratch_notes
 from tracer.capture.device_queries import device_queries_observed, device_query_note
 from tracer.capture.calls import call_holds
@@ -489,7 +490,8 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
                                                       joint_as_traced=joint_as_traced)
     leaves = frozenset(sid for sid in (table.lookup(leaf.tensor) for leaf in cap.forward_leaves) if sid is not None)
     requiring_grad = _requiring_grad(part.ops, table, leaves)
-    notes = reuse_cached_casts(part.ops, table, autocast_dtype, requiring_grad) if not schedule.compiled else ()
+    cached_dtype = autocast_dtype if autocast_cache_enabled(cap.model) else None     # the loop's autocast
+    notes = reuse_cached_casts(part.ops, table, cached_dtype, requiring_grad) if not schedule.compiled else ()
     last_backward = max((i for i, d in enumerate(part.ops) if d.phase is Phase.BACKWARD), default=None)
     if last_backward is not None and part.seed_sid is not None:
         # torch.autograd.backward holds the seed gradient (ones_like(loss)) until backward returns
@@ -512,7 +514,7 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
                            saved_until,                                 # autograd's own saved references
                            expression_holds(part.ops, cap.python_backward_nodes),  # backward formulas' temporaries
                            call_holds(part.ops),                        # torch calls' arguments, C++ kernels' locals
-                           autocast_cache_holds(part.ops, table, autocast_dtype, requiring_grad)):  # autocast's cache
+                           autocast_cache_holds(part.ops, table, cached_dtype, requiring_grad)):  # autocast's cache
             for sid, op_index in rule_holds.items():
                 table.hold_until(sid, op_index)
         _eager_saved_for_shape(part.ops, requiring_grad)

@@ -18,7 +18,9 @@ that step but by the zero_grad inside this step's closure, after the forward. In
 held through the whole forward (and, on the device, beside its activations), and the gradients this step
 makes outlive it. `hold_previous_gradients` puts that on the captured step's storages. A mapping's tensors
 besides the loss are kept in the closure's result until the step ends (`training_step_extras`, held as
-caller_held.py holds a loop's kept outputs); nothing of a step is held into the next one's forward.
+caller_held.py holds a loop's kept outputs); nothing of a step is held into the next one's forward. Under
+`--precision bf16|fp16` (Lightning's "bf16-mixed" / "16-mixed") its autocast runs with the weight-cast
+cache off (`autocast_cache_enabled`).
 
 Recognised by the class: `lightning.pytorch.LightningModule` or `pytorch_lightning.LightningModule` in the
 model's class hierarchy, by name and module, so Lightning is never imported here. Not modelled: manual
@@ -86,6 +88,13 @@ def training_step_extras(out) -> tuple:
         return ()
     return tuple((f"training_step's {key!r}", value) for key, value in out.items()
                  if key != "loss" and isinstance(value, torch.Tensor))
+
+
+def autocast_cache_enabled(model) -> bool:
+    """Whether the loop's autocast keeps its weight-cast cache (capture/autocast_cache.py): Lightning's
+    mixed-precision plugin enters `torch.autocast(..., cache_enabled=False)`, so each cast is freed after its
+    last use; a plain loop's `torch.autocast` keeps the cache."""
+    return not is_lightning_module(model)
 
 
 def configured_optimizer(model):
