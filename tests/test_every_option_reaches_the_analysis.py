@@ -17,11 +17,12 @@ EXPECTED = dict(precision="bf16", optimizer="lion", accumulate=4, foreach=False,
 MAIN_ONLY = ["--policy", "full", "--blocks", "layers.*", "--checkpoint-every", "2", "--save-policy", "matmul",
              "--hf-config", "n_layer=2", "--hf-task", "causal-lm", "--alloc-conf", "expandable_segments:True",
              "--cublas-workspace-config", ":4096:8", "--cudnn-workspace-cap", "256MiB", "--device-memory", "24GiB",
-             "--cuda-context", "300MiB"]
+             "--cuda-context", "300MiB", "--nccl-memory", "1GiB"]
 MAIN_EXPECTED = dict(policies=("full",), blocks="layers.*", checkpoint_every=2, save_policy="matmul",
                      hf_config=("n_layer=2",), hf_task="causal-lm", alloc_conf="expandable_segments:True",
                      cublas_workspace_config=":4096:8", cudnn_workspace_cap_bytes=256 * 2**20,
-                     device_memory_bytes=24 * 2**30, cuda_context_bytes=300 * 2**20)
+                     device_memory_bytes=24 * 2**30, cuda_context_bytes=300 * 2**20,
+                     nccl_memory_bytes=2**30)
 
 
 class _Reached(UsageError):

@@ -27,14 +27,25 @@ class GpuSpec:
     description: str
     sm_count: int                     # streaming multiprocessors (Inductor sizes split reductions by it)
     system_bytes: int = 0             # unified memory (CPU and GPU share it): what the operating system holds of it
+    nccl_communicator_bytes: int | None = None   # one NCCL communicator's buffers on it (None: the default below)
 
     @property
     def unified(self) -> bool:
         """CPU and GPU share one memory: host offloading frees nothing of it."""
         return self.system_bytes > 0
 
-
 _MIB = 2**20
+# What one NCCL communicator holds on each GPU (its channels' send and receive buffers, the proxy's shared
+# buffers), a stated default until measured on the user's machine: 688 MB per rank for a process group of
+# more than 2 GPUs, measured with PyTorch on 4 A100s with NVLink (NVIDIA/nccl#964; 544 MB for 2 GPUs).
+# NCCL's maintainers say it grows with the channel count, so a faster link takes more (NVIDIA/nccl#986):
+# the NVLink-4/5 parts (H100, H200, B200) take the 1.06 GB per GPU measured on 8 H100s before any
+# all-to-all (NVIDIA/nccl#1685). Every communicator holds its own unless they share resources. A sharded
+# step (--shard over more than one rank) holds one, tensor parallelism (--tp > 1) one more;
+# --nccl-memory SIZE sets the size of one.
+NCCL_COMMUNICATOR_BYTES = 688 * 10**6
+NVLINK4_NCCL_COMMUNICATOR_BYTES = 1_060 * 10**6
+
 # memory_bytes: what NVML reports as the device's total (nvidia-smi's "MiB" column), which the marketed
 # size rounds: T4, A10G, L4, A100 40/80GB, H100, H200 and L40S from the table "Why does an NVIDIA H100 80GB
 # card offer 85.52 GB?" (thundergolfer.com/blog/nvidia-gpu-memory-capacity, read via NVML) and public
@@ -51,9 +62,12 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("l4", (8, 9), 23_034 * _MIB, "Ada L4 24GB", 58),
     GpuSpec("rtx4090", (8, 9), 24_564 * _MIB, "Ada GeForce RTX 4090 24GB", 128),
     GpuSpec("l40s", (8, 9), 46_068 * _MIB, "Ada L40S 48GB", 142),
-    GpuSpec("h100", (9, 0), 81_559 * _MIB, "Hopper H100 80GB", 132),
-    GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132),
-    GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148),
+    GpuSpec("h100", (9, 0), 81_559 * _MIB, "Hopper H100 80GB", 132,
+            nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
+    GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132,
+            nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
+    GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148,
+            nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
     GpuSpec("rtx5090", (12, 0), 32_607 * _MIB, "Blackwell GeForce RTX 5090 32GB", 170),
     # NVIDIA DGX Spark: one GB10 Grace Blackwell superchip, 128 GB of LPDDR5x shared by the CPU and the GPU
     # (48 SMs, compute capability 12.1); the operating system and the desktop hold part of it, 10 GiB as a

@@ -57,6 +57,7 @@ class AnalysisOptions:
     cudnn_workspace_cap_bytes: int | None = None   # CUDNN_CONV_WSCAP_DBG of the run: counted per conv call
     device_memory_bytes: int | None = None # the device's memory (default: the total the GPU reports)
     cuda_context_bytes: int | None = None  # the CUDA context, taken from it (default: choices.CUDA_CONTEXT_BYTES)
+    nccl_memory_bytes: int | None = None   # one NCCL communicator's buffers (default: choices.NCCL_COMMUNICATOR_BYTES)
     shard: str | None = None               # passes.sharding.STRATEGIES: per-rank memory on `world_size` ranks
     world_size: int | None = None
     reshard_after_forward: bool = True     # fsdp: free gathered blocks after their forward
@@ -107,6 +108,11 @@ class AnalysisOptions:
                                                         and self.cuda_context_bytes >= 0):
             raise UsageError(f"cuda_context_bytes={self.cuda_context_bytes!r} is not valid",
                              hint="a number of bytes (0 or more), e.g. --cuda-context 600MiB")
+        if self.nccl_memory_bytes is not None and not (isinstance(self.nccl_memory_bytes, int)
+                                                       and not isinstance(self.nccl_memory_bytes, bool)
+                                                       and self.nccl_memory_bytes >= 0):
+            raise UsageError(f"nccl_memory_bytes={self.nccl_memory_bytes!r} is not valid",
+                             hint="a number of bytes (0 or more), e.g. --nccl-memory 1GiB")
         if self.cudnn_workspace_cap_bytes is not None and not _positive_int(self.cudnn_workspace_cap_bytes):
             raise UsageError(f"cudnn_workspace_cap_bytes={self.cudnn_workspace_cap_bytes!r} is not valid",
                              hint="a positive number of bytes, e.g. --cudnn-workspace-cap 256MiB")
@@ -208,7 +214,7 @@ class AnalysisOptions:
                 "hf_attn": self.hf_attn, "hf_task": self.hf_task, "alloc_conf": self.alloc_conf,
                 "cublas_workspace_config": self.cublas_workspace_config,
                 "cudnn_workspace_cap_bytes": self.cudnn_workspace_cap_bytes,
-                "cuda_context_bytes": self.cuda_context_bytes,
+                "cuda_context_bytes": self.cuda_context_bytes, "nccl_memory_bytes": self.nccl_memory_bytes,
                 "device_memory_bytes": self.device_memory_bytes, "shard": self.shard, "world_size": self.world_size,
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
@@ -241,13 +247,23 @@ class AnalysisOptions:
             return None
         workspaces = tuple((a.name, a.nbytes) for a in device_allocations(target, cublas_config=self.cublas_workspace_config)
                            for _ in range(a.count))
-        from tracer.choices import CUDA_CONTEXT_BYTES
+        from tracer.choices import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
         total = self.device_memory_bytes if self.device_memory_bytes is not None else target.gpu.memory_bytes
         context = self.cuda_context_bytes if self.cuda_context_bytes is not None else CUDA_CONTEXT_BYTES
         system = target.gpu.system_bytes if self.device_memory_bytes is None else 0   # unified: the OS's share
+        communicators = self.nccl_communicators()
+        per_communicator = (self.nccl_memory_bytes if self.nccl_memory_bytes is not None
+                            else target.gpu.nccl_communicator_bytes or NCCL_COMMUNICATOR_BYTES)
+        nccl = communicators * per_communicator
         return DeviceSetup(device_label=target.label, matmul_extra=workspaces, config=parse_alloc_conf(self.alloc_conf),
-                           capacity_bytes=max(total - context - system, 0), context_bytes=context,
-                           conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes, system_bytes=system)
+                           capacity_bytes=max(total - context - system - nccl, 0), context_bytes=context,
+                           conv_workspace_cap_bytes=self.cudnn_workspace_cap_bytes, system_bytes=system,
+                           nccl_bytes=nccl, nccl_communicators=communicators)
+
+    def nccl_communicators(self) -> int:
+        """The NCCL communicators a rank of this step holds: one for the sharded data-parallel group
+        (--shard over more than one rank), one for the tensor-parallel group (--tp > 1)."""
+        return int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,

@@ -60,6 +60,7 @@ class FitReport:
     margin_bytes: int = 0            # kept free: the peak must fit budget_bytes - margin_bytes
     extra_bytes: int = 0             # device memory outside the step counted in every peak (cuBLAS workspaces)
     context_bytes: int | None = None # the budget is the device's total less this CUDA context (`--fit gpu`)
+    nccl_bytes: int = 0              # and less the NCCL communicators' buffers (a sharded or tensor-parallel rank)
     cuda: bool = False               # a CUDA target (reserved peaks are known)
 
 
@@ -113,7 +114,8 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
     return FitReport(budget_bytes=budget_bytes, dimension=dimension, batch=batch, seq=seq,
                      sample_sizes=tuple(samples), results=results, analyses_run=runner.runs,
                      margin_bytes=margin_bytes, extra_bytes=runner.extra_bytes,
-                     context_bytes=runner.context_bytes if from_device else None, cuda=runner.cuda)
+                     context_bytes=runner.context_bytes if from_device else None,
+                     nccl_bytes=runner.nccl_bytes if from_device else 0, cuda=runner.cuda)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +226,7 @@ class _Runner:
         self.reserved: dict[tuple[int, str], int] = {}
         self.runs = 0
         self.capacity_bytes = self.context_bytes = None       # the device's, on a CUDA target
+        self.nccl_bytes = 0
         self.extra_bytes, self.cuda = 0, False
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
@@ -262,6 +265,7 @@ class _Runner:
             if device is not None:
                 self.reserved[(size, label)] = device.reserved_peak_bytes
                 self.capacity_bytes, self.context_bytes = device.capacity_bytes, device.context_bytes
+                self.nccl_bytes = device.nccl_bytes
                 self.extra_bytes, self.cuda = max(self.extra_bytes, device.extra_bytes), True
         return analysis
 

@@ -184,7 +184,7 @@ def analysis_options(args):
         target=args.target,
         gpu=args.gpu, alloc_conf=args.alloc_conf, cublas_workspace_config=args.cublas_workspace_config,
         cudnn_workspace_cap_bytes=_size_flag(args, "cudnn_workspace_cap"),
-        cuda_context_bytes=_size_flag(args, "cuda_context"),
+        cuda_context_bytes=_size_flag(args, "cuda_context"), nccl_memory_bytes=_size_flag(args, "nccl_memory"),
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
         accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,

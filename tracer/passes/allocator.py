@@ -32,7 +32,8 @@ segments of every stream. An alloc event may name its stream (default 0).
 Not modelled: `record_stream` delays (a block freed after `record_stream` waits for the other stream's
 work: callers hold such blocks to where that work ends), CUDA-graph pools and MemPools, the garbage
 collection threshold (parsed, ignored), `set_per_process_memory_fraction` (pass `capacity_bytes`), memory
-used outside the allocator (CUDA context, cuBLAS/cuDNN handles, NCCL), and the cudaMalloc addresses
+used outside the allocator (the CUDA context and NCCL's buffers are taken from the capacity before the
+replay, tracer/pipeline.py `device_setup`; cuBLAS/cuDNN handles), and the cudaMalloc addresses
 themselves (new segments get synthetic addresses unless `segment_addresses` gives the real ones).
 A replay stops at the first OOM, as the program would.
 """

@@ -119,7 +119,9 @@ def with_device_view(result: PolicyAnalysis, device: DeviceSetup) -> PolicyAnaly
                                  capacity_bytes=capacity,
                                  conv_workspace_cap_bytes=device.conv_workspace_cap_bytes)
     return dataclasses.replace(result, device=dataclasses.replace(view, context_bytes=device.context_bytes,
-                                                                  system_bytes=device.system_bytes))
+                                                                  system_bytes=device.system_bytes,
+                                                                  nccl_bytes=device.nccl_bytes,
+                                                                  nccl_communicators=device.nccl_communicators))
 
 
 def analyze_policy(graph: StepGraph, policy: str) -> PolicyAnalysis:

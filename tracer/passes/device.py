@@ -67,6 +67,8 @@ class DeviceMemory:
     conv_workspace_cap_bytes: int | None = None   # counted per call when given (an upper bound); else left out
     context_bytes: int = 0                # the CUDA context, taken from the device's total to give capacity_bytes
     system_bytes: int = 0                 # unified memory: what the operating system holds, taken from it too
+    nccl_bytes: int = 0                   # the NCCL communicators' buffers, taken from it too
+    nccl_communicators: int = 0
 
     @property
     def extra_bytes(self) -> int:
@@ -85,6 +87,8 @@ class DeviceSetup:
     conv_workspace_cap_bytes: int | None = None      # CUDNN_CONV_WSCAP_DBG of the run; None: not known
     context_bytes: int = 0                           # the CUDA context: capacity_bytes is the device's total less it
     system_bytes: int = 0                            # unified memory: the OS's share, also taken from the total
+    nccl_bytes: int = 0                              # NCCL communicators' buffers, also taken from the total
+    nccl_communicators: int = 0                      # how many communicators nccl_bytes is for
 
     def extra_for(self, graph) -> tuple[tuple[str, int], ...]:
         """The extras a step holds: `matmul_extra` only when the step runs a cuBLAS op (a warm step finds
@@ -233,4 +237,5 @@ def sharded_device_memory(sharded, setup: DeviceSetup, *, policy: str, graph) ->
         allocated_peak_bytes=replay.allocated_peak_bytes, reserved_peak_bytes=replay.reserved_peak_bytes,
         segment_count=replay.segment_count, warm_steps=1, config=setup.config, oom=oom,
         capacity_bytes=setup.capacity_bytes, conv_calls=len(conv_call_ops(graph)),   # workspaces noted, not counted
-        context_bytes=setup.context_bytes)
+        context_bytes=setup.context_bytes, system_bytes=setup.system_bytes, nccl_bytes=setup.nccl_bytes,
+        nccl_communicators=setup.nccl_communicators)

@@ -29,9 +29,15 @@ def render_device_memory(device: DeviceMemory, *, target: str = "cuda") -> str:
                      "(--cudnn-workspace-cap SIZE, the run's CUDNN_CONV_WSCAP_DBG, counts the cap: an upper bound)")
     system = (f" and {format_bytes(device.system_bytes)} the operating system holds of the unified memory "
               "(an assumption: --device-memory gives what is free)" if device.system_bytes else "")
-    context = (f", the device's {format_bytes(device.capacity_bytes + device.context_bytes + device.system_bytes)} "
-               f"less {format_bytes(device.context_bytes)} for the CUDA context (--cuda-context){system}"
-               if device.context_bytes and device.capacity_bytes is not None else "")
+    communicators = device.nccl_communicators
+    owner = "communicators'" if communicators > 1 else "communicator's"
+    nccl = (f" and {format_bytes(device.nccl_bytes)} for {communicators} NCCL {owner} buffers (--nccl-memory, per "
+            "communicator)" if device.nccl_bytes else "")
+    total = device.capacity_bytes + device.context_bytes + device.system_bytes + device.nccl_bytes \
+        if device.capacity_bytes is not None else 0
+    context = (f", the device's {format_bytes(total)} less {format_bytes(device.context_bytes)} for the CUDA context "
+               f"(--cuda-context){system}{nccl}"
+               if (device.context_bytes or device.nccl_bytes) and device.capacity_bytes is not None else "")
     if device.capacity_bytes is not None and device.oom is None:
         lines.append(f"  fits in {format_bytes(device.capacity_bytes)} of device memory "
                      f"({format_bytes(device.capacity_bytes - device.reserved_peak_bytes)} left at the reserved peak"

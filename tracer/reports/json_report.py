@@ -84,6 +84,7 @@ def device_json(device) -> dict:
         "segment_count": device.segment_count,
         "capacity_bytes": device.capacity_bytes,
         "cuda_context_bytes": device.context_bytes,
+        "nccl_bytes": device.nccl_bytes,
         "out_of_memory": device.oom is not None,
         **({"cudnn_convolution_calls": device.conv_calls,
             "cudnn_workspace_cap_bytes": device.conv_workspace_cap_bytes} if device.conv_calls else {}),

@@ -43,8 +43,11 @@ def render_fit(report) -> str:
 def _fit_budget_words(report) -> str:
     margin = f", less the {format_bytes(report.margin_bytes)} margin (--fit-margin)" if report.margin_bytes else ""
     if report.context_bytes is not None:
-        return (f"budget: the GPU's reported total {format_bytes(report.budget_bytes + report.context_bytes)} less "
-                f"{format_bytes(report.context_bytes)} for the CUDA context (--cuda-context){margin}")
+        nccl = (f" and {format_bytes(report.nccl_bytes)} for NCCL's buffers (--nccl-memory)"
+                if report.nccl_bytes else "")
+        total = report.budget_bytes + report.context_bytes + report.nccl_bytes
+        return (f"budget: the GPU's reported total {format_bytes(total)} less "
+                f"{format_bytes(report.context_bytes)} for the CUDA context (--cuda-context){nccl}{margin}")
     context = (" (for a whole GPU: its reported total less the CUDA context, about 512 MiB; --fit gpu takes it "
                "from --gpu)" if report.cuda else "")
     return f"budget: {format_bytes(report.budget_bytes)} as given{context}{margin}"
