@@ -224,8 +224,8 @@ def _returned_values(inv: _Invocation, bound_at: dict, last_outputs: tuple[int, 
         return ()
     run_lines = frozenset(run[0] for run in inv.runs)
     out: dict[int, None] = {}
-    for ret in _returns(function):
-        if ret.lineno < last_line:
+    for ret in ast.walk(function):
+        if not isinstance(ret, ast.Return) or ret.value is None or ret.lineno < last_line:
             continue
         if ret.lineno == last_line:
             out.update(dict.fromkeys(passed_on if isinstance(ret.value, ast.Call) and passed_on else last_outputs))
@@ -276,30 +276,14 @@ def _under_an_if(function: ast.AST) -> frozenset[int]:
 def _last_assignment(function: ast.AST, name: str, before: int, run_lines: frozenset) -> ast.stmt | None:
     """The last statement above `before` that assigns `name`, leaving out those under an `if` that ran no op
     (they may not have run: `if output_attentions: outputs += (attn,)`)."""
+    conditional = _under_an_if(function)
     found = None
-    for node, conditional in _assignments(function).get(name, ()):
-        if (node.lineno < before and (not conditional or node.lineno in run_lines)
+    for node in ast.walk(function):
+        if (isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.lineno < before
+                and (id(node) not in conditional or node.lineno in run_lines) and name in _assigned_names(node)
                 and (found is None or node.lineno > found.lineno)):
             found = node
     return found
-
-
-@functools.lru_cache(maxsize=256)
-def _assignments(function: ast.AST) -> dict[str, tuple[tuple[ast.stmt, bool], ...]]:
-    """name -> (statement assigning it, whether it is under an `if`) for every assignment in `function`, in
-    walk order: read once per function, where `_last_assignment` asks for every local of every call."""
-    conditional = _under_an_if(function)
-    out: dict[str, list] = {}
-    for node in ast.walk(function):
-        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            for name in _assigned_names(node):
-                out.setdefault(name, []).append((node, id(node) in conditional))
-    return {name: tuple(found) for name, found in out.items()}
-
-
-@functools.lru_cache(maxsize=256)
-def _returns(function: ast.AST) -> tuple[ast.Return, ...]:
-    return tuple(node for node in ast.walk(function) if isinstance(node, ast.Return) and node.value is not None)
 
 
 def _below_the_common_frames(forward_ops: Sequence[tuple]) -> list[tuple]:
