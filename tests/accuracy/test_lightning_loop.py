@@ -21,15 +21,21 @@ SCALARS = 6 * 8
 
 
 class _PhasePeaks(L.Callback):
-    """Peak bytes per phase of batch `at` at the CPU allocator: forward (on_train_batch_start to
-    on_before_backward, so the closure's zero_grad is in it), backward, optimizer (on_before_optimizer_step to
-    on_train_batch_end). The profiler starts a batch earlier: the allocator reports a free only for memory
-    it saw allocated, and the previous step's gradients are freed in this one."""
+    """Peak bytes per phase of the optimizer step made of batches `at` .. `at + micro_batches - 1`, at the CPU
+    allocator: each forward (on_train_batch_start to on_before_backward, so the closure's zero_grad is in
+    it), each backward, and the optimizer (on_before_optimizer_step to on_train_batch_end), named as tracer
+    names its phases. The profiler starts an optimizer step earlier: the allocator reports a free only for
+    memory it saw allocated, and the previous step's gradients and batch are freed in this one."""
 
-    def __init__(self, at: int):
+    def __init__(self, at: int, micro_batches: int = 1):
         from torch.profiler import ProfilerActivity, profile
-        self.at, self.range, self.peaks = at, None, None
+        self.at, self.last, self.micro_batches = at, at + micro_batches - 1, micro_batches
+        self.range, self.peaks, self.batch_idx = None, None, None
         self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def _name(self, phase: str) -> str:
+        micro_batch = self.batch_idx - self.at + 1
+        return phase if self.micro_batches == 1 else f"{phase} (micro-batch {micro_batch})"
 
     def _phase(self, name):
         from torch.profiler import record_function
@@ -40,7 +46,8 @@ class _PhasePeaks(L.Callback):
             self.range.__enter__()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == max(self.at - 1, 0):
+        self.batch_idx = batch_idx
+        if batch_idx == max(self.at - self.micro_batches, 0):          # the previous optimizer step's first
             self.profiler.__enter__()
         if batch_idx == self.at:
             held = [*pl_module.parameters(), *pl_module.buffers(), *batch,
@@ -48,25 +55,26 @@ class _PhasePeaks(L.Callback):
                     *(v for state in trainer.optimizers[0].state.values() for v in state.values()
                       if isinstance(v, torch.Tensor))]
             self.live = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in held}.values())
-            self._phase("forward")
+        if self.at <= batch_idx <= self.last:
+            self._phase(self._name("forward"))
 
     def on_before_backward(self, trainer, pl_module, loss):
         if self.range is not None:
-            self._phase("backward")
+            self._phase(self._name("backward"))
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.range is not None:
             self._phase("optimizer")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx != self.at:
+        if batch_idx != self.last:
             return
         self._phase(None)
         self.profiler.__exit__(None, None, None)
         events = list(self.profiler.profiler.kineto_results.events())
         ranges = {e.name().removeprefix("phase:"): (e.start_ns(), e.start_ns() + e.duration_ns())
                   for e in events if e.name().startswith("phase:")}
-        start = ranges["forward"][0]
+        start = min(begin for begin, _ in ranges.values())
         changes = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.start_ns() >= start)
         self.peaks = {}
         for phase, (begin, end) in ranges.items():
@@ -78,14 +86,16 @@ class _PhasePeaks(L.Callback):
                     self.peaks[phase] = max(self.peaks[phase], now)
 
 
-def _lightning_fit_peaks(model_args: dict, at: int, precision: str = "32-true") -> dict[str, int]:
+def _lightning_fit_peaks(model_args: dict, at: int, precision: str = "32-true", accumulate: int = 1) -> dict[str, int]:
+    """The peaks of optimizer step `at` (counted from 0) of a real Trainer.fit."""
     source = load_model_source(FIXTURE)
     torch.manual_seed(0)
     module = __import__("lightning_lm")
     model = module.build_model(**model_args)
-    batches = [module.example_batch(BATCH, SEQ) for _ in range(at + 1)]
-    peaks = _PhasePeaks(at)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=at + 1, precision=precision, logger=False, enable_checkpointing=False,
+    batches = [module.example_batch(BATCH, SEQ) for _ in range((at + 1) * accumulate)]
+    peaks = _PhasePeaks(at * accumulate, accumulate)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=at + 1, precision=precision,
+                        accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[peaks])
     trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None))
     assert source is not None and peaks.peaks is not None
@@ -133,4 +143,15 @@ def test_bf16_mixed_runs_autocast_without_its_weight_cast_cache():
     predicted = _predicted({}, precision="bf16")
     measured = _lightning_fit_peaks({}, at=2, precision="bf16-mixed")
     for phase in ("forward", "backward", "optimizer"):
+        assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)
+
+
+def test_accumulated_batches_reach_the_device_one_at_a_time():
+    """accumulate_grad_batches=2: zero_grad runs in the first micro-batch only, and each micro-batch's inputs
+    are bound when its turn comes and dropped when the next one's are (not all held from the start, as
+    --accumulate holds them for the Hugging Face Trainer)."""
+    predicted = _predicted({}, accumulate=2)
+    measured = _lightning_fit_peaks({}, at=2, accumulate=2)
+    assert set(predicted) == set(measured) and len(measured) == 5
+    for phase in measured:
         assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import nn
 
-from tracer.capture.lightning_loop import (configured_optimizer, hold_previous_gradients, is_lightning_module,
-                                           training_step_loss)
+from tracer.capture.caller_held import hold_previous_gradients, inputs_at_their_turn
+from tracer.capture.lightning_loop import configured_optimizer, is_lightning_module, training_step_loss
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError, UsageError
-from tracer.stepgraph import Phase, StorageRole
+from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 L = pytest.importorskip("lightning")
 
@@ -64,8 +64,9 @@ def test_the_loss_comes_from_a_tensor_or_a_dicts_loss_and_a_dict_without_one_is_
 
 
 class _Op:
-    def __init__(self, phase, micro_batch=None):
+    def __init__(self, phase, micro_batch=None, reads=()):
         self.phase, self.micro_batch = phase, micro_batch
+        self.args, self.kwargs, self.outputs = tuple(TensorValue(sid, (4,), "int64") for sid in reads), (), ()
 
 
 def test_gradients_freed_by_the_steps_zero_grad_outlive_it_and_the_previous_steps_are_held_through_forward():
@@ -82,3 +83,15 @@ def test_gradients_freed_by_the_steps_zero_grad_outlive_it_and_the_previous_step
     first.add(None, StorageRole.GRADIENT, nbytes=64, dtype="float32", shape=(16,), released_after_op=3)
     hold_previous_gradients(ops, first, steady=False)
     assert len(first) == 1
+
+
+def test_a_loop_taking_one_batch_at_a_time_holds_each_micro_batchs_inputs_from_its_turn_to_the_next():
+    table = StorageTable()
+    inputs = [table.add(None, StorageRole.INPUT, nbytes=32, dtype="int64", shape=(4,), preexisting=True,
+                        persistent=True) for _ in range(3)]
+    ops = [_Op(Phase.FORWARD, 1, reads=(inputs[0],)), _Op(Phase.BACKWARD, 1),
+           _Op(Phase.FORWARD, 2, reads=(inputs[1],)), _Op(Phase.BACKWARD, 2),
+           _Op(Phase.FORWARD, 3, reads=(inputs[2],)), _Op(Phase.BACKWARD, 3), _Op(Phase.OPTIMIZER)]
+    inputs_at_their_turn(ops, table)
+    held = [(table.get(s).preexisting, table.get(s).persistent, table.get(s).released_after_op) for s in inputs]
+    assert held == [(True, False, 1), (False, False, 3), (False, True, None)]

@@ -626,8 +626,12 @@ def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int
 def _loop_order(ops, table, model, steady: bool) -> tuple[str, ...]:
     """A loop that zeroes the gradients somewhere else than after the optimizer step (Lightning's, before
     backward: lightning_loop.py), put on the step's storages; returns its notes."""
-    from tracer.capture.lightning_loop import hold_previous_gradients, is_lightning_module
-    return hold_previous_gradients(ops, table, steady=steady) if is_lightning_module(model) else ()
+    from tracer.capture.caller_held import hold_previous_gradients, inputs_at_their_turn
+    from tracer.capture.lightning_loop import is_lightning_module
+    if not is_lightning_module(model):
+        return ()
+    inputs_at_their_turn(ops, table)
+    return hold_previous_gradients(ops, table, steady=steady)
 
 
 def _optimizer_label(source: ModelSource, options: CaptureOptions, model) -> str:

@@ -27,6 +27,11 @@ output object is dropped as the loss is taken (`loss = model(**batch).loss`, the
 are still bound while this step's forward runs (the loop rebinds its variables when forward returns):
 each has a copy from the start of the step to the forward's last op.
 
+A loop that zeroes the gradients after the forward, before backward (Lightning's closure:
+tracer/capture/lightning_loop.py), holds the previous step's gradients through the forward and lets this
+step's outlive it (`hold_previous_gradients`); a loop that takes one batch at a time under accumulation holds
+each micro-batch's inputs from its turn to the next one's (`inputs_at_their_turn`).
+
 Not modelled: with accumulation, the kept outputs of micro-batches before the last (each lives until the
 next micro-batch's forward returns), and tensors the loop makes itself outside forward.
 """
@@ -34,7 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tracer.stepgraph import Phase
+from tracer.capture.convert import input_values
+from tracer.stepgraph import Phase, StorageRole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +124,6 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
     `steady`: the previous step's kept outputs are still bound to the loop's variables while this step's
     forward runs (a loop rebinds them when the forward returns), so each has a copy held from the start of
     the step until the forward's last op."""
-    from tracer.capture.convert import input_values
-    from tracer.stepgraph import StorageRole
-
     last = len(ops) - 1
     notes = []
     found, missing = find_kept_storages(ops, table, kept)
@@ -164,3 +167,46 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
                      "the step (retain_graph)")
     return notes
 
+
+def inputs_at_their_turn(ops, table) -> None:
+    """Under accumulation, each micro-batch's inputs as a loop that takes one batch at a time holds them:
+    from their first use (not before the step) from micro-batch 2 on, and until the micro-batch's last op,
+    when the loop binds the next batch; the last micro-batch's outlive the step."""
+    last_of = {}
+    first_of: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.micro_batch is not None:
+            last_of[op.micro_batch] = i
+            for value in (*op.outputs, *input_values(op)):
+                first_of.setdefault(value.storage_id, op.micro_batch)
+    if len(last_of) < 2:
+        return
+    final = max(last_of)
+    for sid, micro_batch in first_of.items():
+        entry = table.get(sid)
+        if entry.role is not StorageRole.INPUT or not entry.preexisting:
+            continue
+        table.update(sid, preexisting=micro_batch == 1, persistent=micro_batch == final,
+                     released_after_op=None if micro_batch == final else last_of[micro_batch])
+
+
+def hold_previous_gradients(ops, table, *, steady: bool) -> tuple[str, ...]:
+    """Lightning's order on the step's storages (before they are frozen): the gradients zero_grad released at
+    the end of the step outlive it, and in a steady step the previous step's, of the same sizes, are held
+    from the start of the step to the end of the first micro-batch's forward. Returns the report's note."""
+    forward_end = max((i for i, d in enumerate(ops) if d.phase is Phase.FORWARD and d.micro_batch in (None, 1)),
+                      default=-1)
+    released = [sid for sid in range(len(table)) if table.get(sid).role is StorageRole.GRADIENT
+                and not table.get(sid).preexisting and table.get(sid).released_after_op is not None
+                and ops[table.get(sid).released_after_op].phase is Phase.OPTIMIZER]
+    for sid in released:
+        entry = table.get(sid)
+        table.update(sid, released_after_op=None, persistent=True)
+        if steady and forward_end >= 0:
+            table.add(None, StorageRole.GRADIENT, nbytes=entry.nbytes, dtype=entry.dtype, shape=entry.shape,
+                      preexisting=True, released_after_op=forward_end,
+                      name=f"{entry.name or f'gradient {sid}'} of the previous step")
+    held = sum(table.get(sid).nbytes for sid in released)
+    return (f"Lightning's loop (training_step of the LightningModule): zero_grad runs after the forward, before "
+            f"backward, so the previous step's gradients ({held:,} B) are held through the forward"
+            + ("" if steady else " (none in a first step)") + " and this step's outlive it",)

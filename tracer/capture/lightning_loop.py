@@ -16,7 +16,7 @@ file defines no `make_optimizer`: an optimizer, a one-element list or tuple, a d
 What the loop's order means for memory: the gradients the previous step made are not dropped at the end of
 that step but by the zero_grad inside this step's closure, after the forward. In a steady step they are
 held through the whole forward (and, on the device, beside its activations), and the gradients this step
-makes outlive it. `hold_previous_gradients` puts that on the captured step's storages. A mapping's tensors
+makes outlive it. caller_held.py's `hold_previous_gradients` puts that on the captured step's storages. A mapping's tensors
 besides the loss are kept in the closure's result until the step ends (`training_step_extras`, held as
 caller_held.py holds a loop's kept outputs); nothing of a step is held into the next one's forward. Under
 `--precision bf16|fp16` (Lightning's "bf16-mixed" / "16-mixed") its autocast runs with the weight-cast
@@ -27,11 +27,12 @@ model's class hierarchy, by name and module, so Lightning is never imported here
 optimization (`automatic_optimization = False`: refused, the module's own training_step decides the
 order), several optimizers, what `self.log` keeps (a detached 0-dim copy per logged value) and the detached
 copy of the loss the closure keeps (0-dim), and the next batch Lightning's data fetcher holds (in host memory
-on a GPU run). With `--accumulate N` (`accumulate_grad_batches`) every micro-batch's inputs are held from the
-start of the step, as --accumulate holds them, while Lightning moves each batch to the device when its turn
-comes and drops the one before: over-counted by the inputs of all micro-batches but one (2,040 B on
-tests/fixtures/lightning_lm.py at batch 2, seq 64, accumulate 2, against a real Trainer.fit; the gradients'
-order is exact there).
+on a GPU run).
+
+With `--accumulate N` (`accumulate_grad_batches`) the loop takes one batch at a time: a micro-batch's inputs
+reach the device when its turn comes and are dropped when the next one's are bound, after its backward
+(caller_held.py's `inputs_at_their_turn`), where --accumulate's own rule holds every micro-batch's inputs from the start of the
+step (the Hugging Face Trainer fetches a whole accumulation window first).
 """
 from __future__ import annotations
 
@@ -41,7 +42,6 @@ from collections.abc import Mapping
 import torch
 
 from tracer.errors import ModelRunError, UsageError
-from tracer.stepgraph import Phase, StorageRole
 
 _LIGHTNING_MODULES = ("lightning.pytorch.", "pytorch_lightning.")
 
@@ -126,25 +126,3 @@ def optimizer_factory(model, make_optimizer):
     if make_optimizer is not None or not is_lightning_module(model):
         return make_optimizer
     return lambda params: configured_optimizer(model)
-
-
-def hold_previous_gradients(ops, table, *, steady: bool) -> tuple[str, ...]:
-    """Lightning's order on the step's storages (before they are frozen): the gradients zero_grad released at
-    the end of the step outlive it, and in a steady step the previous step's, of the same sizes, are held
-    from the start of the step to the end of the first micro-batch's forward. Returns the report's note."""
-    forward_end = max((i for i, d in enumerate(ops) if d.phase is Phase.FORWARD and d.micro_batch in (None, 1)),
-                      default=-1)
-    released = [sid for sid in range(len(table)) if table.get(sid).role is StorageRole.GRADIENT
-                and not table.get(sid).preexisting and table.get(sid).released_after_op is not None
-                and ops[table.get(sid).released_after_op].phase is Phase.OPTIMIZER]
-    for sid in released:
-        entry = table.get(sid)
-        table.update(sid, released_after_op=None, persistent=True)
-        if steady and forward_end >= 0:
-            table.add(None, StorageRole.GRADIENT, nbytes=entry.nbytes, dtype=entry.dtype, shape=entry.shape,
-                      preexisting=True, released_after_op=forward_end,
-                      name=f"{entry.name or f'gradient {sid}'} of the previous step")
-    held = sum(table.get(sid).nbytes for sid in released)
-    return (f"Lightning's loop (training_step of the LightningModule): zero_grad runs after the forward, before "
-            f"backward, so the previous step's gradients ({held:,} B) are held through the forward"
-            + ("" if steady else " (none in a first step)") + " and this step's outlive it",)
