@@ -15,6 +15,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", 
 OFFLOAD_MODES = ("optimizer", "optimizer+params", "activations")  # tracer.capture.offload, activation_offload
 QUANTIZED_BASES = ("4bit", "8bit")                                # tracer.capture.quantized_base
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")      # tracer.capture.float8
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")                             # tracer.passes.pipeline_parallel
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")             # tracer.capture.precision
 TARGET_DEVICES = ("cpu", "cuda")                                # tracer.capture.target
 
@@ -41,7 +42,8 @@ _MIB = 2**20
 # NCCL's maintainers say it grows with the channel count, so a faster link takes more (NVIDIA/nccl#986):
 # the NVLink-4/5 parts (H100, H200, B200) take the 1.06 GB per GPU measured on 8 H100s before any
 # all-to-all (NVIDIA/nccl#1685). Every communicator holds its own unless they share resources. A sharded
-# step (--shard over more than one rank) holds one, tensor parallelism (--tp > 1) one more;
+# step (--shard over more than one rank) holds one, tensor parallelism (--tp > 1) one more, a pipeline
+# stage (--pp > 1) one more;
 # --nccl-memory SIZE sets the size of one.
 NCCL_COMMUNICATOR_BYTES = 688 * 10**6
 NVLINK4_NCCL_COMMUNICATOR_BYTES = 1_060 * 10**6

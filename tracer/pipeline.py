@@ -69,6 +69,9 @@ class AnalysisOptions:
     fp8: str | None = MODEL_DEFAULTS["fp8"]     # torchao's float8 recipe on the linears (capture/float8.py)
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
+    pp: int = MODEL_DEFAULTS["pp"]                        # pipeline stages (passes/pipeline_parallel.py)
+    microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
+    pp_schedule: str = MODEL_DEFAULTS["pp_schedule"]      # with pp: 1f1b | gpipe
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
     full_capture: bool = MODEL_DEFAULTS["full_capture"]   # every block captured, no synthesized depth
 
@@ -129,6 +132,7 @@ class AnalysisOptions:
         check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
                       shard=self.shard, policies=self.policies)
         self.tensor_parallel_setup()
+        self.pipeline_setup()
         if self.lora_targets and self.lora_rank is None:
             raise UsageError("--lora-targets needs --lora RANK", hint="e.g. --lora 8 --lora-targets q_proj,v_proj")
         self.policy_specs()
@@ -219,7 +223,8 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "gradient_checkpointing": self.gradient_checkpointing}
+                "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "pp": self.pp, "microbatches": self.microbatches,
+                "pp_schedule": self.pp_schedule, "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
         """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`
@@ -234,6 +239,9 @@ class AnalysisOptions:
         fields = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
         if self.fsdp_mixed_precision:
             fields["precision"] = "bf16-pure"
+        pipeline = self.pipeline_setup()
+        if pipeline is not None:           # the stages' step: the micro-batches' forwards and backwards
+            fields.update(batch=self.batch // pipeline.microbatches, accumulate=pipeline.microbatches)
         return CaptureOptions(**fields, target=self.target_label())
 
     def device_setup(self):
@@ -262,8 +270,32 @@ class AnalysisOptions:
 
     def nccl_communicators(self) -> int:
         """The NCCL communicators a rank of this step holds: one for the sharded data-parallel group
-        (--shard over more than one rank), one for the tensor-parallel group (--tp > 1)."""
-        return int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1)
+        (--shard over more than one rank), one for the tensor-parallel group (--tp > 1), one for the
+        pipeline's sends and receives (--pp > 1)."""
+        return int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1) + int(self.pp > 1)
+
+    def pipeline_setup(self):
+        """The pipeline-parallel view's setup, or None (pp=1). Raises UsageError for what it cannot take."""
+        from tracer.errors import UsageError
+        from tracer.passes.pipeline_parallel import PipelineSetup
+        if self.pp == 1:
+            if self.microbatches is not None or self.pp_schedule != MODEL_DEFAULTS["pp_schedule"]:
+                raise UsageError("--microbatches and --pp-schedule need --pp N with N > 1",
+                                 hint="e.g. --pp 4 --microbatches 8 --pp-schedule 1f1b")
+            return None
+        microbatches = self.microbatches or self.pp
+        if self.batch % microbatches:
+            raise UsageError(f"--pp: --batch {self.batch} does not split into {microbatches} micro-batches",
+                             hint="pick a --batch that --microbatches divides (each micro-batch is batch / M)")
+        refused = [flag for flag, given in (("--accumulate", self.accumulate > 1), ("--shard", self.shard is not None),
+                                            ("--tp", self.tp > 1), ("--offload", self.offload is not None))
+                   if given]
+        refused += [f"--policy {p}" for p in self.policies if p != "eager"]
+        if refused:
+            raise UsageError(f"--pp with {', '.join(refused)} is not modelled",
+                             hint="pipeline stages are simulated on the eager step alone; drop "
+                                  + ", ".join(refused))
+        return PipelineSetup(stages=self.pp, microbatches=microbatches, schedule=self.pp_schedule)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
@@ -540,6 +572,7 @@ def analyze_captured(graphs: dict, options: AnalysisOptions, *,
     (on_progress or (lambda message: None))("analysing ...")
     return analyze_graphs(graphs, device=options.device_setup(), sharding=options.sharding_setup(),
                           settings=options.settings(), tensor_parallel=options.tensor_parallel_setup(),
+                          pipeline=options.pipeline_setup(),
                           options=options.plain())
 
 

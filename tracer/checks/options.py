@@ -13,8 +13,8 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
-from tracer.choices import (DEFAULT_GPU, DEFAULT_TARGET, FP8_RECIPES, GPUS, OFFLOAD_MODES, OPTIMIZERS, PRECISIONS,
-                            QUANTIZED_BASES, TARGET_DEVICES)
+from tracer.choices import (DEFAULT_GPU, DEFAULT_TARGET, FP8_RECIPES, GPUS, OFFLOAD_MODES, OPTIMIZERS,
+                            PIPELINE_SCHEDULES, PRECISIONS, QUANTIZED_BASES, TARGET_DEVICES)
 from tracer.errors import UsageError
 
 
@@ -99,6 +99,13 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("sp", False, None,
                 "--tp: Megatron sequence parallelism: the activations outside the tensor-parallel regions "
                 "(layer norms, dropouts, residuals) are split along the sequence too (default off)"),
+    ModelOption("pp", 1, None,
+                "pipeline parallelism as torch.distributed.pipelining runs it: the memory of the busiest of N "
+                "pipeline stages (the repeated blocks split evenly; every stage's peak in a note) (default 1: off)"),
+    ModelOption("microbatches", None, None,
+                "--pp: micro-batches per step, each --batch / M (default: as many as stages)", kind="count"),
+    ModelOption("pp_schedule", "1f1b", PIPELINE_SCHEDULES,
+                "--pp: the schedule, torch's Schedule1F1B or ScheduleGPipe (default 1f1b)"),
     ModelOption("gradient_checkpointing", None, ("reentrant", "non-reentrant"),
                 "call the model's own gradient_checkpointing_enable (transformers' models), with use_reentrant "
                 "as given, as Trainer(gradient_checkpointing=True) does (default off)"),

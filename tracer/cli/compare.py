@@ -35,9 +35,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
                              "fit in the device's reported total, or --device-memory, less this)")
     parser.add_argument("--nccl-memory", metavar="SIZE", default=None,
                         help="device memory one NCCL communicator's buffers take, for each one a rank holds: one "
-                             "under --shard over more than one rank, one more under --tp (default: 1.06GB on H100, H200 "
-                             "and B200, 688MB on other GPUs, from published measurements; the step must fit in "
-                             "what is left)")
+                             "under --shard over more than one rank, one more under --tp, one under --pp "
+                             "(default: 1.06GB on H100, H200 and B200, 688MB on other GPUs, from published "
+                             "measurements; the step must fit in what is left)")
     parser.add_argument("--compare", metavar="PATH",
                         help="compare the prediction with a real snapshot (torch.cuda.memory._dump_snapshot pickle); "
                              "exit 1 beyond --tolerance")

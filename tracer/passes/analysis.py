@@ -17,6 +17,7 @@ from tracer.passes.flops import FlopSummary, op_flops, summarize_flops
 from tracer.passes.liveness import Liveness, compute_liveness
 from tracer.passes.saved import SavedTensors, find_saved_tensors
 from tracer.passes.sharding import ShardedMemory, shard_memory
+from tracer.passes.pipeline_parallel import PipelineSetup, busiest_stage_graph
 from tracer.passes.tensor_parallel import TensorParallelSetup, tensor_parallel_graph
 from tracer.stepgraph import OpNode, Phase, StepGraph
 
@@ -77,13 +78,17 @@ def analyze_graph(graph: StepGraph) -> Analysis:
 
 def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None, *,
                    sharding: ShardingSetup | None = None, settings: dict | None = None,
-                   tensor_parallel: "TensorParallelSetup | None" = None, options: dict | None = None) -> Analysis:
+                   tensor_parallel: "TensorParallelSetup | None" = None, options: dict | None = None,
+                   pipeline: "PipelineSetup | None" = None) -> Analysis:
     """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py); with
     `sharding`, its per-rank memory and (with `device`) rank 0's device view, which alone is checked
     against the device's memory. With `tensor_parallel`, every graph is first replaced by the step of one
-    tensor-parallel rank (passes/tensor_parallel.py), so everything above describes that rank."""
+    tensor-parallel rank (passes/tensor_parallel.py), so everything above describes that rank; with
+    `pipeline`, by the step of the pipeline stage with the largest peak (passes/pipeline_parallel.py)."""
     if tensor_parallel is not None:
         graphs = {label: tensor_parallel_graph(graph, tensor_parallel) for label, graph in graphs.items()}
+    if pipeline is not None:
+        graphs = {label: busiest_stage_graph(graph, pipeline) for label, graph in graphs.items()}
     policies = {label: analyze_policy(graph, label) for label, graph in graphs.items()}
     if device is not None:
         whole = device if sharding is None else dataclasses.replace(device, capacity_bytes=None)

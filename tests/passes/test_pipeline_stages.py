@@ -1,0 +1,69 @@
+"""Pipeline parallelism as a pass over the captured step (tracer/passes/pipeline_parallel.py): the order a
+stage runs its micro-batches in, which stage each op belongs to, and what --pp refuses. The exactness of
+the stages' memory against real torch.distributed.pipelining steps is tests/accuracy/test_pipeline_parallel.py."""
+import pytest
+
+import tracer
+from tracer.errors import UsageError
+from tracer.passes.pipeline_parallel import op_stages, schedule_actions
+from tracer.pipeline import AnalysisOptions
+from tracer.stepgraph import Phase
+
+F, B = Phase.FORWARD, Phase.BACKWARD
+
+
+def test_1f1b_warms_up_with_as_many_forwards_as_stages_left_then_alternates():
+    # torch's Schedule1F1B: min(microbatches, stages - stage) forwards first
+    assert schedule_actions("1f1b", 0, 2, 4) == ((F, 1), (F, 2), (B, 1), (F, 3), (B, 2), (F, 4), (B, 3), (B, 4))
+    assert schedule_actions("1f1b", 1, 2, 4) == ((F, 1), (B, 1), (F, 2), (B, 2), (F, 3), (B, 3), (F, 4), (B, 4))
+    assert schedule_actions("1f1b", 0, 4, 2) == ((F, 1), (F, 2), (B, 1), (B, 2))
+
+
+def test_gpipe_runs_every_forward_then_every_backward():
+    assert schedule_actions("gpipe", 1, 4, 3) == ((F, 1), (F, 2), (F, 3), (B, 1), (B, 2), (B, 3))
+    with pytest.raises(UsageError, match="unknown pipeline schedule"):
+        schedule_actions("zero-bubble", 0, 2, 2)
+
+
+def _graph(**options):
+    return tracer.analyze("llama-debug", batch=4, seq=16, target="cpu", accumulate=2, **options).policies["eager"].graph
+
+
+def test_the_embedding_goes_to_the_first_stage_and_the_head_and_loss_to_the_last():
+    graph = _graph()
+    stages = op_stages(graph, 2)
+    by_module = {}
+    for op, stage in zip(graph.ops, stages):
+        if op.phase is not Phase.OPTIMIZER:
+            by_module.setdefault(op.module.split(".")[0] or "(root)", set()).add(stage)
+    assert by_module["embed"] == {0}
+    assert by_module["lm_head"] == by_module["norm"] == {1}
+    assert by_module["blocks"] == {0, 1}
+    assert all(stage is None for op, stage in zip(graph.ops, stages) if op.phase is Phase.OPTIMIZER)
+
+
+def test_pp_refuses_what_it_does_not_model_and_a_batch_it_cannot_split():
+    with pytest.raises(UsageError, match="does not split into 3 micro-batches"):
+        AnalysisOptions(batch=4, seq=16, pp=2, microbatches=3)
+    with pytest.raises(UsageError, match="--shard"):
+        AnalysisOptions(batch=4, seq=16, pp=2, shard="fsdp", world_size=2)
+    with pytest.raises(UsageError, match="--policy full"):
+        AnalysisOptions(batch=4, seq=16, pp=2, policies=("eager", "full"))
+    with pytest.raises(UsageError, match="need --pp"):
+        AnalysisOptions(batch=4, seq=16, microbatches=2)
+    options = AnalysisOptions(batch=8, seq=16, pp=4)
+    assert options.pipeline_setup().microbatches == 4            # as many micro-batches as stages by default
+    captured = options.capture_options()
+    assert (captured.batch, captured.accumulate) == (2, 4)
+
+
+def test_more_stages_than_blocks_is_refused():
+    with pytest.raises(UsageError, match="repeated blocks"):
+        tracer.analyze("llama-debug", batch=4, seq=16, target="cpu", pp=8, microbatches=2)
+
+
+def test_the_report_describes_the_busiest_stage_and_names_every_stages_peak():
+    analysis = tracer.analyze("llama-debug", batch=4, seq=16, target="cpu", pp=2, microbatches=2)
+    notes = analysis.policies["eager"].graph.config.notes
+    assert any(n.startswith("pipeline stages' peaks: stage 1") for n in notes)
+    assert any("the rank of stage" in n for n in notes)

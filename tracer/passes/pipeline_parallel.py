@@ -1,0 +1,298 @@
+"""Pipeline parallelism: the step of one pipeline stage, as torch.distributed.pipelining runs it.
+
+    pipeline_stage_graph(graph, setup, stage) -> StepGraph     what one stage's rank holds, op by op
+    busiest_stage_graph(graph, setup) -> StepGraph             the stage with the largest peak, every stage's in a note
+    schedule_actions(schedule, stage, stages, microbatches)    the forwards and backwards a stage runs, in order
+
+`graph` is the step captured with `microbatches` micro-batches of gradient accumulation (each op carries its
+micro-batch, the gradients accumulate from the second on). The model's repeated blocks are split into
+`stages` contiguous runs of (nearly) equal length, as a manual split does (torchtitan's); what runs before
+the first block (the embedding) is the first stage's, what runs after the last (the final norm, the head and
+the loss) the last stage's, and code outside any block between two (a residual sum, in backward the sum of
+a gradient's contributions) the stage of the block before it in its pass. A stage's rank runs its own ops of each micro-batch in the schedule's order:
+
+* `gpipe` (ScheduleGPipe): every forward, then every backward;
+* `1f1b` (Schedule1F1B): `min(microbatches, stages - stage)` forwards, then one backward and one forward in
+  turn, then the remaining backwards;
+
+then the optimizer step over its own parameters (a foreach op keeps the stage's elements of its lists).
+
+What the pipelining runtime holds, from its source (torch/distributed/pipelining/stage.py):
+* a stage after the first receives each micro-batch's input activations into a buffer of its own, made once
+  and kept across steps; a stage before the last receives each micro-batch's output gradients likewise;
+* a stage keeps each micro-batch's output (`fwd_cache`) until that micro-batch's backward has run, and the
+  send that hands it on may keep it longer: GPipe keeps every forward send until its last backward, 1F1B the
+  send of its last warmup forward but one until its one-forward-one-backward loop ends;
+* the gradient of a received input is held by the send that hands it on until the schedule replaces that
+  send: after the stage's next backward (1F1B), or until every backward has run (GPipe);
+* the schedule's loss per micro-batch is computed on the last stage (the ops after the last block).
+Everything else is the captured step's own lifetimes, in the stage's order.
+
+Not modelled: the last stage's outputs kept for `step()` to return (`return_outputs=True`, the default: one
+output per micro-batch until the next step, and their concatenation at the end; pass
+`return_outputs=False`, as a training loop that only needs the losses can), interleaved and zero-bubble
+schedules, a tensor that every stage computes for itself (a rotary table made before the first block is
+taken as received), and send/receive staging buffers of the communication backend (none on gloo for CPU
+tensors). Per-stage FLOPs stay the whole step's.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from tracer.choices import PIPELINE_SCHEDULES
+from tracer.errors import UsageError
+from tracer.passes.blocks import block_of, repeated_blocks
+from tracer.stepgraph import OpNode, Phase, StepGraph, StorageRole, TensorValue
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSetup:
+    stages: int                    # pipeline stages, one rank each
+    microbatches: int              # micro-batches per step (the capture's accumulation)
+    schedule: str = "1f1b"
+
+
+def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) -> tuple[tuple[Phase, int], ...]:
+    """(phase, micro-batch from 1) of the forwards and backwards stage `stage` runs, in its order."""
+    if schedule == "gpipe":
+        return (tuple((Phase.FORWARD, m) for m in range(1, microbatches + 1))
+                + tuple((Phase.BACKWARD, m) for m in range(1, microbatches + 1)))
+    if schedule != "1f1b":
+        raise UsageError(f"unknown pipeline schedule {schedule!r}", hint=f"valid: {', '.join(PIPELINE_SCHEDULES)}")
+    warmup = min(microbatches, stages - stage)
+    actions = [(Phase.FORWARD, m) for m in range(1, warmup + 1)]
+    forward, backward = warmup + 1, 1
+    while True:
+        actions.append((Phase.BACKWARD, backward))
+        backward += 1
+        if forward > microbatches:
+            break
+        actions.append((Phase.FORWARD, forward))
+        forward += 1
+    actions += [(Phase.BACKWARD, m) for m in range(backward, microbatches + 1)]
+    return tuple(actions)
+
+
+def busiest_stage_graph(graph: StepGraph, setup: PipelineSetup) -> StepGraph:
+    """The step of the stage whose peak is the largest (the first of equals): the one that decides whether
+    the pipeline fits; a note gives every stage's peak."""
+    from tracer.passes.liveness import compute_liveness
+    graphs = [pipeline_stage_graph(graph, setup, stage) for stage in range(setup.stages)]
+    peaks = [compute_liveness(g).peak_bytes for g in graphs]
+    busiest = peaks.index(max(peaks))
+    note = ("pipeline stages' peaks: " + ", ".join(f"stage {i + 1} {p:,} B" for i, p in enumerate(peaks))
+            + f"; this report is stage {busiest + 1}'s")
+    chosen = graphs[busiest]
+    return dataclasses.replace(chosen, config=dataclasses.replace(chosen.config,
+                                                                   notes=chosen.config.notes + (note,)))
+
+
+def op_stages(graph: StepGraph, stages: int) -> list[int | None]:
+    """The stage of every forward and backward op (None for the optimizer's). Raises UsageError when the
+    model has fewer repeated blocks than stages."""
+    blocks = repeated_blocks(graph)
+    if len(blocks) < stages:
+        raise UsageError(f"--pp {stages}: the model has {len(blocks)} repeated blocks to split into {stages} "
+                         "stages", hint="pick a --pp no larger than the number of blocks")
+    block_stage = {block: i * stages // len(blocks) for i, block in enumerate(blocks)}
+    last = stages - 1
+    before: set[str] = set()              # modules that run before the first block (the embedding)
+    out: list[int | None] = []
+    segment, current = None, 0
+    for op in graph.ops:
+        if op.phase is Phase.OPTIMIZER:
+            out.append(None)
+            continue
+        if (op.phase, op.micro_batch) != segment:         # a micro-batch's forward or backward begins
+            segment, current = (op.phase, op.micro_batch), 0 if op.phase is Phase.FORWARD else last
+            seen_block = False
+        block = block_of(op.module, blocks)
+        if block:
+            seen_block, current = True, block_stage[block]
+        elif op.phase is Phase.FORWARD and not seen_block:
+            before.add(op.module)
+        elif op.phase is Phase.BACKWARD and op.module and op.module in before:
+            out.append(0)
+            continue
+        # code between blocks (a residual sum, a gradient's accumulation) runs on the stage of the block before
+        # it in its pass; after the last block (norm, head, loss) that is the last stage
+        out.append(current)
+    return out
+
+
+def pipeline_stage_graph(graph: StepGraph, setup: PipelineSetup, stage: int) -> StepGraph:
+    """`graph` as the rank of pipeline stage `stage` runs it (module docstring)."""
+    stages = op_stages(graph, setup.stages)
+    owner = _owners(graph, stages)
+    kept: list[OpNode] = []
+    for phase, micro_batch in schedule_actions(setup.schedule, stage, setup.stages, setup.microbatches):
+        kept += [op for op, s in zip(graph.ops, stages) if s == stage and op.phase is phase
+                 and (op.micro_batch or 1) == micro_batch]
+    kept += [narrowed for op in graph.ops if op.phase is Phase.OPTIMIZER
+             for narrowed in [_narrowed(op, owner, stage)] if narrowed is not None]
+    new_index = {op.index: i for i, op in enumerate(kept)}
+    ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(kept))
+    storages = _stage_storages(graph, stages, stage, stage == setup.stages - 1, ops, new_index, setup.schedule)
+    parameters = sum(_elements(s.shape) for s in storages if s.role is StorageRole.PARAMETER and s.nbytes)
+    note = (f"pipeline parallel: the rank of stage {stage + 1} of {setup.stages} ({setup.schedule}, "
+            f"{setup.microbatches} micro-batches of batch {graph.config.batch}) as torch.distributed.pipelining "
+            f"runs it; {parameters:,} of {graph.parameter_count:,} parameters")
+    config = dataclasses.replace(graph.config, notes=graph.config.notes + (note,))
+    loss = graph.loss_storage_id if stage == setup.stages - 1 else None
+    return dataclasses.replace(graph, config=config, ops=ops, storages=storages, parameter_count=parameters,
+                               loss_storage_id=loss)
+
+
+def _output_sends_held_until(ops, schedule: str, backward_end: dict[int, int], last_backward: int) -> dict[int, int]:
+    """micro-batch -> the op through which the schedule's send of its forward output keeps the output alive.
+    GPipe waits for every forward send after the last forward and keeps them to the end of its loop; 1F1B
+    keeps the send of its last warmup forward but one (its `send_work`) until the one-forward-one-backward
+    loop ends, after the backward that follows the last forward."""
+    if schedule == "gpipe":
+        return dict.fromkeys(backward_end, last_backward)
+    forwards = [op.micro_batch or 1 for op in ops if op.phase is Phase.FORWARD]
+    actions = list(dict.fromkeys((op.phase, op.micro_batch or 1) for op in ops if op.phase is not Phase.OPTIMIZER))
+    first_backward = next((i for i, (phase, _) in enumerate(actions) if phase is Phase.BACKWARD), len(actions))
+    warmup = first_backward
+    if warmup < 2 or not forwards:
+        return {}
+    last_forward = max(i for i, (phase, _) in enumerate(actions) if phase is Phase.FORWARD)
+    loop_end = next((m for phase, m in actions[last_forward + 1:] if phase is Phase.BACKWARD), None)
+    held = actions[warmup - 2][1]
+    return {held: backward_end[loop_end]} if loop_end is not None else {}
+
+
+def _elements(shape) -> int:
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
+def _owners(graph: StepGraph, stages: list[int | None]) -> dict[int, int]:
+    """The stage each parameter, gradient and optimizer-state storage belongs to: a parameter to the stage
+    that first reads it, a gradient to the stage that makes it, optimizer state to its parameter's (by the
+    name the capture gives it), and what the optimizer makes to the stage of the parameter, gradient or
+    state beside it in the same op (position by position in a foreach op's lists)."""
+    owner: dict[int, int] = {}
+    for op, stage in zip(graph.ops, stages):
+        if stage is None:
+            continue
+        for value in op.input_values():
+            if graph.storage(value.storage_id).role is StorageRole.PARAMETER:
+                owner.setdefault(value.storage_id, stage)
+        for value in op.outputs:
+            if graph.storage(value.storage_id).role is StorageRole.GRADIENT:
+                owner.setdefault(value.storage_id, stage)
+    by_name = {graph.storage(sid).name: stage for sid, stage in owner.items()
+               if graph.storage(sid).role is StorageRole.PARAMETER and graph.storage(sid).name}
+    for storage in graph.storages:        # state named after its parameter ("layers.0.up.weight.exp_avg")
+        if storage.role is StorageRole.OPTIMIZER_STATE and "." in storage.name:
+            parameter = storage.name.rsplit(".", 1)[0]
+            if parameter in by_name:
+                owner.setdefault(storage.storage_id, by_name[parameter])
+    optimizer_ops = [op for op in graph.ops if op.phase is Phase.OPTIMIZER]
+    for _ in range(3):                    # state read beside a parameter, then what is made from the state
+        for op in optimizer_ops:
+            for group in _positions(op):
+                known = {owner[v.storage_id] for v in group if v.storage_id in owner}
+                if len(known) == 1:
+                    for value in group:
+                        owner.setdefault(value.storage_id, next(iter(known)))
+    return owner
+
+
+def _positions(op: OpNode) -> list[tuple[TensorValue, ...]]:
+    """The values of `op` that belong together: position i of every list argument and of the outputs for a
+    foreach op (lists of one length), else all of its values."""
+    lists = [a for a in op.args if isinstance(a, tuple) and a and all(isinstance(v, TensorValue) for v in a)]
+    if lists and all(len(a) == len(lists[0]) for a in lists):
+        outputs = op.outputs if len(op.outputs) == len(lists[0]) else ()
+        scalars = tuple(a for a in op.args if isinstance(a, TensorValue))
+        return [tuple(a[i] for a in lists) + ((outputs[i],) if outputs else ()) + scalars
+                for i in range(len(lists[0]))]
+    return [tuple(op.input_values()) + tuple(op.outputs)]
+
+
+def _narrowed(op: OpNode, owner: dict[int, int], stage: int) -> OpNode | None:
+    """The optimizer op as the stage's rank runs it: only its own elements of a foreach op's lists; None when
+    it touches nothing of the stage."""
+    groups = _positions(op)
+    mine = [i for i, group in enumerate(groups) if any(owner.get(v.storage_id) == stage for v in group)]
+    if not mine:
+        return None
+    lists = [a for a in op.args if isinstance(a, tuple) and a and all(isinstance(v, TensorValue) for v in a)]
+    if len(groups) == 1 or not lists:
+        return op
+    args = tuple(tuple(a[i] for i in mine) if any(a is l for l in lists) else a for a in op.args)
+    outputs = tuple(op.outputs[i] for i in mine) if len(op.outputs) == len(groups) else op.outputs
+    return dataclasses.replace(op, args=args, outputs=outputs)
+
+
+def _stage_storages(graph: StepGraph, stages, stage: int, last: bool, ops, new_index: dict[int, int],
+                    schedule: str):
+    """The storages as the stage's rank holds them: the others' take no memory; received buffers exist
+    before the step and stay; what the runtime holds is held (module docstring); op indices moved."""
+    used = {v.storage_id for op in ops for v in (*op.outputs, *op.input_values())}
+    producer: dict[int, int] = {}
+    readers: dict[int, set] = {}
+    read_by_root_forward: set[int] = set()         # what the loss function (code outside any module) reads
+    for op, s in zip(graph.ops, stages):
+        for value in op.outputs:
+            producer.setdefault(value.storage_id, op.index)
+        for value in op.input_values():
+            readers.setdefault(value.storage_id, set()).add((op.phase, s))
+            if op.phase is Phase.FORWARD and not op.module:
+                read_by_root_forward.add(value.storage_id)
+    backward_end: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.phase is Phase.BACKWARD:
+            backward_end[op.micro_batch or 1] = i
+    old_kept = sorted(new_index)
+    order = [m for m, _ in sorted(backward_end.items(), key=lambda item: item[1])]
+    last_backward = max(backward_end.values(), default=len(ops) - 1)
+    send_held_until = {m: (backward_end[order[i + 1]] if schedule == "1f1b" and i + 1 < len(order) else last_backward)
+                       for i, m in enumerate(order)}
+    output_send_held_until = _output_sends_held_until(ops, schedule, backward_end, last_backward)
+
+    def moved(old: int | None) -> int | None:
+        if old is None:
+            return None
+        at = bisect.bisect_right(old_kept, old) - 1
+        return new_index[old_kept[at]] if at >= 0 else 0
+
+    out = []
+    for storage in graph.storages:
+        sid = storage.storage_id
+        if sid not in used:
+            out.append(dataclasses.replace(storage, nbytes=0, preexisting=False, persistent=False,
+                                           released_after_op=None, held_until_op=None))
+            continue
+        fields = dict(released_after_op=moved(storage.released_after_op), held_until_op=moved(storage.held_until_op))
+        made_by = producer.get(sid)
+        made_by_stage = stages[made_by] if made_by is not None else None
+        made_phase = graph.ops[made_by].phase if made_by is not None else None
+        read_by = readers.get(sid, set())
+        if made_by is not None and made_by_stage not in (stage, None):
+            # received from a neighbour: a buffer of its own for every micro-batch, made once, kept across steps
+            fields.update(preexisting=True, persistent=True, released_after_op=None, held_until_op=None)
+        elif last and made_by_stage == stage and made_phase is Phase.FORWARD and graph.ops[made_by].module \
+                and sid in read_by_root_forward:
+            # the last stage's output, read by the schedule's loss function: kept for its backward
+            micro_batch = graph.ops[made_by].micro_batch or 1
+            fields.update(held_until_op=max(fields["held_until_op"] or 0, backward_end.get(micro_batch, 0)))
+        elif made_by_stage == stage and any(s not in (stage, None) for _, s in read_by):
+            if made_phase is Phase.BACKWARD:
+                # the gradient of a received input: the send that hands it on holds it until the schedule
+                # replaces that send, after the stage's next backward (1F1B), or until the schedule ends (GPipe)
+                micro_batch = graph.ops[made_by].micro_batch or 1
+                until = send_held_until.get(micro_batch, len(ops) - 1)
+                fields.update(held_until_op=max(fields["held_until_op"] or 0, until))
+            else:
+                # the stage's output: kept for its backward, and as long as the send that hands it on lives
+                micro_batch = graph.ops[made_by].micro_batch or 1
+                until = max(backward_end.get(micro_batch, 0), output_send_held_until.get(micro_batch, 0))
+                fields.update(held_until_op=max(fields["held_until_op"] or 0, until))
+        out.append(dataclasses.replace(storage, **fields))
+    return tuple(out)
