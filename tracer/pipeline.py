@@ -559,7 +559,11 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
 
 
 def analyze_one(graph, options: AnalysisOptions):
-    """The PolicyAnalysis of one captured graph with `options` (what the depth synthesis is checked on)."""
+    """The PolicyAnalysis of one captured graph with `options` (what the depth synthesis is checked on). A
+    pipeline split is left out: the check compares cut steps, which have fewer blocks than the stages may
+    need; the full-depth step is split where it is analysed."""
+    if options.pp > 1:
+        options = dataclasses.replace(options, pp=1, microbatches=None, pp_schedule=MODEL_DEFAULTS["pp_schedule"])
     return analyze_captured({"policy": graph}, options).policies["policy"]
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 
 from tracer.choices import PIPELINE_SCHEDULES
 from tracer.errors import UsageError
@@ -99,7 +100,7 @@ def op_stages(graph: StepGraph, stages: int) -> list[int | None]:
     last = stages - 1
     before: set[str] = set()              # modules that run before the first block (the embedding)
     out: list[int | None] = []
-    segment, current = None, 0
+    segment, current, seen_block = None, 0, False
     for op in graph.ops:
         if op.phase is Phase.OPTIMIZER:
             out.append(None)
@@ -134,7 +135,7 @@ def pipeline_stage_graph(graph: StepGraph, setup: PipelineSetup, stage: int) -> 
     new_index = {op.index: i for i, op in enumerate(kept)}
     ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(kept))
     storages = _stage_storages(graph, stages, stage, stage == setup.stages - 1, ops, new_index, setup.schedule)
-    parameters = sum(_elements(s.shape) for s in storages if s.role is StorageRole.PARAMETER and s.nbytes)
+    parameters = sum(math.prod(s.shape) for s in storages if s.role is StorageRole.PARAMETER and s.nbytes)
     note = (f"pipeline parallel: the rank of stage {stage + 1} of {setup.stages} ({setup.schedule}, "
             f"{setup.microbatches} micro-batches of batch {graph.config.batch}) as torch.distributed.pipelining "
             f"runs it; {parameters:,} of {graph.parameter_count:,} parameters")
@@ -161,13 +162,6 @@ def _output_sends_held_until(ops, schedule: str, backward_end: dict[int, int], l
     loop_end = next((m for phase, m in actions[last_forward + 1:] if phase is Phase.BACKWARD), None)
     held = actions[warmup - 2][1]
     return {held: backward_end[loop_end]} if loop_end is not None else {}
-
-
-def _elements(shape) -> int:
-    count = 1
-    for d in shape:
-        count *= d
-    return count
 
 
 def _owners(graph: StepGraph, stages: list[int | None]) -> dict[int, int]:
