@@ -72,6 +72,7 @@ class AnalysisOptions:
     pp: int = MODEL_DEFAULTS["pp"]                        # pipeline stages (passes/pipeline_parallel.py)
     microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
     pp_schedule: str = MODEL_DEFAULTS["pp_schedule"]      # with pp: 1f1b | gpipe
+    pp_return_outputs: bool = MODEL_DEFAULTS["pp_return_outputs"]   # with pp: step(return_outputs=...)
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
     full_capture: bool = MODEL_DEFAULTS["full_capture"]   # every block captured, no synthesized depth
 
@@ -224,7 +225,8 @@ class AnalysisOptions:
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
                 "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "pp": self.pp, "microbatches": self.microbatches,
-                "pp_schedule": self.pp_schedule, "gradient_checkpointing": self.gradient_checkpointing}
+                "pp_schedule": self.pp_schedule, "pp_return_outputs": self.pp_return_outputs,
+                "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
         """Every field as a JSON value (tuples as lists): what a baseline records, so that `tracer check`
@@ -279,8 +281,9 @@ class AnalysisOptions:
         from tracer.errors import UsageError
         from tracer.passes.pipeline_parallel import PipelineSetup
         if self.pp == 1:
-            if self.microbatches is not None or self.pp_schedule != MODEL_DEFAULTS["pp_schedule"]:
-                raise UsageError("--microbatches and --pp-schedule need --pp N with N > 1",
+            if self.microbatches is not None or self.pp_schedule != MODEL_DEFAULTS["pp_schedule"] \
+                    or self.pp_return_outputs != MODEL_DEFAULTS["pp_return_outputs"]:
+                raise UsageError("--microbatches, --pp-schedule and --no-pp-return-outputs need --pp N with N > 1",
                                  hint="e.g. --pp 4 --microbatches 8 --pp-schedule 1f1b")
             return None
         microbatches = self.microbatches or self.pp
@@ -295,7 +298,8 @@ class AnalysisOptions:
             raise UsageError(f"--pp with {', '.join(refused)} is not modelled",
                              hint="pipeline stages are simulated on the eager step alone; drop "
                                   + ", ".join(refused))
-        return PipelineSetup(stages=self.pp, microbatches=microbatches, schedule=self.pp_schedule)
+        return PipelineSetup(stages=self.pp, microbatches=microbatches, schedule=self.pp_schedule,
+                             return_outputs=self.pp_return_outputs)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
@@ -563,7 +567,8 @@ def analyze_one(graph, options: AnalysisOptions):
     pipeline split is left out: the check compares cut steps, which have fewer blocks than the stages may
     need; the full-depth step is split where it is analysed."""
     if options.pp > 1:
-        options = dataclasses.replace(options, pp=1, microbatches=None, pp_schedule=MODEL_DEFAULTS["pp_schedule"])
+        options = dataclasses.replace(options, pp=1, microbatches=None, pp_schedule=MODEL_DEFAULTS["pp_schedule"],
+                                      pp_return_outputs=MODEL_DEFAULTS["pp_return_outputs"])
     return analyze_captured({"policy": graph}, options).policies["policy"]
 
 

@@ -1,7 +1,7 @@
 """`--pp N` against real torch.distributed.pipelining steps: N CPU processes over gloo, each a stage of
 tests/fixtures/pipeline_lm.py split as torchtitan splits a model (its blocks evenly, the embedding on the
 first stage, the final norm and head on the last), stepped by Schedule1F1B or ScheduleGPipe with the loss on
-the last stage, then AdamW over the stage's parameters. Every allocation of each process is seen by the CPU
+the last stage (`step(..., return_outputs=...)` both ways), then AdamW over the stage's parameters. Every allocation of each process is seen by the CPU
 allocator's profiler from before the model is built, so a stage's bytes before the step (parameters,
 optimizer state, the receive buffers the runtime keeps) and its peak are absolute; the third step is
 measured."""
@@ -41,7 +41,8 @@ def _stage_module(model, stage: int, stages: int):
     return part
 
 
-def _run_stage(rank: int, stages: int, schedule: str, batch: int, microbatches: int, port: int, out: str):
+def _run_stage(rank: int, stages: int, schedule: str, batch: int, microbatches: int, return_outputs: bool, port: int,
+               out: str):
     import sys
 
     import torch.distributed as dist
@@ -69,11 +70,11 @@ def _run_stage(rank: int, stages: int, schedule: str, batch: int, microbatches: 
 
     def step():
         if rank == 0:
-            steps.step(tokens, return_outputs=False)
+            steps.step(tokens, return_outputs=return_outputs)
         elif rank == stages - 1:
-            steps.step(target=targets, losses=[], return_outputs=False)
+            steps.step(target=targets, losses=[], return_outputs=return_outputs)      # the output is dropped
         else:
-            steps.step(return_outputs=False)
+            steps.step(return_outputs=return_outputs)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -98,17 +99,18 @@ def _run_stage(rank: int, stages: int, schedule: str, batch: int, microbatches: 
     dist.destroy_process_group()
 
 
-def _measured(tmp_path, stages, schedule, batch, microbatches) -> list[tuple[int, int]]:
+def _measured(tmp_path, stages, schedule, batch, microbatches, return_outputs) -> list[tuple[int, int]]:
     import torch.multiprocessing as mp
-    mp.spawn(_run_stage, args=(stages, schedule, batch, microbatches, _free_port(), str(tmp_path)), nprocs=stages)
+    mp.spawn(_run_stage, args=(stages, schedule, batch, microbatches, return_outputs, _free_port(), str(tmp_path)),
+             nprocs=stages)
     return [tuple(int(v) for v in (tmp_path / f"rank{rank}").read_text().split()) for rank in range(stages)]
 
 
-def _predicted(stages, schedule, batch, microbatches) -> list[tuple[int, int]]:
+def _predicted(stages, schedule, batch, microbatches, return_outputs) -> list[tuple[int, int]]:
     source = load_model_source(FIXTURE)
     graph = capture_step(source, CaptureOptions(batch=batch // microbatches, seq=SEQ, target="cpu",
                                                 accumulate=microbatches))
-    setup = PipelineSetup(stages, microbatches, schedule)
+    setup = PipelineSetup(stages, microbatches, schedule, return_outputs)
     out = []
     for stage in range(stages):
         liveness = compute_liveness(pipeline_stage_graph(graph, setup, stage))
@@ -116,11 +118,15 @@ def _predicted(stages, schedule, batch, microbatches) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("stages, schedule, batch, microbatches", [
-    (2, "1f1b", 8, 4), (2, "gpipe", 8, 4), (4, "1f1b", 16, 8), (4, "gpipe", 8, 2)])
-def test_every_stage_is_exact_against_a_real_pipeline_step(tmp_path, stages, schedule, batch, microbatches):
-    measured = _measured(tmp_path, stages, schedule, batch, microbatches)
-    predicted = _predicted(stages, schedule, batch, microbatches)
+@pytest.mark.parametrize("stages, schedule, batch, microbatches, return_outputs", [
+    (2, "1f1b", 8, 4, False), (2, "gpipe", 8, 4, False), (4, "1f1b", 16, 8, False), (4, "gpipe", 8, 2, False),
+    (2, "1f1b", 8, 4, True), (4, "1f1b", 16, 8, True)])
+def test_every_stage_is_exact_against_a_real_pipeline_step(tmp_path, stages, schedule, batch, microbatches,
+                                                           return_outputs):
+    """return_outputs=True (torch's default) keeps the last stage's outputs until the next step and
+    concatenates them after the last backward; False lets each go after its backward."""
+    measured = _measured(tmp_path, stages, schedule, batch, microbatches, return_outputs)
+    predicted = _predicted(stages, schedule, batch, microbatches, return_outputs)
     # the schedule keeps each micro-batch's 0-dim loss on the last stage until the step ends (not modelled)
     losses = 8 * microbatches
     for stage, ((start, peak), (real_start, real_peak)) in enumerate(zip(predicted, measured)):

@@ -106,6 +106,10 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "--pp: micro-batches per step, each --batch / M (default: as many as stages)", kind="count"),
     ModelOption("pp_schedule", "1f1b", PIPELINE_SCHEDULES,
                 "--pp: the schedule, torch's Schedule1F1B or ScheduleGPipe (default 1f1b)"),
+    ModelOption("pp_return_outputs", True, None,
+                "--pp: the loop calls step(..., return_outputs=True), torch's default: the last stage keeps every "
+                "micro-batch's output until the next step and concatenates them after the last backward; "
+                "--no-pp-return-outputs for return_outputs=False"),
     ModelOption("gradient_checkpointing", None, ("reentrant", "non-reentrant"),
                 "call the model's own gradient_checkpointing_enable (transformers' models), with use_reentrant "
                 "as given, as Trainer(gradient_checkpointing=True) does (default off)"),

@@ -28,10 +28,12 @@ What the pipelining runtime holds, from its source (torch/distributed/pipelining
 * the schedule's loss per micro-batch is computed on the last stage (the ops after the last block).
 Everything else is the captured step's own lifetimes, in the stage's order.
 
-Not modelled: the last stage's outputs kept for `step()` to return (`return_outputs=True`, the default: one
-output per micro-batch until the next step, and their concatenation at the end; pass
-`return_outputs=False`, as a training loop that only needs the losses can), interleaved and zero-bubble
-schedules, a tensor that every stage computes for itself (a rotary table made before the first block is
+With `return_outputs` (torch's default for `step()`), the last stage keeps every micro-batch's output in
+`output_chunks` until the next step clears them as it starts, and concatenates them into the returned output
+after the last backward (a loop that does not keep it drops it at once); without, each output is let go after
+its backward.
+
+Not modelled: interleaved and zero-bubble schedules, a tensor that every stage computes for itself (a rotary table made before the first block is
 taken as received), and send/receive staging buffers of the communication backend (none on gloo for CPU
 tensors). Per-stage FLOPs stay the whole step's.
 """
@@ -52,6 +54,7 @@ class PipelineSetup:
     stages: int                    # pipeline stages, one rank each
     microbatches: int              # micro-batches per step (the capture's accumulation)
     schedule: str = "1f1b"
+    return_outputs: bool = True    # step(..., return_outputs=True), torch's default: the last stage keeps outputs
 
 
 def schedule_actions(schedule: str, stage: int, stages: int, microbatches: int) -> tuple[tuple[Phase, int], ...]:
@@ -134,15 +137,51 @@ def pipeline_stage_graph(graph: StepGraph, setup: PipelineSetup, stage: int) -> 
              for narrowed in [_narrowed(op, owner, stage)] if narrowed is not None]
     new_index = {op.index: i for i, op in enumerate(kept)}
     ops = tuple(dataclasses.replace(op, index=i) for i, op in enumerate(kept))
-    storages = _stage_storages(graph, stages, stage, stage == setup.stages - 1, ops, new_index, setup.schedule)
+    outputs: list[int] = []
+    storages = _stage_storages(graph, stages, stage, stage == setup.stages - 1, ops, new_index, setup.schedule,
+                               setup.return_outputs, outputs)
+    if setup.return_outputs and outputs:
+        ops, storages = _outputs_returned(ops, storages, outputs)
+    note_outputs = "" if stage != setup.stages - 1 else (
+        ", returning the outputs (return_outputs=True)" if setup.return_outputs else ", return_outputs=False")
     parameters = sum(math.prod(s.shape) for s in storages if s.role is StorageRole.PARAMETER and s.nbytes)
     note = (f"pipeline parallel: the rank of stage {stage + 1} of {setup.stages} ({setup.schedule}, "
             f"{setup.microbatches} micro-batches of batch {graph.config.batch}) as torch.distributed.pipelining "
-            f"runs it; {parameters:,} of {graph.parameter_count:,} parameters")
+            f"runs it{note_outputs}; {parameters:,} of {graph.parameter_count:,} parameters")
     config = dataclasses.replace(graph.config, notes=graph.config.notes + (note,))
     loss = graph.loss_storage_id if stage == setup.stages - 1 else None
     return dataclasses.replace(graph, config=config, ops=ops, storages=storages, parameter_count=parameters,
                                loss_storage_id=loss)
+
+
+def _outputs_returned(ops: tuple, storages: tuple, outputs: list[int]) -> tuple[tuple, tuple]:
+    """`step()` returning the last stage's outputs: the previous step's, one per micro-batch, are held until
+    this step clears them as it starts (here, through its first op), and after the last backward the
+    schedule concatenates this step's into the returned output (`_merge_outputs`), which a loop that does not
+    keep it drops at once."""
+    storages = list(storages)
+    chunks = [storages[sid] for sid in outputs]
+    for chunk in chunks:
+        storages.append(dataclasses.replace(chunk, storage_id=len(storages), preexisting=True, persistent=False,
+                                            released_after_op=0, held_until_op=None,
+                                            name="an output of the previous step (step's return_outputs)"))
+    first = chunks[0]
+    merged_shape = (sum(c.shape[0] for c in chunks),) + tuple(first.shape[1:]) if first.shape else ()
+    merged = dataclasses.replace(first, storage_id=len(storages), nbytes=sum(c.nbytes for c in chunks),
+                                 shape=merged_shape, preexisting=False, persistent=False, released_after_op=None,
+                                 held_until_op=None, name="the step's returned output (_merge_outputs)")
+    storages.append(merged)
+    at = max(op.index for op in ops if op.phase is Phase.BACKWARD) + 1
+    last_backward = ops[at - 1]
+    merge = OpNode(index=at, name="pipeline_merge_outputs", target="aten.cat.default", phase=Phase.BACKWARD,
+                   args=(tuple(TensorValue(c.storage_id, c.shape, c.dtype) for c in chunks),), kwargs=(),
+                   outputs=(TensorValue(merged.storage_id, merged.shape, merged.dtype),), source=None, module="",
+                   micro_batch=last_backward.micro_batch)
+    moved = tuple(dataclasses.replace(op, index=op.index + 1) for op in ops[at:])
+    shifted = tuple(dataclasses.replace(s, **{key: getattr(s, key) + 1 for key in ("released_after_op", "held_until_op")
+                                               if getattr(s, key) is not None and getattr(s, key) >= at})
+                    for s in storages)
+    return ops[:at] + (merge,) + moved, shifted
 
 
 def _output_sends_held_until(ops, schedule: str, backward_end: dict[int, int], last_backward: int) -> dict[int, int]:
@@ -225,7 +264,7 @@ def _narrowed(op: OpNode, owner: dict[int, int], stage: int) -> OpNode | None:
 
 
 def _stage_storages(graph: StepGraph, stages, stage: int, last: bool, ops, new_index: dict[int, int],
-                    schedule: str):
+                    schedule: str, return_outputs: bool, outputs: list):
     """The storages as the stage's rank holds them: the others' take no memory; received buffers exist
     before the step and stay; what the runtime holds is held (module docstring); op indices moved."""
     used = {v.storage_id for op in ops for v in (*op.outputs, *op.input_values())}
@@ -273,9 +312,14 @@ def _stage_storages(graph: StepGraph, stages, stage: int, last: bool, ops, new_i
             fields.update(preexisting=True, persistent=True, released_after_op=None, held_until_op=None)
         elif last and made_by_stage == stage and made_phase is Phase.FORWARD and graph.ops[made_by].module \
                 and sid in read_by_root_forward:
-            # the last stage's output, read by the schedule's loss function: kept for its backward
+            # the last stage's output, read by the schedule's loss function: kept for its backward, or with
+            # return_outputs in `output_chunks` until the next step clears them
             micro_batch = graph.ops[made_by].micro_batch or 1
-            fields.update(held_until_op=max(fields["held_until_op"] or 0, backward_end.get(micro_batch, 0)))
+            outputs.append(sid)
+            if return_outputs:
+                fields.update(persistent=True, released_after_op=None)
+            else:
+                fields.update(held_until_op=max(fields["held_until_op"] or 0, backward_end.get(micro_batch, 0)))
         elif made_by_stage == stage and any(s not in (stage, None) for _, s in read_by):
             if made_phase is Phase.BACKWARD:
                 # the gradient of a received input: the send that hands it on holds it until the schedule
