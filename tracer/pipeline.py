@@ -133,7 +133,7 @@ class AnalysisOptions:
         check_offload(self.offload, accumulate=self.accumulate, zero_grad_set_to_none=self.zero_grad_set_to_none,
                       shard=self.shard, policies=self.policies)
         self.tensor_parallel_setup()
-        self.pipeline_setup()
+        self.pipeline_setup(check_batch=False)        # --fit varies the batch in multiples of the micro-batches
         if self.lora_targets and self.lora_rank is None:
             raise UsageError("--lora-targets needs --lora RANK", hint="e.g. --lora 8 --lora-targets q_proj,v_proj")
         self.policy_specs()
@@ -276,8 +276,9 @@ class AnalysisOptions:
         pipeline's sends and receives (--pp > 1)."""
         return int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1) + int(self.pp > 1)
 
-    def pipeline_setup(self):
-        """The pipeline-parallel view's setup, or None (pp=1). Raises UsageError for what it cannot take."""
+    def pipeline_setup(self, *, check_batch: bool = True):
+        """The pipeline-parallel view's setup, or None (pp=1). Raises UsageError for what it cannot take
+        (`check_batch`: a batch the micro-batches do not split)."""
         from tracer.errors import UsageError
         from tracer.passes.pipeline_parallel import PipelineSetup
         if self.pp == 1:
@@ -287,7 +288,7 @@ class AnalysisOptions:
                                  hint="e.g. --pp 4 --microbatches 8 --pp-schedule 1f1b")
             return None
         microbatches = self.microbatches or self.pp
-        if self.batch % microbatches:
+        if check_batch and self.batch % microbatches:
             raise UsageError(f"--pp: --batch {self.batch} does not split into {microbatches} micro-batches",
                              hint="pick a --batch that --microbatches divides (each micro-batch is batch / M)")
         refused = [flag for flag, given in (("--accumulate", self.accumulate > 1), ("--shard", self.shard is not None),

@@ -79,6 +79,8 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
     budget_bytes = None if from_device else parse_budget(budget)
     margin_bytes = _parse_margin(margin)
     dimension = "batch" if batch is None else "seq"
+    if dimension == "batch" and options.get("pp", 1) > 1:       # a pipeline splits the batch into micro-batches
+        multiple = max(multiple, options.get("microbatches") or options["pp"])
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
     runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None))

@@ -44,7 +44,7 @@ def test_the_embedding_goes_to_the_first_stage_and_the_head_and_loss_to_the_last
 
 def test_pp_refuses_what_it_does_not_model_and_a_batch_it_cannot_split():
     with pytest.raises(UsageError, match="does not split into 3 micro-batches"):
-        AnalysisOptions(batch=4, seq=16, pp=2, microbatches=3)
+        AnalysisOptions(batch=4, seq=16, pp=2, microbatches=3).capture_options()
     with pytest.raises(UsageError, match="--shard"):
         AnalysisOptions(batch=4, seq=16, pp=2, shard="fsdp", world_size=2)
     with pytest.raises(UsageError, match="--policy full"):
@@ -67,3 +67,13 @@ def test_the_report_describes_the_busiest_stage_and_names_every_stages_peak():
     notes = analysis.policies["eager"].graph.config.notes
     assert any(n.startswith("pipeline stages' peaks: stage 1") for n in notes)
     assert any("the rank of stage" in n for n in notes)
+
+
+@pytest.mark.slow
+def test_fit_searches_batches_the_micro_batches_split():
+    from tracer.planning import fit_budget
+    budget = tracer.analyze("llama-debug", batch=8, seq=16, target="cpu", pp=2,
+                            microbatches=4).policies["eager"].peak_bytes
+    report = fit_budget("llama-debug", budget, seq=16, policies=("eager",), target="cpu", pp=2, microbatches=4)
+    result = report.results["eager"]
+    assert result.largest == 8 and result.next_size == 12
