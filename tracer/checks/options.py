@@ -135,7 +135,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, only_given: bool = F
         elif option.kind is not None:
             parser.add_argument(option.flag, dest=option.name, default=default, help=option.help,
                                 type=int if option.kind == "count" else comma_names,
-                                metavar="RANK" if option.kind == "count" else "NAMES")
+                                metavar=option.name.rsplit("_", 1)[-1].upper() if option.kind == "count" else "NAMES")
         elif isinstance(option.default, int):
             parser.add_argument(option.flag, dest=option.name, type=int, default=default, help=option.help)
         elif option.choices is None:
