@@ -142,11 +142,13 @@ def test_the_op_by_op_run_follows_lightnings_loop():
         assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)
 
 
-def test_bf16_mixed_runs_autocast_without_its_weight_cast_cache():
-    """Lightning's "bf16-mixed" enters torch.autocast(cache_enabled=False): each bf16 copy of a weight is
-    freed after its last use instead of living to the end of the forward."""
-    predicted = _predicted({}, precision="bf16")
-    measured = _lightning_fit_peaks({}, at=2, precision="bf16-mixed")
+@pytest.mark.parametrize("precision, lightning_precision", [("bf16", "bf16-mixed"), ("fp16", "16-mixed")])
+def test_mixed_precision_runs_autocast_without_its_weight_cast_cache(precision, lightning_precision):
+    """Lightning's mixed precision enters torch.autocast(cache_enabled=False): each low-precision copy of a
+    weight is freed after its last use instead of living to the end of the forward; "16-mixed" scales the
+    loss with a GradScaler as --precision fp16 does."""
+    predicted = _predicted({}, precision=precision)
+    measured = _lightning_fit_peaks({}, at=2, precision=lightning_precision)
     for phase in ("forward", "backward", "optimizer"):
         assert abs(predicted[phase] - measured[phase]) <= SCALARS, (phase, predicted, measured)
 
