@@ -132,8 +132,9 @@ def test_the_device_view_is_per_rank_under_sharding():
     extras = sum(n for _, n in rank.extra)
     assert rank.peak_bytes == result.sharded.peak_bytes + extras
     assert rank.before_bytes == result.sharded.start_bytes + extras
-    # the h100 (the default GPU): the total it reports, less the CUDA context
-    assert rank.capacity_bytes == GPUS["h100"].memory_bytes - CUDA_CONTEXT_BYTES and whole.capacity_bytes is None
+    # the h100 (the default GPU): the total it reports, less the CUDA context and one NCCL communicator's buffers
+    assert rank.capacity_bytes == (GPUS["h100"].memory_bytes - CUDA_CONTEXT_BYTES
+                                   - GPUS["h100"].nccl_communicator_bytes) and whole.capacity_bytes is None
     replay = simulate_allocator(result.sharded.requests)          # the stream balances and its peak is the sweep's
     assert replay.requested_peak_bytes == result.sharded.peak_bytes
     assert rank.peak_bytes < whole.peak_bytes
