@@ -494,6 +494,7 @@ class StepModule(nn.Module):
         self._precision = precision              # set: the loss is scaled as GradScaler scales it (fp16)
         self.handed_over: str | None = None        # how the last forward handed the loss over, when not bare
         self.loss_position: int | None = None      # the loss's position when forward returned a tuple or list
+        self.others_noted = False                  # what the loop keeps of the other outputs is noted elsewhere
 
     def forward(self, *batch):
         from tracer.capture.precision import scaled_loss
@@ -503,7 +504,9 @@ class StepModule(nn.Module):
         from tracer.capture.lightning_loop import is_lightning_module, training_step_loss
         model = getattr(self, WRAPPED_ATTR)
         if is_lightning_module(model):
+            # what Lightning's loop keeps of the rest is caller_held.py's note
             self.handed_over = "training_step(batch, batch_idx)'s loss, as Lightning's loop takes it"
+            self.others_noted = True
             with _transformers_masks_as_in_eager():
                 loss, out = training_step_loss(model, batch, self._batch_keys)
             self._keep_outputs(out)
@@ -542,9 +545,7 @@ class StepModule(nn.Module):
     def notes(self) -> tuple[str, ...]:
         if self.handed_over is None:
             return ()
-        if self.handed_over.startswith("training_step"):
-            return (f"the loss is {self.handed_over}",)
-        if self.loss_position is not None:    # what the loop holds of the rest: caller_held.py's notes
+        if self.loss_position is not None or self.others_noted:   # what the loop holds: caller_held.py's notes
             return (f"the loss is {self.handed_over}",)
         return (f"the loss is {self.handed_over}; the other outputs are dropped as the loss is taken "
                 "(`loss = model(**batch).loss`, as the Hugging Face Trainer does); a loop that keeps them holds "

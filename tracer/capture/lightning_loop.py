@@ -1,7 +1,7 @@
 """Lightning's training loop: a model whose `build_model()` returns a `LightningModule` is stepped as
 Lightning's automatic optimization steps it.
 
-    loss = training_step(batch, batch_idx) / accumulate_grad_batches     a Tensor, or a mapping's "loss"
+    loss = training_step(batch, batch_idx) / normalize     a Tensor, or a mapping's "loss"; one 0-dim division
     optimizer.zero_grad()                                                  after forward, before backward
     loss.backward()
     optimizer.step()
@@ -16,9 +16,10 @@ file defines no `make_optimizer`: an optimizer, a one-element list or tuple, a d
 What the loop's order means for memory: the gradients the previous step made are not dropped at the end of
 that step but by the zero_grad inside this step's closure, after the forward. In a steady step they are
 held through the whole forward (and, on the device, beside its activations), and the gradients this step
-makes outlive it. caller_held.py's `hold_previous_gradients` puts that on the captured step's storages. A mapping's tensors
-besides the loss are kept in the closure's result until the step ends (`training_step_extras`, held as
-caller_held.py holds a loop's kept outputs); nothing of a step is held into the next one's forward. Under
+makes outlive it; caller_held.py's `hold_previous_gradients` puts that on the captured step's storages. A
+mapping's tensors besides the loss are kept in the closure's result until the step ends
+(`training_step_extras`, held as caller_held.py holds a loop's kept outputs); nothing of a step is held
+into the next one's forward. Under
 `--precision bf16|fp16` (Lightning's "bf16-mixed" / "16-mixed") its autocast runs with the weight-cast
 cache off (`autocast_cache_enabled`).
 
@@ -31,8 +32,8 @@ on a GPU run).
 
 With `--accumulate N` (`accumulate_grad_batches`) the loop takes one batch at a time: a micro-batch's inputs
 reach the device when its turn comes and are dropped when the next one's are bound, after its backward
-(caller_held.py's `inputs_at_their_turn`), where --accumulate's own rule holds every micro-batch's inputs from the start of the
-step (the Hugging Face Trainer fetches a whole accumulation window first).
+(caller_held.py's `inputs_at_their_turn`), where --accumulate's own rule holds every micro-batch's inputs
+from the start of the step (the Hugging Face Trainer fetches a whole accumulation window first).
 """
 from __future__ import annotations
 

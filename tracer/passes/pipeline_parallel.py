@@ -9,7 +9,8 @@ micro-batch, the gradients accumulate from the second on). The model's repeated 
 `stages` contiguous runs of (nearly) equal length, as a manual split does (torchtitan's); what runs before
 the first block (the embedding) is the first stage's, what runs after the last (the final norm, the head and
 the loss) the last stage's, and code outside any block between two (a residual sum, in backward the sum of
-a gradient's contributions) the stage of the block before it in its pass. A stage's rank runs its own ops of each micro-batch in the schedule's order:
+a gradient's contributions) the stage of the block before it in its pass. A stage's rank runs its own ops
+of each micro-batch in the schedule's order:
 
 * `gpipe` (ScheduleGPipe): every forward, then every backward;
 * `1f1b` (Schedule1F1B): `min(microbatches, stages - stage)` forwards, then one backward and one forward in
@@ -33,9 +34,9 @@ With `return_outputs` (torch's default for `step()`), the last stage keeps every
 after the last backward (a loop that does not keep it drops it at once); without, each output is let go after
 its backward.
 
-Not modelled: interleaved and zero-bubble schedules, a tensor that every stage computes for itself (a rotary table made before the first block is
-taken as received), and send/receive staging buffers of the communication backend (none on gloo for CPU
-tensors). Per-stage FLOPs stay the whole step's.
+Not modelled: interleaved and zero-bubble schedules, a tensor that every stage computes for itself (a rotary
+table made before the first block is taken as received), and send/receive staging buffers of the
+communication backend (none on gloo for CPU tensors). Per-stage FLOPs stay the whole step's.
 """
 from __future__ import annotations
 
@@ -191,11 +192,9 @@ def _output_sends_held_until(ops, schedule: str, backward_end: dict[int, int], l
     loop ends, after the backward that follows the last forward."""
     if schedule == "gpipe":
         return dict.fromkeys(backward_end, last_backward)
-    forwards = [op.micro_batch or 1 for op in ops if op.phase is Phase.FORWARD]
     actions = list(dict.fromkeys((op.phase, op.micro_batch or 1) for op in ops if op.phase is not Phase.OPTIMIZER))
-    first_backward = next((i for i, (phase, _) in enumerate(actions) if phase is Phase.BACKWARD), len(actions))
-    warmup = first_backward
-    if warmup < 2 or not forwards:
+    warmup = next((i for i, (phase, _) in enumerate(actions) if phase is Phase.BACKWARD), len(actions))
+    if warmup < 2:
         return {}
     last_forward = max(i for i, (phase, _) in enumerate(actions) if phase is Phase.FORWARD)
     loop_end = next((m for phase, m in actions[last_forward + 1:] if phase is Phase.BACKWARD), None)
