@@ -251,6 +251,8 @@ def style_names() -> list[str]:
 
 class DefaultConfigBroken(Exception):
     """transformers cannot build the architecture from its own default config: not a model the sweep tries."""
+    status = "skipped (default config)"
+    why = "transformers' default config does not build"
 
 
 def source_for(name: str, shrink: str | None = "tiny"):
@@ -332,13 +334,15 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:220]
 
 
-def run_one(name: str, time_limit_s: int) -> Row:
+def run_one(name: str, time_limit_s: int, runnable=None) -> Row:
+    """One row: `runnable(name)` gives (source, shrink) whose real model runs (default runnable_source), then
+    the prediction and the real step are compared. Sibling sweeps (wild_vision.py) pass their own."""
     row, stage = Row(name), "build"
     start = time.perf_counter()
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(time_limit_s)
     try:
-        source, row.shrink = runnable_source(name)
+        source, row.shrink = (runnable or runnable_source)(name)
         torch.manual_seed(0)
         model = source.build_model()
         routers = [m for m in model.modules() if is_topk_router(m)]
@@ -366,7 +370,9 @@ def run_one(name: str, time_limit_s: int) -> Row:
         batch = source.example_batch(BATCH, SEQ)
         # the loss as tracer takes it (a tuple's 0-dim loss, a mapping's "loss"), and the loop as tracer
         # assumes it: a returned tuple's other outputs stay bound until the next forward returns
-        keep = source.keep if source.keep is not None else outputs_besides(None, source.loss_index)
+        # (a loss_fn takes the outputs whole: the step keeps none of them, as tracer's default loop assumes)
+        keep = (source.keep if source.keep is not None
+                else outputs_besides(None, source.loss_index) if source.loss_fn is None else None)
         step = StepModule(built_model, loss_fn=source.loss_fn, loss_index=source.loss_index, keep=keep)
         optimizer = torch.optim.AdamW(built_model.parameters(), lr=1e-3)    # torch's default on CPU
         with choosing:
@@ -379,7 +385,7 @@ def run_one(name: str, time_limit_s: int) -> Row:
             row.reason = ", ".join(f"{k} {row.predicted[k] - row.measured[k]:+,}" for k in ("saved",) + PHASES
                                    if row.predicted[k] != row.measured[k])
     except DefaultConfigBroken as exc:
-        row.status, row.reason = "skipped (default config)", str(exc)
+        row.status, row.reason = exc.status, str(exc)
     except (Exception, TimeLimit) as exc:          # the sweep reports every failure and goes on
         row.status, row.reason = "fail", f"{stage}: {_one_line(exc)}"
     finally:
@@ -406,13 +412,14 @@ HEADER = (f"{'model':<34} {'built':<5} {'traced':<14} {'peak KiB p/m':>17} {'for
           f"{'optimizer':>17} {'saved':>17} {'sec':>6}  status")
 
 
-def summary(rows: list[Row]) -> str:
-    statuses = ("exact", "off", "fail", "skipped (default config)")
-    counts = {s: sum(r.status == s for r in rows) for s in statuses}
-    tried = len(rows) - counts["skipped (default config)"]
+def summary(rows: list[Row], skips=(DefaultConfigBroken,)) -> str:
+    """The summary line; `skips` are the skip exceptions whose rows are not counted as tried."""
+    counts = {s: sum(r.status == s for r in rows) for s in ("exact", "off", "fail")}
+    skipped = [(sum(r.status == skip.status for r in rows), skip.why) for skip in skips]
+    tried = len(rows) - sum(n for n, _ in skipped)
     return (f"{tried} models tried: {counts['exact']} exact ({100 * counts['exact'] / max(tried, 1):.0f}%), "
             f"{counts['off']} off, {counts['fail']} fail; "
-            f"{counts['skipped (default config)']} skipped (transformers' default config does not build)")
+            + "; ".join(f"{n} skipped ({why})" for n, why in skipped))
 
 
 def main(argv=None) -> int:
@@ -430,21 +437,29 @@ def main(argv=None) -> int:
         names = style_names() + hf_names()
     if args.limit:
         names = names[:args.limit]
+    sweep(names, args.time_limit, args.json)
+    return 0
+
+
+def sweep(names: list[str], time_limit_s: int, json_path: str | None, runnable=None,
+          skips=(DefaultConfigBroken,)) -> list[Row]:
+    """Runs `run_one` on each name, printing each row as it comes (and rewriting `json_path`), then the
+    summary line and every row that is not exact."""
     rows = []
     print(HEADER, flush=True)
     for name in names:
-        row = run_one(name, args.time_limit)
+        row = run_one(name, time_limit_s, runnable)
         rows.append(row)
         print(render_row(row), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
+        if json_path:
+            with open(json_path, "w") as f:
                 json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
     print()
-    print(summary(rows))
+    print(summary(rows, skips))
     for row in rows:
         if row.status != "exact":
             print(f"  {row.name}: {row.status}: {row.reason}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -158,8 +158,9 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")
     tracker.track_existing(list(model.buffers()), "buffer")
-    kept = [v for m in model.modules() for k, v in vars(m).items()
-            if isinstance(v, torch.Tensor) and k not in m._parameters and k not in m._buffers]
+    kept = [t for m in model.modules() for k, v in vars(m).items()
+            if k not in ("_parameters", "_buffers", "_modules") for t in _held_tensors(v)
+            if not isinstance(t, torch.nn.Parameter)]
     tracker.track_existing(kept, "module attribute")      # tensors a previous step left on module attributes
     del kept                                               # (holding them here would keep them alive)
     tracker.track_existing(_batch_tensors(batch), "input")
@@ -287,6 +288,17 @@ def _checkpoint_holds_counted(saved: _SavedStorages):
     finally:
         ckpt._checkpoint_without_reentrant_generator = real
         ckpt.CheckpointFunction.forward = staticmethod(real_forward)
+
+
+def _held_tensors(value) -> list[torch.Tensor]:
+    """The tensors a module attribute holds: itself, or the elements of a list, tuple or dict."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    if isinstance(value, dict):
+        return [v for v in value.values() if isinstance(v, torch.Tensor)]
+    return []
 
 
 def _batch_tensors(batch: tuple) -> list[torch.Tensor]:

@@ -39,3 +39,13 @@ def test_checkpointing_written_in_the_model_is_simulated_under_eager():
     notes = [n for n in predicted.graph.config.notes if n.startswith("checkpointed region")]
     assert notes == [f"checkpointed region {i}: module blocks.{i} (called at user_checkpoint.py:18), non-reentrant, "
                      "full" for i in range(2)]
+
+
+def test_tensors_kept_in_a_list_or_dict_on_a_module_outlive_the_step():
+    """A list built by a method called directly on a submodule (its first element a reshaped view) and a
+    dict on the root: each element is held from the op that made it until the next step replaces it."""
+    predicted = _compare("attribute_pyramid.py", rel=0.0)
+    kept = [note.split(" keeps")[0] for note in predicted.graph.config.notes if "past the step" in note]
+    assert sorted(kept) == ["pyramid.levels[0]", "pyramid.levels[1]", "pyramid.levels[2]",
+                            "the model.last['hidden']"]
+    assert predicted.end_bytes == predicted.start_bytes + 4  # new values replace the old; + the 4-byte loss

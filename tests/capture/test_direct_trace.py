@@ -60,15 +60,28 @@ def test_the_direct_trace_equals_the_exported_one(model, precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["user_checkpoint.py", "attribute_cache.py"])
-def test_a_model_the_direct_trace_cannot_observe_is_exported(fixture):
-    """Export drops torch.utils.checkpoint and tensors kept on module attributes, and tracer re-applies both
-    from a fake run of the forward; the direct trace has no such run, so these models take the export
-    path, quietly (no note: nothing failed)."""
-    graphs = capture_steps(load_model_source(os.path.join(FIXTURES, fixture)),
+def test_a_model_that_checkpoints_is_exported():
+    """Export drops torch.utils.checkpoint, and tracer re-applies it from a fake run of the forward; the
+    direct trace has no such run, so the model takes the export path, quietly (no note: nothing failed)."""
+    graphs = capture_steps(load_model_source(os.path.join(FIXTURES, "user_checkpoint.py")),
                            CaptureOptions(batch=2, seq=16), (PolicySpec(name="eager"),))
     assert graphs["eager"].config.capture_path == "export-joint"
     assert not any("next capture path" in note for note in graphs["eager"].config.notes)
+
+
+@pytest.mark.slow
+def test_tensors_kept_on_module_attributes_keep_the_direct_trace():
+    """The direct trace counts the tensors the forward stores on module attributes, and one plain fake run
+    of the forward then says which and where: the model keeps the direct path, and its step is the
+    exported one's, the kept tensors included."""
+    model = os.path.join(FIXTURES, "attribute_cache.py")
+    options = CaptureOptions(batch=2, seq=16)
+    direct = _capture(model, options, ("eager",), direct=True)
+    exported = _capture(model, options, ("eager",), direct=False)
+    assert direct["eager"].config.capture_path == "aot-joint"
+    assert _signature(direct["eager"]) == _signature(exported["eager"])
+    kept = [note for note in direct["eager"].config.notes if "keeps a" in note and "past the step" in note]
+    assert [note.split(" keeps")[0] for note in kept] == ["blocks.0.cache", "blocks.1.cache"]
 
 
 def test_batchnorm_buffers_and_a_module_under_two_names():

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import warnings
 
 from tracer.capture.accumulation import KeptPairs, MicroBatch, chain_micro_batches
@@ -718,7 +719,7 @@ def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, st
         op_index = _producer_of(attr, ops)
         if op_index is None:
             continue
-        value = next(v for v in ops[op_index].outputs if v.shape == attr.shape)
+        value = next(v for v in ops[op_index].outputs if _holds_attribute(v, attr))
         table.update(value.storage_id, persistent=True)
         previous = None
         if steady:
@@ -729,17 +730,32 @@ def _keep_attribute_tensors(kept, ops: list[OpDraft], table: StorageTable, *, st
     return tuple(pairs)
 
 
+def _holds_attribute(value, attr) -> bool:
+    """An op's output is the kept tensor's storage: its shape, or its element count where the module keeps
+    a view of it (`self.pyramid = [corr.reshape(...)]`)."""
+    return value.shape == attr.shape or (math.prod(value.shape) == math.prod(attr.shape)
+                                         and value.dtype == str(attr.dtype).removeprefix("torch."))
+
+
 def _producer_of(attr, ops: list[OpDraft]) -> int | None:
-    """The last forward op of the attribute's module on its source line that outputs a tensor of its shape."""
+    """The last forward op of the attribute's module on its source line that outputs the kept tensor
+    (`_holds_attribute`)."""
     if attr.source is None:
         return None
     found = None
     for i, d in enumerate(ops):
-        in_module = d.module == attr.module or d.module.startswith(attr.module + ".") or not attr.module
+        # the op runs inside the attribute's module, or in an enclosing one whose forward calls a method of
+        # it directly (`self.corr_block.build_pyramid(...)` does not enter the module's call)
+        in_module = _nested(d.module, attr.module) or _nested(attr.module, d.module)
         if (d.phase is Phase.FORWARD and in_module and d.source is not None and d.source.file == attr.source.file
-                and d.source.line == attr.source.line and any(v.shape == attr.shape for v in d.outputs)):
+                and d.source.line == attr.source.line and any(_holds_attribute(v, attr) for v in d.outputs)):
             found = i
     return found
+
+
+def _nested(inner: str, outer: str) -> bool:
+    """Module path `inner` is `outer` or inside it ("" is the root)."""
+    return not outer or inner == outer or inner.startswith(outer + ".")
 
 
 def _eager_reduced_loss_storages(ops: list[OpDraft], table: StorageTable) -> None:

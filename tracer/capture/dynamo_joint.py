@@ -42,7 +42,7 @@ from torch import nn
 
 from tracer.capture.build import step_module
 from tracer.capture.precision import autocast_context
-from tracer.capture.joint import (JointCapture, _export_message, _observe_forward, _tensor_attributes,
+from tracer.capture.joint import (JointCapture, _export_message, _observe_forward, AttributeSnapshot,
                                   build_fake)
 from tracer.capture.model_input import ModelSource
 from tracer.errors import CaptureError
@@ -112,13 +112,11 @@ def _compile_once(traced: nn.Module, args: tuple, fake_mode, precision: str, dev
 @contextlib.contextmanager
 def _attributes_restored(module: nn.Module):
     """The compiled call replays the forward's `self.cache = h`: leave the model's attributes as they were."""
-    before = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
+    before = AttributeSnapshot(module)
     try:
         yield
     finally:
-        for m in module.modules():
-            for attr, _ in list(_tensor_attributes(m)):
-                setattr(m, attr, before.get(id(m), {}).get(attr))
+        before.restore()
 
 
 def _first_output_is_a_loss(joint: torch.fx.GraphModule) -> bool:

@@ -90,9 +90,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
                  target: str = "cpu", direct: bool = False, offload_activations: bool = False) -> JointCapture:
     """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py).
     `direct`: trace the joint graph from the module itself, with tracer's own source metadata
-    (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and no separate fake run of
-    the forward. Models whose forward runs torch.utils.checkpoint or keeps tensors on module attributes
-    are left to the export rungs (`_trace_directly`). `offload_activations` (direct only): the forward and
+    (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and a separate fake run of
+    the forward only where it keeps tensors on module attributes (`_observe_forward` says which). Models
+    whose forward runs torch.utils.checkpoint are left to the export rungs (`_trace_directly`). `offload_activations` (direct only): the forward and
     loss are traced inside save_on_cpu(pin_memory=True), as --offload activations runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -105,8 +105,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     stack = contextlib.ExitStack()
     if direct:
         with record_executed_lines(_is_user_file, traced) as executed:
-            jd = _trace_directly(stack, traced, args, precision, device, source, offload_activations)
-        seen, leaves = _NOTHING_SEEN, ()
+            jd, kept_tensors = _trace_directly(stack, traced, args, precision, device, source, offload_activations)
+        # a forward that keeps tensors on module attributes runs once more, plainly, to say which and where
+        seen, leaves = _observe_forward(traced, args, fake_mode, source) if kept_tensors else _NOTHING_SEEN, ()
     else:
         with record_executed_lines(_is_user_file) as executed:
             seen = _observe_forward(traced, args, fake_mode, source)
@@ -133,9 +134,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
 
 def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple, precision: str, device,
                     source: ModelSource, offload_activations: bool = False):
-    """The joint graph traced from the module itself, for a forward that runs no torch.utils.checkpoint,
-    keeps no tensor on a module attribute and returns a scalar loss: that forward needs no separate fake
-    run (`_observe_forward`). Anything else raises a quiet CaptureError, and the export rungs, which
+    """(joint graph, how many tensors the forward stored on module attributes): the joint graph traced from
+    the module itself, for a forward that runs no torch.utils.checkpoint, makes no leaf that requires grad
+    and returns a scalar loss. Anything else raises a quiet CaptureError, and the export rungs, which
     observe the forward first, take the model (and give its errors with the user's line)."""
     from tracer.capture.forward_leaves import ForwardLeafRecorder
     names = {id(m): normalize_module_path(path) for path, m in traced.named_modules()}
@@ -167,12 +168,12 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
         raise CaptureError(f"{exception_location(exc)}: tracing the joint forward+backward graph of {source.name} from the "
                            f"module failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                            hint="see --verbose", next_rung_may_work=True, direct=True) from exc
-    if calls or kept_tensors or leaves.tensors or not _returns_scalar_loss(jd.graph_module):
+    if calls or leaves.tensors or not _returns_scalar_loss(jd.graph_module):
         stack.close()
-        raise CaptureError(f"{source.name}: the forward checkpoints, keeps a tensor on a module, makes a leaf "
-                           "that requires grad or returns no scalar loss: it is exported, which observes the "
-                           "forward first (and lifts the leaf as an input)", next_rung_may_work=True, quiet=True)
-    return jd
+        raise CaptureError(f"{source.name}: the forward checkpoints, makes a leaf that requires grad or returns "
+                           "no scalar loss: it is exported, which observes the forward first (and lifts the leaf "
+                           "as an input)", next_rung_may_work=True, quiet=True)
+    return jd, kept_tensors
 
 
 def _failing_custom_backward(exc: BaseException) -> str | None:
@@ -238,7 +239,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
     linecache.checkcache()
     tied = _tied_parameters_once(module) if source_meta else contextlib.nullcontext()
     unpacking = meta.lifetimes.unpacking() if source_meta else contextlib.nullcontext()
-    attributes = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
+    attributes = AttributeSnapshot(module)
     try:
         # a lazy graph module: tracer reads the graph and never runs it, so no Python code is generated
         with autocast, cuda_capture(device, precision), meta, tied, _use_lazy_graph_module(True), \
@@ -251,11 +252,7 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
         jd.saved_packs = resolve_packs(meta.lifetimes.take_packs(), jd.graph_module) if source_meta else None
         jd.foreign_saved_hooks = tuple(sorted(meta.lifetimes.foreign_hooks)) if source_meta else ()
     finally:
-        kept_tensors = 0
-        for m in module.modules():      # the trace re-runs `self.cache = h`: leave the model as it was
-            for attr, t in list(_tensor_attributes(m)):
-                kept_tensors += attributes.get(id(m), {}).get(attr) is not t
-                setattr(m, attr, attributes.get(id(m), {}).get(attr))
+        kept_tensors = attributes.restore()     # the trace re-runs `self.cache = h`: leave the model as it was
     return jd, kept_tensors
 
 
@@ -476,18 +473,18 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
         producer_line = _ProducerLines()
         changed = _run_forward(module, args, fake_mode, source, producer_line)
     kept = []
-    for m, attr, t in changed:
+    for m, label, t in changed:
         storage = t.untyped_storage()
-        kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=attr,
+        kept.append(KeptAttribute(module=normalize_module_path(names.get(id(m), "")), attribute=label,
                                   nbytes=storage.nbytes(), shape=tuple(t.shape), dtype=t.dtype,
                                   source=producer_line.lines.get(storage._cdata)))
     return ForwardObservations(tuple(calls), tuple(kept))
 
 
 def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource, context) -> list:
-    """One fake forward under `context`; returns (module, attribute, tensor) for each tensor it stored on
-    a module attribute, and leaves the model as it was."""
-    before = {id(m): dict(_tensor_attributes(m)) for m in module.modules()}
+    """One fake forward under `context`; returns (module, label, tensor) for each tensor it stored on
+    a module attribute (`_tensor_attributes`), and leaves the model as it was."""
+    before = AttributeSnapshot(module)
     try:
         with fake_mode, context:           # a dispatch-mode context must sit above the fake mode
             out = module(*args)
@@ -506,20 +503,65 @@ def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource,
         got = type(out).__name__ if not isinstance(out, torch.Tensor) else f"a tensor of shape {tuple(out.shape)}"
         raise ModelRunError(f"forward of {source.name} returned {got}, not a scalar loss",
                             hint="return the loss from forward, or define loss_fn(output, target) in the model file")
-    changed = []
-    for m in module.modules():
-        for attr, t in list(_tensor_attributes(m)):
-            if before.get(id(m), {}).get(attr) is not t:
-                changed.append((m, attr, t))
-                setattr(m, attr, before.get(id(m), {}).get(attr))    # leave the model as it was
+    changed = [(m, label, t) for m, _, label, t in before.changed()]
+    before.restore()                       # leave the model as it was
     return changed
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))     # _parameters, _buffers, _modules, the hook dicts, ...
+
+
 def _tensor_attributes(m: nn.Module):
-    params, buffers = set(m._parameters), set(m._buffers)
+    """(attribute, label, tensor) for each tensor a module holds besides its parameters and buffers: a plain
+    attribute (`self.cache = h`: label `cache`), or an element of a list, tuple or dict attribute
+    (`self.pyramid = [a, b]`: `pyramid[0]`, `pyramid[1]`; torchvision's RAFT keeps its correlation pyramid
+    so)."""
     for attr, value in vars(m).items():
-        if isinstance(value, torch.Tensor) and attr not in params and attr not in buffers:
-            yield attr, value
+        if attr in _MODULE_INTERNALS or attr in m._parameters or attr in m._buffers:
+            continue
+        if isinstance(value, torch.Tensor):
+            yield attr, attr, value
+            continue
+        items = (enumerate(value) if isinstance(value, (list, tuple))
+                 else value.items() if isinstance(value, dict) else ())
+        for key, element in items:
+            if isinstance(element, torch.Tensor) and not isinstance(element, nn.Parameter):
+                yield attr, f"{attr}[{key!r}]", element
+
+
+class AttributeSnapshot:
+    """The tensors every module of `module` holds on attributes (`_tensor_attributes`), taken before a run
+    of the forward, so that what the run stored can be listed (`changed`) and undone (`restore`): a
+    container attribute gets its object and its contents back."""
+
+    def __init__(self, module: nn.Module):
+        self._modules = list(module.modules())
+        self._tensors = {id(m): {label: t for _, label, t in _tensor_attributes(m)} for m in self._modules}
+        self._objects = {id(m): {attr: (value, _contents(value)) for attr, value in vars(m).items()
+                                 if attr not in _MODULE_INTERNALS} for m in self._modules}
+
+    def changed(self) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+        """(module, attribute, label, tensor) for each tensor held now that was not held under its label."""
+        return [(m, attr, label, t) for m in self._modules for attr, label, t in list(_tensor_attributes(m))
+                if self._tensors[id(m)].get(label) is not t]
+
+    def restore(self) -> int:
+        """Puts back every attribute whose tensors changed; returns how many tensors had changed."""
+        changed = self.changed()
+        for m, attr in {(m, attr): None for m, attr, _, _ in changed}:
+            value, contents = self._objects[id(m)].get(attr, (None, None))
+            if isinstance(value, list):
+                value[:] = contents
+            elif isinstance(value, dict):
+                value.clear()
+                value.update(contents)
+            setattr(m, attr, value)
+        return len(changed)
+
+
+def _contents(value):
+    """A shallow copy of a list's or dict's contents (a forward may append to a list it keeps)."""
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else None
 
 
 class _ProducerLines(torch.utils._python_dispatch.TorchDispatchMode):
