@@ -15,7 +15,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "sgd-plain", "adafactor", 
 OFFLOAD_MODES = ("optimizer", "optimizer+params", "activations")  # tracer.capture.offload, activation_offload
 QUANTIZED_BASES = ("4bit", "8bit")                                # tracer.capture.quantized_base
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")      # tracer.capture.float8
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")                             # tracer.passes.pipeline_parallel
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")         # tracer.passes.pipeline_parallel
 PRECISIONS = ("fp32", "bf16", "bf16-pure", "fp16")             # tracer.capture.precision
 TARGET_DEVICES = ("cpu", "cuda")                                # tracer.capture.target
 

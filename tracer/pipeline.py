@@ -73,6 +73,7 @@ class AnalysisOptions:
     microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
     pp_schedule: str = MODEL_DEFAULTS["pp_schedule"]      # with pp: 1f1b | gpipe
     pp_return_outputs: bool = MODEL_DEFAULTS["pp_return_outputs"]   # with pp: step(return_outputs=...)
+    pp_local_stages: int | None = MODEL_DEFAULTS["pp_local_stages"]   # interleaved-1f1b: stages per rank (None: 2)
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method
     full_capture: bool = MODEL_DEFAULTS["full_capture"]   # every block captured, no synthesized depth
 
@@ -226,6 +227,7 @@ class AnalysisOptions:
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
                 "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "pp": self.pp, "microbatches": self.microbatches,
                 "pp_schedule": self.pp_schedule, "pp_return_outputs": self.pp_return_outputs,
+                "pp_local_stages": self.pp_local_stages,
                 "gradient_checkpointing": self.gradient_checkpointing}
 
     def plain(self) -> dict:
@@ -283,10 +285,15 @@ class AnalysisOptions:
         from tracer.passes.pipeline_parallel import PipelineSetup
         if self.pp == 1:
             if self.microbatches is not None or self.pp_schedule != MODEL_DEFAULTS["pp_schedule"] \
-                    or self.pp_return_outputs != MODEL_DEFAULTS["pp_return_outputs"]:
-                raise UsageError("--microbatches, --pp-schedule and --no-pp-return-outputs need --pp N with N > 1",
-                                 hint="e.g. --pp 4 --microbatches 8 --pp-schedule 1f1b")
+                    or self.pp_return_outputs != MODEL_DEFAULTS["pp_return_outputs"] \
+                    or self.pp_local_stages is not None:
+                raise UsageError("--microbatches, --pp-schedule, --pp-local-stages and --no-pp-return-outputs need "
+                                 "--pp N with N > 1", hint="e.g. --pp 4 --microbatches 8 --pp-schedule 1f1b")
             return None
+        interleaved = self.pp_schedule == "interleaved-1f1b"
+        if self.pp_local_stages is not None and not interleaved:
+            raise UsageError(f"--pp-local-stages: --pp-schedule {self.pp_schedule} holds one stage on each rank",
+                             hint="add --pp-schedule interleaved-1f1b, or drop --pp-local-stages")
         microbatches = self.microbatches or self.pp
         if check_batch and self.batch % microbatches:
             raise UsageError(f"--pp: --batch {self.batch} does not split into {microbatches} micro-batches",
@@ -300,7 +307,8 @@ class AnalysisOptions:
                              hint="pipeline stages are simulated on the eager step alone; drop "
                                   + ", ".join(refused))
         return PipelineSetup(stages=self.pp, microbatches=microbatches, schedule=self.pp_schedule,
-                             return_outputs=self.pp_return_outputs)
+                             return_outputs=self.pp_return_outputs,
+                             stages_per_rank=(self.pp_local_stages or 2) if interleaved else 1)
 
 
 def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
@@ -569,7 +577,7 @@ def analyze_one(graph, options: AnalysisOptions):
     need; the full-depth step is split where it is analysed."""
     if options.pp > 1:
         options = dataclasses.replace(options, pp=1, microbatches=None, pp_schedule=MODEL_DEFAULTS["pp_schedule"],
-                                      pp_return_outputs=MODEL_DEFAULTS["pp_return_outputs"])
+                                      pp_return_outputs=MODEL_DEFAULTS["pp_return_outputs"], pp_local_stages=None)
     return analyze_captured({"policy": graph}, options).policies["policy"]
 
 

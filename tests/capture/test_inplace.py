@@ -12,15 +12,12 @@ from tracer.capture.model_input import ModelSource
 
 
 class _InPlace(nn.Module):
-    def __init__(self, keeps_attribute: bool = False):
+    def __init__(self):
         super().__init__()
         self.lin = nn.Linear(8, 8)
-        self.keeps_attribute = keeps_attribute
 
     def forward(self, x, index):
         h = self.lin(x)                                   # (n, 8)
-        if self.keeps_attribute:
-            self.last_input = x.detach()                  # a tensor kept on the module: the export rung takes it
         out = torch.zeros_like(h)
         out.index_add_(0, index, h)                       # writes into `out`
         out.masked_fill_(out > 10, 0.0)                   # writes into `out`
@@ -30,18 +27,27 @@ class _InPlace(nn.Module):
         return fresh.sum()
 
 
-def _graph(keeps_attribute: bool):
-    source = ModelSource(name="inplace", path=None, build_model=lambda: _InPlace(keeps_attribute),
+def _graph(direct: bool):
+    """The step on the direct trace, or on the export rung (the direct trace made to step aside)."""
+    from tracer import capture
+    source = ModelSource(name="inplace", path=None, build_model=_InPlace,
                          example_batch=lambda batch, seq: (torch.randn(batch * seq, 8), torch.arange(batch * seq)))
-    graphs = capture_steps(source, CaptureOptions(batch=2, seq=4, target="cpu"), (PolicySpec(name="eager"),))
+    real = capture.export_joint
+
+    def export_joint(*args, direct=False, _allowed=direct, **kwargs):
+        return real(*args, direct=direct and _allowed, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(capture, "export_joint", export_joint)
+        graphs = capture_steps(source, CaptureOptions(batch=2, seq=4, target="cpu"), (PolicySpec(name="eager"),))
     return graphs["eager"]
 
 
-@pytest.mark.parametrize("keeps_attribute, path", [(False, "aot-joint"), (True, "export-joint")])
-def test_in_place_calls_write_into_their_tensors_storage(keeps_attribute, path):
+@pytest.mark.parametrize("direct, path", [(True, "aot-joint"), (False, "export-joint")])
+def test_in_place_calls_write_into_their_tensors_storage(direct, path):
     """On the direct trace the calls are marked; on the export rung export's `torch_fn` names them (the
     kwarg form `inplace=True` is not named there: its relu allocates)."""
-    graph = _graph(keeps_attribute)
+    graph = _graph(direct)
     assert graph.config.capture_path == path
     forward = [op for op in graph.ops if op.phase.value == "forward"]
     zeros = next(op for op in forward if op.target == "aten.zeros_like.default")

@@ -105,7 +105,11 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("microbatches", None, None,
                 "--pp: micro-batches per step, each --batch / M (default: as many as stages)", kind="count"),
     ModelOption("pp_schedule", "1f1b", PIPELINE_SCHEDULES,
-                "--pp: the schedule, torch's Schedule1F1B or ScheduleGPipe (default 1f1b)"),
+                "--pp: the schedule, torch's Schedule1F1B, ScheduleGPipe or ScheduleInterleaved1F1B (several "
+                "stages on each rank) (default 1f1b)"),
+    ModelOption("pp_local_stages", None, None,
+                "--pp-schedule interleaved-1f1b: the stages each rank holds, the model cut into N x this many "
+                "(default 2)", kind="count"),
     ModelOption("pp_return_outputs", True, None,
                 "--pp: the loop calls step(..., return_outputs=True), torch's default: the last stage keeps every "
                 "micro-batch's output until the next step and concatenates them after the last backward; "
