@@ -50,7 +50,7 @@ from truth import BalancedTopk, balanced_routers, is_topk_router, measure_step  
 
 BATCH, SEQ = 2, 16
 PHASES = ("forward", "backward", "optimizer")
-SWEPT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-classification")
+SWEPT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-classification", "ctc")
 
 # generic tiny sizes (value: the keys it is set on), set only where a config already has the key
 TINY = (

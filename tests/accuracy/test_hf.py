@@ -45,6 +45,13 @@ CONFIGS = {
                   '"activation_dropout":0.0,"attention_dropout":0.0}',
                   'decoder_config={"vocab_size":256,"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,'
                   '"num_attention_heads":4,"num_key_value_heads":4,"head_dim":16}'),
+    # a CTC head over a waveform (input_values as its feature extractor makes them): ctc_loss's log_alpha is
+    # sized by the longest target, which the capture reads from the example batch's labels (SpecAugment off:
+    # its masks are drawn with numpy, so the real step's would differ from the capture's)
+    "hf:wav2vec2": ("num_hidden_layers=2", "hidden_size=64", "intermediate_size=128", "num_attention_heads=4",
+                    "vocab_size=32", "conv_dim=[32,32,32,32,32,32,32]", "num_conv_pos_embeddings=16",
+                    "mask_time_prob=0", "hidden_dropout=0", "attention_dropout=0", "activation_dropout=0",
+                    "feat_proj_dropout=0", "final_dropout=0", "layerdrop=0"),
     # NaFlex patchified pixels with pixel_attention_mask and spatial_shapes, as its image processor makes them
     "hf:siglip2": ('vision_config={"num_hidden_layers":2,"hidden_size":64,"intermediate_size":128,'
                    '"num_attention_heads":4,"patch_size":8}',),

@@ -21,6 +21,9 @@ depends on the trained router and the data: no static tool can know it. It is mo
   shadow, and so does every other tensor on its storage (a view's write changes its base).
 * a data-dependent op whose inputs have shadows gets its size (and its value, for `.item()`) from them.
   Where they have none, capture stops with a `RoutingError` naming the user's line and the op.
+* `aten._ctc_loss` has no fake kernel: its log_alpha is sized by the longest target, read from the target
+  lengths (a list, or a known tensor: transformers' CTC loss sums a mask of the labels); its backward's
+  gradient is shaped as its log_probs.
 * each shadow knows where its values came from (`_Origin`): constants only (computed exactly), a random
   op (the example batch's random tokens: tracer's own draw, which a real batch may answer otherwise), or a
   router (the routing assumption). Each note says which.
@@ -177,6 +180,8 @@ class RoutingShadows:
             return out
         if func is aten._grouped_mm.default and tensors[0].dtype != torch.bfloat16:
             return self._grouped_mm(mode, args, kwargs)
+        if func in _CTC_LOSS:
+            return self._ctc_loss(mode, func, args, kwargs)
         shadowed = bool(tensors) and all(self._known(t) for t in tensors)
         try:
             out = original(mode, func, types, args, kwargs)
@@ -344,6 +349,39 @@ class RoutingShadows:
             self.grouped_mm_lines.setdefault(line, str(mat_a.dtype).removeprefix("torch."))
         return mode.fake_tensor_converter.from_meta_and_device(mode, out, mat_a.device)
 
+    def _ctc_loss(self, mode, func, args, kwargs):
+        """aten._ctc_loss (no fake kernel: its log_alpha is sized by the longest target): (neg_log_likelihood
+        (batch,), log_alpha (batch, frames, 2 x longest target + 1)), as the CPU and CUDA kernels allocate them;
+        the target lengths come from a list or a known tensor (labels the example batch made); its backward,
+        a gradient shaped as log_probs."""
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args)) | kwargs
+        log_probs = bound["log_probs"]
+        if func in (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor):
+            return self._fake_empty(mode, tuple(log_probs.shape), log_probs)
+        lengths = bound["target_lengths"]
+        if isinstance(lengths, torch.Tensor):
+            if not self._known(lengths):
+                raise RoutingError(f"{_user_line(short=False)}: ctc_loss's target lengths do not follow from the "
+                                   "example batch or constants, and they size its log_alpha",
+                                   hint="compute target_lengths from the labels (labels_mask.sum(-1))")
+            lengths = self._value(lengths).tolist()
+        longest = max(lengths, default=0)
+        batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+        line = _user_line()
+        key = (_op_name(func), line)
+        self.answered.setdefault(key, []).append(f"log_alpha {batch}x{log_probs.shape[0]}x{2 * longest + 1}")
+        self.answered_origin[key] = self.answered_origin.get(key, 0) | self.origin.get(bound["target_lengths"], 0) \
+            if isinstance(bound["target_lengths"], torch.Tensor) else self.answered_origin.get(key, 0)
+        return (self._fake_empty(mode, (batch,), log_probs),
+                self._fake_empty(mode, (batch, log_probs.shape[0], 2 * longest + 1), log_probs))
+
+    @staticmethod
+    def _fake_empty(mode, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        with _no_python_dispatch():
+            meta = torch.empty(shape, dtype=like.dtype, device="meta")
+        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, like.device)
+
     def _forget_mutated(self, func, args) -> None:
         """An in-place op the shadows did not follow leaves its mutated shadowed inputs stale, and every
         other shadowed tensor on the same storage (a write through a view changes its base). A higher-order
@@ -357,6 +395,8 @@ class RoutingShadows:
 
 
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
+_CTC_LOSS = (aten._ctc_loss.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.default,
+             aten._ctc_loss_backward.Tensor)
 
 # _Origin flags: where a shadow's values came from (none set: constants only, computed exactly)
 _RANDOM, _ROUTED = 1, 2

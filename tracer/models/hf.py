@@ -29,8 +29,11 @@ sequence (`_check_axial_positions`: Reformer) are refused, naming values that fi
 the forward is traced, the mask code is made to run as eager runs it (`_masks_as_in_eager`; dropout with p=0
 is handled for every model by the capture, see tracer/capture/eager_kernels.py).
 
-Not handled: heads outside `TASKS` (question answering, object detection, CTC, ...), speech models without
-a feature extractor making `input_features`, audio language models (token ids with audio placeholders), and models whose code lives on the hub (trust_remote_code): these are refused
+A CTC head (`ctc`) reads a waveform, `input_values` as its feature extractor makes them of AUDIO_SECONDS, with
+`seq` label tokens that are never the blank (`_ctc_labels`).
+
+Not handled: heads outside `TASKS` (question answering, object detection, ...), speech models without
+a feature extractor making `input_features` or `input_values`, audio language models (token ids with audio placeholders), and models whose code lives on the hub (trust_remote_code): these are refused
 with what to do (a model file can build any of them). `transformers` is an optional extra: it is imported
 only here, inside the functions that need it, with a clear error when it is missing.
 """
@@ -50,7 +53,7 @@ from torch import nn
 from tracer.errors import ModelInputError
 from tracer.models.hf_tasks import DEFAULT_TASKS, TASKS, Task  # noqa: F401 - data, without torch
 
-_INPUT_NAMES = {"tokens": "input_ids", "image": "pixel_values", "audio": "input_features"}
+_INPUT_NAMES = {"tokens": "input_ids", "image": "pixel_values", "audio": "input_features", "waveform": "input_values"}
 _SPEC_KEYS_DROPPED = ("architectures", "transformers_version", "_name_or_path", "torch_dtype", "dtype", "auto_map")
 
 
@@ -218,16 +221,29 @@ def hf_example_batch(spec: HFSpec, batch: int, seq: int) -> tuple[torch.Tensor, 
                         for _, values in layout.others))
     else:
         layout = _audio_layout(config, spec, seq)
-        inputs = (torch.randn(batch, *layout.features_shape),)       # (b, mels, frames) or (b, frames, mels)
+        inputs = (torch.randn(batch, *layout.features_shape),)       # (b, mels, frames), (b, frames, mels), (b, samples)
         if layout.mask_dtype is not None:                            # every frame is audio: a mask of ones
             inputs += (torch.ones(batch, layout.frames, dtype=getattr(torch, layout.mask_dtype)),)
     if task.labels == "sequence":
         labels = torch.randint(0, config.num_labels, (batch,))                              # (b,)
     elif spec.task == "token-classification":
         labels = torch.randint(0, config.num_labels, (batch, seq))                          # (b, s)
+    elif spec.task == "ctc":
+        labels = _ctc_labels(config, spec, batch, seq)                                      # (b, s)
     else:
         labels = torch.randint(0, _vocab_size(config, spec), (batch, seq))                  # (b, s)
     return (*inputs, labels)
+
+
+def _ctc_labels(config, spec: HFSpec, batch: int, seq: int) -> torch.Tensor:
+    """Token ids other than the blank (the config's pad_token_id): transformers' CTC loss drops blanks from
+    the targets as padding, so every example's target is `seq` tokens long, as a collator's unpadded labels."""
+    vocabulary = _vocab_size(config, spec)
+    blank = getattr(config, "pad_token_id", None)
+    if blank is None or not 0 <= blank < vocabulary:
+        return torch.randint(0, vocabulary, (batch, seq))
+    labels = torch.randint(0, vocabulary - 1, (batch, seq))
+    return labels + (labels >= blank).long()
 
 
 def _check_axial_positions(spec: HFSpec, config, seq: int | None) -> None:
@@ -290,7 +306,7 @@ def hf_failure_hint(spec: HFSpec) -> str:
 def _input_names(spec: HFSpec) -> tuple[str, ...]:
     inputs = TASKS[spec.task].inputs
     config = _make_config(spec)
-    if inputs == "audio" and _audio_layout(config, spec, None).mask_dtype is not None:
+    if inputs in ("audio", "waveform") and _audio_layout(config, spec, None).mask_dtype is not None:
         return _INPUT_NAMES[inputs], "attention_mask", "labels"
     if inputs == "tokens" and _images_before_text(spec, config):
         return _INPUT_NAMES[inputs], "pixel_values", "labels"
@@ -524,14 +540,15 @@ def _probe_processor(processor_class, others: list[str], height: int, width: int
 
 def hf_batch_notes(spec: HFSpec) -> tuple[str, ...]:
     """The assumptions `hf_example_batch` makes for `spec` that the config does not state, for the report."""
-    if TASKS[spec.task].inputs == "audio":
+    if TASKS[spec.task].inputs in ("audio", "waveform"):
         layout = _audio_layout(_make_config(spec), spec, None)
         if not layout.extractor:
             return ()
         mask = "" if layout.mask_dtype is None else f" and an attention mask of ones ({layout.mask_dtype})"
+        made = (f"features {' x '.join(map(str, layout.features_shape))} ({layout.frames} frames)"
+                if len(layout.features_shape) == 2 else f"input_values of {layout.frames} samples")
         return (f"hf:{spec.name}: the example batch is {AUDIO_SECONDS} s of audio per example as {layout.extractor} "
-                f"lays it out: features {' x '.join(map(str, layout.features_shape))} ({layout.frames} frames){mask}; "
-                f"for longer audio write a model file with its example batch",)
+                f"lays it out: {made}{mask}; for longer audio write a model file with its example batch",)
     config = _make_config(spec)
     if TASKS[spec.task].inputs == "tokens" and _images_before_text(spec, config):
         height, width = _image_size(config, spec)
@@ -560,8 +577,9 @@ AUDIO_SECONDS = 1           # of silence, as the model's own feature extractor t
 
 @dataclasses.dataclass(frozen=True)
 class AudioLayout:
-    features_shape: tuple[int, int]         # one example's input_features: (mels, frames) or (frames, mels)
-    frames: int
+    features_shape: tuple[int, ...]         # one example's input_features: (mels, frames) or (frames, mels);
+                                            # its input_values (a waveform): (samples,)
+    frames: int                             # frames, or samples of a waveform
     mask_dtype: str | None = None           # the extractor's attention_mask dtype, where the head takes one
     extractor: str = ""                     # the feature extractor the layout was read from ("": Whisper's rule)
 
@@ -577,6 +595,8 @@ def _audio_layout(config, spec: HFSpec, seq: int | None) -> AudioLayout:
     if seq is not None and limit is not None and seq > limit:
         raise ModelInputError(f"hf:{spec.name}: --seq {seq} is longer than the decoder's max_target_positions {limit}",
                               hint=f"use --seq {limit} or less, or --hf-config max_target_positions={seq}")
+    if TASKS[spec.task].inputs == "waveform":
+        return _extractor_layout(spec.name, spec.model_type, None, spec.model_class, "input_values")
     mels, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if mels is not None and positions is not None:
         return AudioLayout(features_shape=(int(mels), 2 * int(positions)), frames=2 * int(positions))
@@ -596,7 +616,8 @@ def _audio_feature_count(config) -> int | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _extractor_layout(spec_name: str, model_type: str, mels: int | None, model_class: str) -> AudioLayout:
+def _extractor_layout(spec_name: str, model_type: str, mels: int | None, model_class: str,
+                      input_name: str = "input_features") -> AudioLayout:
     transformers = _import_transformers()
     from transformers.models.auto.feature_extraction_auto import FEATURE_EXTRACTOR_MAPPING_NAMES
     name = FEATURE_EXTRACTOR_MAPPING_NAMES.get(model_type)
@@ -608,14 +629,16 @@ def _extractor_layout(spec_name: str, model_type: str, mels: int | None, model_c
     extractor_class = getattr(transformers, name)
     try:                                # real arrays, whatever device the model is being built on
         with torch.device("cpu"):
-            return _probe_extractor(extractor_class, mels, model_class, transformers)
+            return _probe_extractor(extractor_class, mels, model_class, transformers, input_name)
     except Exception as exc:            # transformers' own code (a missing optional package, ...)
         raise refusal from exc
 
 
-def _probe_extractor(extractor_class, mels: int | None, model_class: str, transformers) -> AudioLayout:
+def _probe_extractor(extractor_class, mels: int | None, model_class: str, transformers,
+                     input_name: str = "input_features") -> AudioLayout:
     """One example's features as the extractor makes them of AUDIO_SECONDS of silence: their axis order (the
-    axis of `mels` values is the feature axis), frame count and attention mask dtype."""
+    axis of `mels` values is the feature axis), frame count and attention mask dtype; for `input_values` (a
+    waveform, as wav2vec2's extractor makes it) its sample count."""
     import inspect
     import numpy as np
     sizes = {"feature_size": mels}               # Speech2Text's extractor also has a mel count of its own
@@ -624,15 +647,19 @@ def _probe_extractor(extractor_class, mels: int | None, model_class: str, transf
     extractor = extractor_class(**sizes) if mels is not None else extractor_class()
     rate = int(getattr(extractor, "sampling_rate", 16000))
     made = extractor(np.zeros(rate * AUDIO_SECONDS, dtype=np.float32), sampling_rate=rate, return_tensors="np")
-    features = np.asarray(made["input_features"])
-    if features.ndim != 3:
-        raise ValueError(f"input_features of {features.ndim} dimensions")
-    feature_count = mels if mels is not None else int(extractor.feature_size)
-    _, first, second = features.shape
-    frames = second if first == feature_count else first
+    features = np.asarray(made[input_name])
+    if features.ndim != (2 if input_name == "input_values" else 3):
+        raise ValueError(f"{input_name} of {features.ndim} dimensions")
     takes_mask = "attention_mask" in inspect.signature(getattr(transformers, model_class).forward).parameters
     mask = np.asarray(made["attention_mask"]) if "attention_mask" in made and takes_mask else None
     mask_dtype = None if mask is None else ("bool" if mask.dtype == np.bool_ else str(mask.dtype))
+    if input_name == "input_values":
+        samples = int(features.shape[1])
+        return AudioLayout(features_shape=(samples,), frames=samples, mask_dtype=mask_dtype,
+                           extractor=extractor_class.__name__)
+    feature_count = mels if mels is not None else int(extractor.feature_size)
+    _, first, second = features.shape
+    frames = second if first == feature_count else first
     return AudioLayout(features_shape=(int(first), int(second)), frames=int(frames), mask_dtype=mask_dtype,
                        extractor=extractor_class.__name__)
 

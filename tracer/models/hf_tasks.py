@@ -9,7 +9,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Task:
     mapping: str            # transformers.models.auto.modeling_auto.<mapping>: model_type -> head class name
-    inputs: str             # "tokens", "image" or "audio": what the model reads
+    inputs: str             # "tokens", "image", "audio" (features) or "waveform" (input_values): what it reads
     labels: str             # "tokens" (one per position) or "sequence" (one per example)
 
 
@@ -21,8 +21,10 @@ TASKS = {
     "sequence-classification": Task("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "tokens", "sequence"),
     "token-classification": Task("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "tokens", "tokens"),
     "image-classification": Task("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "image", "sequence"),
+    # connectionist temporal classification over a waveform (wav2vec2, HuBERT, WavLM ...): --seq label tokens
+    "ctc": Task("MODEL_FOR_CTC_MAPPING_NAMES", "waveform", "tokens"),
 }
 # the default head: the first of these the architecture has (an encoder-decoder is trained as one, an encoder
 # with an LM head as a masked LM, a vision model as a classifier)
 DEFAULT_TASKS = ("seq2seq", "speech-seq2seq", "masked-lm", "causal-lm", "image-classification",
-                 "sequence-classification")
+                 "sequence-classification", "ctc")
