@@ -256,6 +256,31 @@ def _flux(batch):
             "txt_ids": torch.zeros(8, 3), "img_ids": torch.zeros(64, 3), "return_dict": False}
 
 
+def _sana(batch):
+    return {"hidden_states": torch.randn(batch, 8, 16, 16), "encoder_hidden_states": torch.randn(batch, 8, 32),
+            "timestep": torch.tensor([10] * batch)}
+
+
+def _auraflow(batch):
+    return {"hidden_states": torch.randn(batch, 4, 16, 16), "encoder_hidden_states": torch.randn(batch, 8, 32),
+            "timestep": torch.tensor([10] * batch)}
+
+
+def _lumina2(batch):
+    return {"hidden_states": torch.randn(batch, 4, 16, 16), "timestep": torch.tensor([0.5] * batch),
+            "encoder_hidden_states": torch.randn(batch, 8, 32),
+            "encoder_attention_mask": torch.ones(batch, 8, dtype=torch.bool)}
+
+
+def _unet1d(batch):
+    return {"sample": torch.randn(batch, 2, 256), "timestep": torch.tensor(10)}
+
+
+def _unet3d(batch):
+    return {"sample": torch.randn(batch, 4, 2, 16, 16), "timestep": torch.tensor(10),
+            "encoder_hidden_states": torch.randn(batch, 8, 32)}
+
+
 DIFFUSERS = {
     "UNet2DModel": (dict(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(32, 64),
                          layers_per_block=1, norm_num_groups=8,
@@ -279,6 +304,24 @@ DIFFUSERS = {
     "FluxTransformer2DModel": (dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                     attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                     pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)), _flux),
+    "SanaTransformer2DModel": (dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                                    num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=16,
+                                    cross_attention_dim=32, caption_channels=32, sample_size=16), _sana),
+    "AuraFlowTransformer2DModel": (dict(sample_size=16, patch_size=2, in_channels=4, num_mmdit_layers=1,
+                                        num_single_dit_layers=1, attention_head_dim=16, num_attention_heads=2,
+                                        joint_attention_dim=32, caption_projection_dim=32, out_channels=4,
+                                        pos_embed_max_size=64), _auraflow),
+    "Lumina2Transformer2DModel": (dict(sample_size=16, patch_size=2, in_channels=4, hidden_size=32, num_layers=1,
+                                       num_refiner_layers=1, num_attention_heads=2, num_kv_heads=1,
+                                       multiple_of=16, axes_dim_rope=(4, 6, 6), axes_lens=(32, 32, 32),
+                                       cap_feat_dim=32), _lumina2),
+    "UNet1DModel": (dict(sample_size=256, in_channels=2, out_channels=2, extra_in_channels=64, block_out_channels=(32, 32, 64),
+                         norm_num_groups=8), _unet1d),
+    "UNet3DConditionModel": (dict(sample_size=16, in_channels=4, out_channels=4,
+                                  down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+                                  up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"), block_out_channels=(32, 64),
+                                  layers_per_block=1, norm_num_groups=8, cross_attention_dim=32,
+                                  attention_head_dim=8), _unet3d),
 }
 
 
@@ -287,12 +330,21 @@ class _Denoiser(torch.nn.Module):
 
     def __init__(self, model, inputs):
         super().__init__()
-        self.model, self._inputs = model, inputs
+        self.model, self._inputs = model, _layout(inputs)     # where the tensors go, holding none of them
 
     def forward(self, *tensors):
         keywords = _rebuild(self._inputs, iter(tensors))
         out = self.model(**keywords)
         return out[0] if isinstance(out, tuple) else out.sample
+
+
+_TENSOR = object()                    # a tensor's place in a layout
+
+
+def _layout(value):
+    if isinstance(value, torch.Tensor):
+        return _TENSOR
+    return {k: _layout(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def _tensors(value):
@@ -304,7 +356,7 @@ def _tensors(value):
 
 
 def _rebuild(value, tensors):
-    if isinstance(value, torch.Tensor):
+    if value is _TENSOR:
         return next(tensors)
     if isinstance(value, dict):
         return {k: _rebuild(v, tensors) for k, v in value.items()}
