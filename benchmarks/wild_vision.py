@@ -95,9 +95,8 @@ def classification_batch(size: int):
     return lambda batch, seq: (torch.randn(batch, 3, size, size), torch.randint(0, CLASSES, (batch,)))
 
 
-def video_batch(size: int):
-    return lambda batch, seq: (torch.randn(batch, 3, VIDEO_FRAMES, size, size),
-                               torch.randint(0, CLASSES, (batch,)))
+def video_batch(size: int, frames: int = VIDEO_FRAMES):
+    return lambda batch, seq: (torch.randn(batch, 3, frames, size, size), torch.randint(0, CLASSES, (batch,)))
 
 
 def classification_loss(out, labels):
@@ -217,10 +216,14 @@ def _tv_sources(model: str):
     keywords |= {"num_classes": CLASSES}
     if kind == "quantization":
         keywords |= {"quantize": False}
-    batch_of, loss = {"segmentation": (segmentation_batch, segmentation_loss),
-                      "video": (video_batch, classification_loss)}.get(kind, (classification_batch,
-                                                                              classification_loss))
-    for size in (IMAGE_SIZE, 112, 224):
+    batch_of, loss = {"segmentation": (segmentation_batch, segmentation_loss)}.get(
+        kind, (classification_batch, classification_loss))
+    if kind == "video":             # MViT is built for 16 frames of 224 x 224
+        for size, frames in ((IMAGE_SIZE, VIDEO_FRAMES), (112, VIDEO_FRAMES), (224, 16)):
+            yield f"{frames}x{size}px", _source(f"tv:{model}", lambda: models.get_model(model, **keywords),
+                                                video_batch(size, frames), classification_loss)
+        return
+    for size in (IMAGE_SIZE, 112, 224, 299):                # Inception v3's auxiliary head needs 299
         yield f"{size}px", _source(f"tv:{model}", lambda: models.get_model(model, **keywords), batch_of(size), loss)
 
 
