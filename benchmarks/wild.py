@@ -4,7 +4,7 @@ each predicted by tracer (--target cpu, eager policy, dropout 0) and measured in
     python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S]
 
 Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING with a causal-lm, masked-lm,
-seq2seq, image-classification or speech-seq2seq head, its default head as `hf:` picks it) and
+seq2seq, image-classification, speech-seq2seq or CTC head, its default head as `hf:` picks it) and
 `style:<file>` for the model files in benchmarks/wild_styles/. Each transformers config is shrunk by generic
 overrides applied only where the default config has the key (`tiny_overrides`: layers 2, width 64, 4 heads,
 vocab 256, image 32, patch 8, dropouts 0, per-layer lists and dicts keyed by layer index cut to the new
