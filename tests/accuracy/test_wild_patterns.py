@@ -90,6 +90,14 @@ def test_rows_picked_by_a_mask_from_a_floating_point_constant_are_sized_from_it(
     _assert_exact("constant_selected_rows.py")
 
 
+def test_in_place_dropout_makes_its_noise_in_place_and_writes_into_its_input():
+    """torchvision's mobilenet_v3 and mnasnet: aten.dropout_ has no Python kernel, so the trace recorded its
+    noise's bernoulli_ and div_ as new tensors; the forward peak was 60,408 B over."""
+    predicted = _assert_exact("inplace_dropout_head.py")
+    dropout = [op for op in predicted.graph.ops if op.target in ("aten.bernoulli.p", "aten.div.Scalar")]
+    assert len({v.storage_id for op in dropout for v in op.outputs}) == 1
+
+
 def test_a_gather_from_a_table_that_requires_no_grad_saves_nothing():
     """funnel: `torch.gather(pos_embed, 0, rel_pos)` from a sinusoid table the forward builds: eager makes no
     autograd node, but the traced gather shared the previous LayerNorm's seq_nr, so the table was kept for

@@ -23,6 +23,10 @@ entry only when it is torch's own function, so the wrapper carries its name and 
 cache an op's output metadata across modes, so the cache is emptied on the way in and out;
 tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
 
+`nn.Dropout(inplace=True)` is aten.dropout_, whose C++ kernel on every device is `_dropout_impl<inplace>` (the
+noise made and scaled in place, then `x.mul_(noise)`); it has no Python kernel, so the trace recorded the
+noise's in-place calls as new tensors. For the duration it has one making the same calls, each marked in place.
+
 `upsampling_as_in_eager()`: F.interpolate's ops trace as ATen's fused kernels and their own backward (the
 Python decomposition saves index tensors eager never makes). Limit: it sets aside the ops' `py_kernels`.
 """
@@ -44,8 +48,37 @@ def dropout_as_in_eager(cpu: bool = False):
             return _cpu_dropout(input, p) if cpu else decomposed(input, p, train)
         return dropout
 
-    with _autograd_kernels_replaced(torch.ops.aten.dropout.default, as_in_eager):
+    with _autograd_kernels_replaced(torch.ops.aten.dropout.default, as_in_eager), _inplace_dropout_as_in_eager():
         yield
+
+
+@contextlib.contextmanager
+def _inplace_dropout_as_in_eager():
+    """`F.dropout(x, p, inplace=True)` (`nn.Dropout(inplace=True)`: torchvision's MobileNetV3 and MNASNet
+    heads) is aten.dropout_, whose C++ kernel on CPU and CUDA alike is `_dropout_impl<inplace>`: the noise
+    made and scaled in place, then `x.mul_(noise)`. It has no Python kernel, so the trace recorded the noise's
+    `bernoulli_` and `div_` as new tensors (two more of x's size); for the duration it has one that makes
+    the same calls, each marked in place."""
+    from torch._C import DispatchKey
+    op = torch.ops.aten.dropout_.default
+    key = DispatchKey.CompositeImplicitAutograd
+    if key in op.py_kernels:
+        yield
+        return
+
+    def dropout_(input, p, train):
+        if not train or p == 0 or input.numel() == 0:
+            return input
+        return _in_place(torch.Tensor.mul_, input, _cpu_dropout_noise(input, p))
+
+    op.py_kernels[key] = dropout_
+    op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        del op.py_kernels[key]
+        op._dispatch_cache.clear()
+
 
 
 @contextlib.contextmanager
@@ -134,17 +167,17 @@ def upsampling_as_in_eager():
 
 def _cpu_dropout(input, p: float):
     """ATen's CPU dropout (`_dropout_impl`): a noise tensor of the input's dtype, filled and scaled in place."""
-    import torch.fx.traceback as fx_traceback
-    from tracer.capture.meta import INPLACE_CALL_KEY
+    return input * _cpu_dropout_noise(input, p)
 
+
+def _cpu_dropout_noise(input, p: float):
+    """`_dropout_impl`'s noise: `empty_like(x).bernoulli_(1 - p).div_(1 - p)`, each call in place, marked
+    with an id of its own (the model's call may itself be marked in place as a whole: `inplace=True`); at
+    p = 1, a 0-dim zero."""
     if p == 1:
-        return input * torch.zeros((), dtype=input.dtype, device=input.device)
-    noise = torch.empty_like(input)
-    with fx_traceback.annotate({INPLACE_CALL_KEY: True}):
-        noise = noise.bernoulli_(1 - p)
-    with fx_traceback.annotate({INPLACE_CALL_KEY: True}):
-        noise = noise.div_(1 - p)
-    return input * noise
+        return torch.zeros((), dtype=input.dtype, device=input.device)
+    noise = _in_place(torch.Tensor.bernoulli_, torch.empty_like(input), 1 - p)
+    return _in_place(torch.Tensor.div_, noise, 1 - p)
 
 
 @contextlib.contextmanager
