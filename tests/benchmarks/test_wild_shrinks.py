@@ -58,3 +58,18 @@ def test_a_position_grid_is_made_to_multiply_to_the_sweeps_sequence_length():
     out = sweep.tiny_overrides({"max_position_embeddings": 4096, "axial_pos_shape": [64, 64], "sizes": [64, 32]})
     assert out["axial_pos_shape"] == [4, 4] and 4 * 4 == sweep.SEQ and "sizes" not in out
     assert "axial_pos_shape" not in sweep.tiny_overrides({"axial_pos_shape": [64, 64]})
+
+
+def test_the_summary_counts_each_kind_of_skip_apart_from_the_models_tried():
+    """wild_vision.py passes its own skips (no kernel here, over the size limit) beside the default-config
+    one; a skipped row is not a model tried, and the summary names how many of each."""
+    wild = wild_sweep()
+
+    class NoKernel(wild.DefaultConfigBroken):
+        status, why = "skipped (no kernel here)", "no kernel"
+
+    rows = [wild.Row("a", status="exact"), wild.Row("b", status="off"), wild.Row("c", status="fail"),
+            wild.Row("d", status=NoKernel.status), wild.Row("e", status=wild.DefaultConfigBroken.status)]
+    line = wild.summary(rows, (wild.DefaultConfigBroken, NoKernel))
+    assert line.startswith("3 models tried: 1 exact (33%), 1 off, 1 fail; ")
+    assert "1 skipped (transformers' default config does not build); 1 skipped (no kernel)" in line
