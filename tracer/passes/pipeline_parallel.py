@@ -39,9 +39,10 @@ With `return_outputs` (torch's default for `step()`), the last stage keeps every
 after the last backward (a loop that does not keep it drops it at once); without, each output is let go after
 its backward.
 
-Not modelled: zero-bubble schedules (a backward split into its input and weight halves), a tensor that every stage computes for itself (a rotary
-table made before the first block is taken as received), and send/receive staging buffers of the
-communication backend (none on gloo for CPU tensors). Per-stage FLOPs stay the whole step's.
+Not modelled: zero-bubble schedules (a backward split into its input and weight halves), a tensor that every
+stage computes for itself (a rotary table made before the first block is taken as received), and
+send/receive staging buffers of the communication backend (none on gloo for CPU tensors). Per-stage FLOPs
+stay the whole step's.
 """
 from __future__ import annotations
 
@@ -162,8 +163,9 @@ def op_stages(graph: StepGraph, stages: int) -> list[int | None]:
     model has fewer repeated blocks than stages."""
     blocks = repeated_blocks(graph)
     if len(blocks) < stages:
-        raise UsageError(f"--pp {stages}: the model has {len(blocks)} repeated blocks to split into {stages} "
-                         "stages", hint="pick a --pp no larger than the number of blocks")
+        raise UsageError(f"{stages} pipeline stages: the model has {len(blocks)} repeated blocks to split into "
+                         f"{stages} stages", hint="pick a --pp (times --pp-local-stages) no larger than the number "
+                                              "of blocks")
     block_stage = {block: i * stages // len(blocks) for i, block in enumerate(blocks)}
     last = stages - 1
     before: set[str] = set()              # modules that run before the first block (the embedding)
