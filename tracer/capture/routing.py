@@ -359,20 +359,18 @@ class RoutingShadows:
         log_probs = bound["log_probs"]
         if func in (aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor):
             return self._fake_empty(mode, tuple(log_probs.shape), log_probs)
-        lengths = bound["target_lengths"]
+        lengths, origin = bound["target_lengths"], 0
         if isinstance(lengths, torch.Tensor):
             if not self._known(lengths):
                 raise RoutingError(f"{_user_line(short=False)}: ctc_loss's target lengths do not follow from the "
                                    "example batch or constants, and they size its log_alpha",
                                    hint="compute target_lengths from the labels (labels_mask.sum(-1))")
-            lengths = self._value(lengths).tolist()
+            lengths, origin = self._value(lengths).tolist(), self.origin.get(lengths, 0)
         longest = max(lengths, default=0)
         batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
-        line = _user_line()
-        key = (_op_name(func), line)
+        key = (_op_name(func), _user_line())
         self.answered.setdefault(key, []).append(f"log_alpha {batch}x{log_probs.shape[0]}x{2 * longest + 1}")
-        self.answered_origin[key] = self.answered_origin.get(key, 0) | self.origin.get(bound["target_lengths"], 0) \
-            if isinstance(bound["target_lengths"], torch.Tensor) else self.answered_origin.get(key, 0)
+        self.answered_origin[key] = self.answered_origin.get(key, 0) | origin
         return (self._fake_empty(mode, (batch,), log_probs),
                 self._fake_empty(mode, (batch, log_probs.shape[0], 2 * longest + 1), log_probs))
 
