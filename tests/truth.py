@@ -302,11 +302,12 @@ def _held_tensors(value) -> list[torch.Tensor]:
 
 
 def _batch_tensors(batch: tuple) -> list[torch.Tensor]:
-    """The batch's tensors, also those a dataclass batch holds in its fields (`Batch(tokens, targets)`)."""
+    """The batch's tensors, also those a dataclass batch holds in its fields (`Batch(tokens, targets)`) and
+    those in lists, tuples and dicts (a detection model's list of images and its targets' boxes)."""
     items = []
     for item in batch:
         items += [getattr(item, f.name) for f in dataclasses.fields(item)] if dataclasses.is_dataclass(item) else [item]
-    return [t for t in items if isinstance(t, torch.Tensor)]
+    return [t for t in tree_leaves(items) if isinstance(t, torch.Tensor)]
 
 
 def _backward(loss, scaler, retain_graph: bool = False) -> None:
