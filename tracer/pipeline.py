@@ -71,7 +71,7 @@ class AnalysisOptions:
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
     pp: int = MODEL_DEFAULTS["pp"]                        # pipeline stages (passes/pipeline_parallel.py)
     microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
-    pp_schedule: str = MODEL_DEFAULTS["pp_schedule"]      # with pp: 1f1b | gpipe
+    pp_schedule: str = MODEL_DEFAULTS["pp_schedule"]      # with pp: 1f1b | gpipe | interleaved-1f1b
     pp_return_outputs: bool = MODEL_DEFAULTS["pp_return_outputs"]   # with pp: step(return_outputs=...)
     pp_local_stages: int | None = MODEL_DEFAULTS["pp_local_stages"]   # interleaved-1f1b: stages per rank (None: 2)
     gradient_checkpointing: str | None = MODEL_DEFAULTS["gradient_checkpointing"]  # the model's own method

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from tracer.capture.build import model_held_tensors, step_module
 from tracer.capture.lightning_loop import optimizer_factory
-from tracer.capture.joint import _tensor_attributes, build_fake
+from tracer.capture.joint import attribute_tensors, build_fake
 from tracer.capture.source import exception_location
 from tracer.capture.precision import autocast_context, make_grad_scaler
 from tracer.capture.pylocals import assertion_note
@@ -242,6 +242,6 @@ def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
         if value not in table:
             recorder.add_existing(value, StorageRole.OPTIMIZER_STATE, name=name)
     for m in model.modules():
-        for _, label, value in _tensor_attributes(m):
+        for _, label, value in attribute_tensors(m):
             if value not in table:
                 recorder.add_existing(value, StorageRole.INTERMEDIATE, name=f"module attribute {label}")

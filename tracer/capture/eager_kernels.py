@@ -80,7 +80,6 @@ def _inplace_dropout_as_in_eager():
         op._dispatch_cache.clear()
 
 
-
 @contextlib.contextmanager
 def _autograd_kernels_replaced(op, as_in_eager):
     """For the duration, `op`'s Python kernels at the autograd level (the decomposition tracing runs) are

@@ -92,8 +92,9 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     `direct`: trace the joint graph from the module itself, with tracer's own source metadata
     (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and a separate fake run of
     the forward only where it keeps tensors on module attributes (`_observe_forward` says which). Models
-    whose forward runs torch.utils.checkpoint are left to the export rungs (`_trace_directly`). `offload_activations` (direct only): the forward and
-    loss are traced inside save_on_cpu(pin_memory=True), as --offload activations runs them."""
+    whose forward runs torch.utils.checkpoint are left to the export rungs (`_trace_directly`).
+    `offload_activations` (direct only): the forward and loss are traced inside
+    save_on_cpu(pin_memory=True), as --offload activations runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracer.capture.target import parse_target
@@ -483,7 +484,7 @@ def _observe_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSou
 
 def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource, context) -> list:
     """One fake forward under `context`; returns (module, label, tensor) for each tensor it stored on
-    a module attribute (`_tensor_attributes`), and leaves the model as it was."""
+    a module attribute (`attribute_tensors`), and leaves the model as it was."""
     before = AttributeSnapshot(module)
     try:
         with fake_mode, context:           # a dispatch-mode context must sit above the fake mode
@@ -511,7 +512,7 @@ def _run_forward(module: nn.Module, args: tuple, fake_mode, source: ModelSource,
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))     # _parameters, _buffers, _modules, the hook dicts, ...
 
 
-def _tensor_attributes(m: nn.Module):
+def attribute_tensors(m: nn.Module):
     """(attribute, label, tensor) for each tensor a module holds besides its parameters and buffers: a plain
     attribute (`self.cache = h`: label `cache`), or an element of a list, tuple or dict attribute
     (`self.pyramid = [a, b]`: `pyramid[0]`, `pyramid[1]`; torchvision's RAFT keeps its correlation pyramid
@@ -530,19 +531,19 @@ def _tensor_attributes(m: nn.Module):
 
 
 class AttributeSnapshot:
-    """The tensors every module of `module` holds on attributes (`_tensor_attributes`), taken before a run
+    """The tensors every module of `module` holds on attributes (`attribute_tensors`), taken before a run
     of the forward, so that what the run stored can be listed (`changed`) and undone (`restore`): a
     container attribute gets its object and its contents back."""
 
     def __init__(self, module: nn.Module):
         self._modules = list(module.modules())
-        self._tensors = {id(m): {label: t for _, label, t in _tensor_attributes(m)} for m in self._modules}
+        self._tensors = {id(m): {label: t for _, label, t in attribute_tensors(m)} for m in self._modules}
         self._objects = {id(m): {attr: (value, _contents(value)) for attr, value in vars(m).items()
                                  if attr not in _MODULE_INTERNALS} for m in self._modules}
 
     def changed(self) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
         """(module, attribute, label, tensor) for each tensor held now that was not held under its label."""
-        return [(m, attr, label, t) for m in self._modules for attr, label, t in list(_tensor_attributes(m))
+        return [(m, attr, label, t) for m in self._modules for attr, label, t in list(attribute_tensors(m))
                 if self._tensors[id(m)].get(label) is not t]
 
     def restore(self) -> int:
