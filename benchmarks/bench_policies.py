@@ -180,10 +180,31 @@ def main() -> None:
     p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the median wall time is shown")
     args = p.parse_args()
+    by_model = {}
     for model in args.models.split(","):
         rows = {mode: run_median(mode, model, args.batch, args.seq, args.repeat) for mode in args.modes.split(",")}
         rows = {mode: rows.get(mode, {"error": "not run"}) for mode in MODES}
         print(render(model, args.batch, args.seq, rows), flush=True)
+        by_model[model] = rows
+    print("\n".join(deep_goals(by_model)))
+
+
+def deep_goals(by_model: dict[str, dict]) -> list[str]:
+    """Issue 34's goals across models: `--policy all` on llama-70b at most 0.1x MemTracker's eager-only time
+    on it, and llama-405b's within 10% of llama-70b's (each measured in this run)."""
+    def wall(model, mode):
+        return by_model.get(model, {}).get(mode, {}).get("wall_s")
+
+    out = []
+    ours, theirs = wall("llama-70b", "tracer-all"), wall("llama-70b", "memtracker")
+    if ours is not None and theirs is not None:
+        out.append(f"  goal --policy all on llama-70b (tracer-all / memtracker): {ours / theirs:.2f}x (at most 0.1x) "
+                   f"{'met' if ours / theirs <= 0.1 else 'NOT met'}")
+    big = wall("llama-405b", "tracer-all")
+    if ours is not None and big is not None:
+        out.append(f"  goal llama-405b within 10% of llama-70b (tracer-all): {big / ours:.2f}x "
+                   f"{'met' if big / ours <= 1.1 else 'NOT met'}")
+    return out
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def _both(model, **keywords):
     return tracer.analyze(model, **keywords), tracer.analyze(model, full_capture=True, **keywords)
 
 
-def _assert_same_reports(synthesized, captured):
+def _assert_same_reports(synthesized, captured, note_start="depth: captured 4 and 6"):
     """Every number of every policy, the JSON report (but the depth note and the names of synthesized
     nodes) and the text report (but the note)."""
     assert synthesized.policies.keys() == captured.policies.keys()
@@ -31,7 +31,7 @@ def _assert_same_reports(synthesized, captured):
         assert first_difference(synthesized.policies[label], captured.policies[label]) is None, label
     a, b = report_json(synthesized), report_json(captured)
     notes = a.pop("capture_notes")
-    depth = [n for n in notes if n.startswith("depth: captured 4 and 6")]
+    depth = [n for n in notes if n.startswith(note_start)]
     assert len(depth) == 1 and notes == b.pop("capture_notes") + depth
     for report in (a, b):
         for policy in report["policies"].values():
@@ -79,8 +79,8 @@ def test_the_check_decides(monkeypatch):
     import tracer.passes.depth_graph as depth_graph
     honest = depth_graph.synthesize_depth
 
-    def off_by_one_block(graph, depth):
-        out = honest(graph, depth)
+    def off_by_one_block(graph, depth, group=1):
+        out = honest(graph, depth, group)
         storages = list(out.storages)
         op = next(op for op in out.ops if op.module == "blocks.3.mlp.w1" and op.target == "aten.mm.default")
         sid = op.outputs[0].storage_id
@@ -91,6 +91,30 @@ def test_the_check_decides(monkeypatch):
     analysis = tracer.analyze(LLAMA12, batch=1, seq=16, target="cpu")
     (note,) = [n for n in analysis.graph.config.notes if n.startswith("depth:")]
     assert "differs from its capture (eager: live bytes during op" in note and "blocks.3.mlp.w1" in note
+
+
+def _deep_llama(directory, layers: int) -> str:
+    """tests/fixtures/llama12_debug.py with `layers` blocks."""
+    text = open(LLAMA12).read()
+    assert text.count("n_layers=12") == 1, "llama12_debug.py's config line changed"
+    path = directory / f"llama{layers}_debug.py"
+    path.write_text(text.replace("n_layers=12", f"n_layers={layers}"))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_compiled_code_that_hands_buffers_on_is_synthesized_in_units_of_its_reach(tmp_path):
+    """Inductor's Triton plan gives a block's weight gradient the buffer that the three blocks after it used
+    in turn in backward: one-block units differ from the 6-block capture, whose buffers reach 3 blocks, so
+    the model is cut again in units of 3 (13 and 19 of its 64 blocks), and every report equals the full
+    capture's."""
+    path = _deep_llama(tmp_path, 64)
+    keywords = dict(batch=1, seq=16, policies=("compiled",), target="cuda")
+    synthesized, captured = tracer.analyze(path, **keywords), tracer.analyze(path, full_capture=True, **keywords)
+    (note,) = [n for n in synthesized.graph.config.notes if n.startswith("depth:")]
+    assert note == ("depth: captured 13 and 19 of 64 blocks of blocks; the 19-block step synthesized from 13 in "
+                    "units of 3 blocks equals its capture op for op, the 64-block step is synthesized")
+    _assert_same_reports(synthesized, captured, note_start="depth: captured 13 and 19")
 
 
 def _ten_block_mlp(directory) -> str:

@@ -9,10 +9,15 @@ analysed with the caller's options (liveness, saved tensors, attribution, the de
 if that analysis equals the captured one op for op (`first_difference`) is the full-depth step
 synthesized the same way, and every pass and report runs on it as on a captured step.
 
-Otherwise the caller captures in full, with the returned note saying why (which op or number broke the
-synthesis). Models with at most `BASE_DEPTH + CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are
-captured in full without a note. Not covered by the check: a difference that only appears beyond
-`CHECK_DEPTH` blocks (the blocks are identical modules, so the step of each is the same program).
+Where the check fails and the `CHECK_DEPTH`-block capture hands a buffer on across r > 1 blocks
+(compiled code: Inductor's plan gives a block's weight gradient a buffer later blocks used in backward;
+depth_graph.block_reach), the result carries a `Retry`: the caller cuts again in units of r blocks
+(`cut_depths(depth, r)`: `BASE_DEPTH` and `CHECK_DEPTH` units) and checks that synthesis the same way, when
+those two cuts capture at most half the model's depth. Otherwise the caller captures in full, with the
+returned note saying why (which op or number broke the synthesis). Models with at most
+`BASE_DEPTH + CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are captured in full without a
+note. Not covered by the check: a difference that only appears beyond the check's depth (the blocks are
+identical modules, so the step of each is the same program).
 
 The three steps are also callable one by one (`find_block_list`, `capture_cut`, `check_synthesis`), so
 the two cut captures can run in different processes (tracer/levers.py) with the same result.
@@ -20,6 +25,7 @@ the two cut captures can run in different processes (tracer/levers.py) with the 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Callable
 
 from tracer.errors import TracerError
@@ -27,13 +33,23 @@ from tracer.stepgraph import StepGraph
 
 BASE_DEPTH = 4                 # captured and synthesized from: two middle blocks to align
 CHECK_DEPTH = 6                # captured and compared with its synthesis: two copies
-_CHECKED = f"depth: captured {BASE_DEPTH} and {CHECK_DEPTH} of "     # the note of a checked synthesis begins so
+_CHECKED = re.compile(r"depth: captured \d+ and \d+ of ")     # the note of a checked synthesis begins so
 
 
 @dataclasses.dataclass(frozen=True)
 class DeepCapture:
     graphs: tuple[StepGraph | None, ...]     # at the full depth, per captured graph (None: capture it in full)
     note: str | None                         # why those are captured in full (None: silently)
+    retry: "Retry | None" = None             # the units of blocks a second cut may synthesize those in
+
+
+@dataclasses.dataclass(frozen=True)
+class Retry:
+    """Cut again in units of `group` blocks (`capture_cut(..., group=group)`): the checked synthesis in
+    units of one block differed, and its check capture hands buffers on across `group` blocks
+    (depth_graph.block_reach), while the two cuts in units of `group` still capture at most half the depth."""
+    blocks: "BlockList"
+    group: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +71,15 @@ class CutSteps:
     error: TracerError | None = None
     checked_on: str | None = None
     prepared: "PreparedSynthesis | None" = None     # prepare_synthesis(base), made while `check` was captured
+    group: int = 1                                  # blocks per synthesized unit (cut_depths)
+
+
+def cut_depths(depth: int, group: int = 1) -> tuple[int, int]:
+    """The depths the model is cut to for a synthesis in units of `group` blocks: `BASE_DEPTH` units (the
+    last one longer by what `depth` leaves over, so the copies reach `depth` exactly) and that plus
+    `CHECK_DEPTH - BASE_DEPTH` units."""
+    base = BASE_DEPTH * group + (depth - BASE_DEPTH * group) % group
+    return base, base + (CHECK_DEPTH - BASE_DEPTH) * group
 
 
 def cut_source(source, depth: int, seen: dict):
@@ -101,20 +126,20 @@ def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
 
 
 def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[StepGraph, ...]],
-                say: Callable[[str], None] = lambda message: None) -> CutSteps:
-    """`capture(source)` of `source` cut to `BASE_DEPTH`, then to `CHECK_DEPTH` blocks; a TracerError is
-    kept in the result (the caller captures in full and says why)."""
-
-    say(f"capturing {source.name} cut to {BASE_DEPTH} and {CHECK_DEPTH} of its {blocks.depth} blocks under fake "
+                say: Callable[[str], None] = lambda message: None, group: int = 1) -> CutSteps:
+    """`capture(source)` of `source` cut to the two `cut_depths` (`BASE_DEPTH` and `CHECK_DEPTH` blocks in
+    units of one); a TracerError is kept in the result (the caller captures in full and says why)."""
+    base_depth, check_depth = cut_depths(blocks.depth, group)
+    say(f"capturing {source.name} cut to {base_depth} and {check_depth} of its {blocks.depth} blocks under fake "
         "tensors ...")
     try:
-        base = capture(cut_source(source, BASE_DEPTH, {}))
+        base = capture(cut_source(source, base_depth, {}))
     except TracerError as exc:
-        return CutSteps(blocks, None, None, exc)
+        return CutSteps(blocks, None, None, exc, group=group)
     try:
-        return CutSteps(blocks, base, capture(cut_source(source, CHECK_DEPTH, {})))
+        return CutSteps(blocks, base, capture(cut_source(source, check_depth, {})), group=group)
     except TracerError as exc:
-        return CutSteps(blocks, base, None, exc)
+        return CutSteps(blocks, base, None, exc, group=group)
 
 
 def capture_deep(source, capture: Callable[[object], tuple[StepGraph, ...]],
@@ -143,16 +168,17 @@ class PreparedSynthesis:
 
 
 def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepGraph], object],
-                      depth: int) -> PreparedSynthesis:
+                      depth: int, group: int = 1) -> PreparedSynthesis:
     """The synthesized side of the check of `base` and its synthesis at `depth` blocks."""
     from tracer.passes.depth import DepthError
     from tracer.passes.depth_graph import synthesize_depth
 
+    check_depth = cut_depths(depth, group)[1]
     checks, fulls, refused = [], [], []
     for i, graph in enumerate(base):
         try:
-            checks.append(analyze(i, synthesize_depth(graph, CHECK_DEPTH)))
-            fulls.append(synthesize_depth(graph, depth))
+            checks.append(analyze(i, synthesize_depth(graph, check_depth, group)))
+            fulls.append(synthesize_depth(graph, depth, group))
             refused.append(None)
         except DepthError as exc:
             checks.append(None)
@@ -173,14 +199,29 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
     if cut.checked_on is not None and cut.check is None:
         return _synthesized_unchecked(cut, count)
     base = cut.base
-    prepared = cut.prepared or prepare_synthesis(base, analyze, depth)
+    base_depth, check_depth = cut_depths(depth, cut.group)
+    prepared = cut.prepared or prepare_synthesis(base, analyze, depth, cut.group)
     differences = synthesis_differences(prepared, cut.check, analyze)
-    note = (f"{_CHECKED}{depth} blocks of {path}; the {CHECK_DEPTH}-block "
-            f"step synthesized from {BASE_DEPTH} equals its capture op for op, the {depth}-block step is synthesized")
+    units = f" in units of {cut.group} blocks" if cut.group > 1 else ""
+    note = (f"depth: captured {base_depth} and {check_depth} of {depth} blocks of {path}; the {check_depth}-block "
+            f"step synthesized from {base_depth}{units} equals its capture op for op, the {depth}-block step is "
+            "synthesized")
     graphs = tuple(None if i in differences else _with_note(prepared.full[i], note) for i in range(len(base)))
     return DeepCapture(graphs, None if not differences else
-                       f"{fallback}: the {CHECK_DEPTH}-block step synthesized from {BASE_DEPTH} blocks differs from its "
-                       f"capture ({'; '.join(differences.values())})")
+                       f"{fallback}: the {check_depth}-block step synthesized from {base_depth} blocks{units} differs "
+                       f"from its capture ({'; '.join(differences.values())})",
+                       retry=_retry(cut, differences))
+
+
+def _retry(cut: CutSteps, differences: dict[int, str]) -> Retry | None:
+    """A `Retry` in units of the longest reach of a differing graph's check capture, where that is more
+    blocks than this cut's units and two cuts in those units capture at most half the model's depth."""
+    from tracer.passes.depth_graph import block_reach
+
+    reach = max((block_reach(cut.check[i]) for i in differences), default=0)
+    if reach <= cut.group or 2 * sum(cut_depths(cut.blocks.depth, reach)) > cut.blocks.depth:
+        return None
+    return Retry(cut.blocks, reach)
 
 
 def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, ...],
@@ -219,7 +260,7 @@ def _synthesized_unchecked(cut: CutSteps, count: int) -> DeepCapture:
 
 def synthesis_checked(graph: StepGraph) -> bool:
     """Whether `graph` was synthesized at its depth after the `CHECK_DEPTH`-block comparison passed."""
-    return any(note.startswith(_CHECKED) for note in graph.config.notes)
+    return any(_CHECKED.match(note) for note in graph.config.notes)
 
 
 def with_note(graph: StepGraph, note: str | None) -> StepGraph:

@@ -380,8 +380,11 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
             cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
     capture_full = None if model is None else (lambda indices: _compiled_apart(model, source, options, specs, indices,
                                                                               capture, say))
+    cut_again = None if model is None else (lambda blocks, indices, group: _cut_in_two_processes(
+        model, source, options, blocks, capture, say, indices=indices, group=group))
     graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut,
-                               has_blocks=cut is not None or not probed, capture_full=capture_full)
+                               has_blocks=cut is not None or not probed, capture_full=capture_full,
+                               cut_again=cut_again)
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
 
 
@@ -456,44 +459,48 @@ def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
     return capture
 
 
-def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say):
-    """The two cut captures of `capture_cut` (tracer/depth_capture.py), the `CHECK_DEPTH` one in a spawned
-    process (which loads the model by its name) while this one makes the `BASE_DEPTH` one: the same
-    `CutSteps`, a TracerError of either kept as `capture_cut` keeps it."""
+def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say, *,
+                          indices: tuple | None = None, group: int = 1):
+    """The two cut captures of `capture_cut` (tracer/depth_capture.py) of the policy specs at `indices`
+    (None: all) in units of `group` blocks, the deeper one in a spawned process (which loads the model by its
+    name) while this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut`
+    keeps it."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
-    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps, prepare_synthesis
+    from tracer.depth_capture import CutSteps, cut_depths, cut_source, prepare_synthesis
     from tracer.errors import TracerError
-    from tracer.depth_capture import cut_source
 
-    everything = tuple(range(len(options.policy_specs(model_save_policy=source.save_policy))))
-    say(f"capturing {source.name} cut to {BASE_DEPTH} and (in a second process) {CHECK_DEPTH} of its "
+    if indices is None:
+        indices = tuple(range(len(options.policy_specs(model_save_policy=source.save_policy))))
+    base_depth, check_depth = cut_depths(blocks.depth, group)
+    say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
         f"{blocks.depth} blocks under fake tensors ...")
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        check = pool.submit(_capture_in_worker, model, options, None, CHECK_DEPTH, logging_state=_logging_state())
+        check = pool.submit(_capture_in_worker, model, options, indices, check_depth, logging_state=_logging_state())
         try:
             with running_user_code(source.name):
-                base = capture(cut_source(source, BASE_DEPTH, {}), everything)
+                base = capture(cut_source(source, base_depth, {}), indices)
         except TracerError as exc:
             check.cancel()
-            return CutSteps(blocks, None, None, exc)
+            return CutSteps(blocks, None, None, exc, group=group)
         # the synthesized side of the check needs only `base`: made while the other process captures
-        prepared = prepare_synthesis(base, lambda i, graph: analyze_one(graph, options), blocks.depth)
+        prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group)
         try:
-            return CutSteps(blocks, base, check.result(), prepared=prepared)
+            return CutSteps(blocks, base, check.result(), prepared=prepared, group=group)
         except TracerError as exc:
-            return CutSteps(blocks, base, None, exc)
+            return CutSteps(blocks, base, None, exc, group=group)
         except BrokenProcessPool:
             pass              # no process could start (a script without `if __name__ == "__main__":`)
-    say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks in this process ...")
+    say(f"capturing {source.name} cut to {check_depth} blocks in this process ...")
     try:
         with running_user_code(source.name):
-            return CutSteps(blocks, base, capture(cut_source(source, CHECK_DEPTH, {}), everything), prepared=prepared)
+            return CutSteps(blocks, base, capture(cut_source(source, check_depth, {}), indices), prepared=prepared,
+                            group=group)
     except TracerError as exc:
-        return CutSteps(blocks, base, None, exc)
+        return CutSteps(blocks, base, None, exc, group=group)
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -541,12 +548,15 @@ def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Call
 
 
 def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None,
-                      has_blocks: bool = True, capture_full: Callable | None = None) -> tuple:
+                      has_blocks: bool = True, capture_full: Callable | None = None,
+                      cut_again: Callable | None = None) -> tuple:
     """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
     depth: synthesized from the model cut to a few blocks where that is checked exact
     (tracer/depth_capture.py; `cut`: those cut captures, when already made), the others captured in full,
     with a note when the synthesis was refused. `has_blocks` False: the model has no block list to cut (already
-    looked for). `capture_full(indices)`: how the full capture is made, when not by `capture(source, indices)`."""
+    looked for). `capture_full(indices)`: how the full capture is made, when not by `capture(source, indices)`;
+    `cut_again(blocks, indices, group)`: how the cuts in units of `group` blocks are made (a `CutSteps`), when
+    not by `capture` here, one after the other."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
@@ -564,11 +574,33 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
             deep = capture_deep(source, lambda src: captured(src, everything), analyze, count=len(options),
                                 precision=first.precision, seq=first.seq, say=say, cut=cut)
     missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
+    if deep.retry is not None and missing:
+        deep = _retried(source, deep, missing, captured, analyze, say, cut_again)
+        missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
     if not missing:
         return deep.graphs
     say(f"capturing {source.name} (batch {first.batch}, seq {first.seq}) under fake tensors ...")
     full = dict(zip(missing, capture_full(missing) if capture_full else captured(source, missing)))
     return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
+
+
+def _retried(source, deep, missing: tuple, captured: Callable, analyze: Callable, say, cut_again=None):
+    """`deep` with its `missing` graphs synthesized from a second cut in units of `deep.retry.group` blocks
+    where that is checked exact; the note says why the others are still captured in full."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import DeepCapture, capture_cut, check_synthesis
+
+    if cut_again is not None:
+        cut = cut_again(deep.retry.blocks, missing, deep.retry.group)
+    else:
+        with running_user_code(source.name):
+            cut = capture_cut(source, deep.retry.blocks, lambda src: captured(src, missing), say,
+                              group=deep.retry.group)
+    again = check_synthesis(cut, lambda j, graph: analyze(missing[j], graph), count=len(missing))
+    graphs = list(deep.graphs)
+    for j, i in enumerate(missing):
+        graphs[i] = again.graphs[j]
+    return DeepCapture(tuple(graphs), again.note and f"{deep.note}; {again.note}")
 
 
 def analyze_one(graph, options: AnalysisOptions):

@@ -1,12 +1,16 @@
 """A deep step graph built from the same step captured with a few identical blocks.
 
-    synthesize_depth(graph, depth) -> StepGraph
+    synthesize_depth(graph, depth, group=1) -> StepGraph
+    block_reach(graph) -> int          the smallest `group` the synthesis of its model can work in
 
 `graph` is the step of the model cut to k >= 4 blocks (`blocks.0` ... `blocks.{k-1}`, found by
 blocks.py's `repeated_blocks`); the result is the step with `depth` blocks: the elements of block 1 (a
 middle block: its forward, backward and recomputed ops, the optimizer's per-parameter ops, the storages
 they make, its parameters, gradients and optimizer state, its entries in foreach tensor lists) are copied
 `depth - k` times between blocks 1 and 2, and blocks 2 ... k-1 are renamed `blocks.{2 + depth - k}` ...
+With `group` g > 1, units of g consecutive blocks take the blocks' place below (unit 1 is blocks g ... 2g-1,
+copied (depth - k) / g times; a last unit may be shorter): compiled code can hand a buffer on across up to g
+blocks, which one-block units cannot place (`block_reach`).
 Nothing about the model is assumed; everything is read from the graph:
 
 * An op's block is the block its module lies in; a module-less forward or backward op (the autograd
@@ -46,40 +50,59 @@ _NEXT = 2                      # the block the copies go before
 _NUMBER = re.compile(r"(\d+)")
 
 
-def synthesize_depth(graph: StepGraph, depth: int) -> StepGraph:
-    """`graph` with `depth` blocks (at least its own). Raises DepthError when its blocks cannot be
+def synthesize_depth(graph: StepGraph, depth: int, group: int = 1) -> StepGraph:
+    """`graph` with `depth` blocks (at least its own), copying units of `group` consecutive blocks (blocks
+    `group` ... `2 * group - 1` are unit 1, the copied one). Raises DepthError when its units cannot be
     aligned or a reference cannot be placed."""
     blocks = repeated_blocks(graph)
-    if len(blocks) < 4:
-        raise DepthError(f"the captured step has {len(blocks)} repeated blocks: synthesis needs at least 4 "
-                         "(two middle blocks to align)")
-    copies = depth - len(blocks)
-    if copies < 0:
-        raise DepthError(f"cannot synthesize {depth} blocks from a step with {len(blocks)}")
-    if copies == 0:
+    units = -(-len(blocks) // group)
+    if units < 4:
+        raise DepthError(f"the captured step has {len(blocks)} repeated blocks: synthesis in units of {group} needs "
+                         f"at least {3 * group + 1} (two middle units to align)")
+    extra = depth - len(blocks)
+    if extra < 0 or extra % group:
+        raise DepthError(f"cannot synthesize {depth} blocks from a step with {len(blocks)} in units of {group}")
+    if extra == 0:
         return graph
-    tags = _Tags(graph, blocks)
-    align = _Alignment(graph, tags, blocks)
-    return _Builder(graph, blocks, tags, align, copies).build()
+    tags = _Tags(graph, blocks, group)
+    align = _Alignment(graph, tags, blocks, group)
+    return _Builder(graph, blocks, tags, align, extra // group, group).build()
+
+
+def block_reach(graph: StepGraph) -> int:
+    """How many blocks apart the ops that touch one storage lie, at most, among storages no op of the
+    first or of the last block touches together with the other (those may be pools every block shares):
+    the unit `synthesize_depth` needs for `graph`'s model (compiled code that hands a buffer from block to
+    block, such as Inductor giving a block's weight gradient the buffer three later blocks used in turn,
+    needs units of that many blocks). 0 for a step without repeated blocks."""
+    blocks = repeated_blocks(graph)
+    index_of = {b: i for i, b in enumerate(blocks)}
+    touched: dict[int, set[int]] = {}
+    for op in graph.ops:
+        if block := block_of(op.module, index_of):
+            for value in op.outputs + op.input_values():
+                touched.setdefault(value.storage_id, set()).add(index_of[block])
+    spans = [max(t) - min(t) for t in touched.values() if not (0 in t and len(blocks) - 1 in t)]
+    return max(spans, default=0)
 
 
 # ---------------------------------------------------------------------------------------------- tags
 
 class _Tags:
-    """The block index (or None: outside the blocks) of every op and storage."""
+    """The unit index (block index // group; None: outside the blocks) of every op and storage."""
 
-    def __init__(self, graph: StepGraph, blocks: list[str]):
-        index_of = {b: i for i, b in enumerate(blocks)}
+    def __init__(self, graph: StepGraph, blocks: list[str], group: int = 1):
+        unit_of = {b: i // group for i, b in enumerate(blocks)}
         self.op: list[int | None] = []
         self.storage: list[int | None] = [None] * len(graph.storages)
         seen = [False] * len(graph.storages)
         for s in graph.storages:                       # named: parameters, gradients, optimizer state
-            block = block_of(s.name, index_of) if s.name else ""
+            block = block_of(s.name, unit_of) if s.name else ""
             if block:
-                self.storage[s.storage_id], seen[s.storage_id] = index_of[block], True
+                self.storage[s.storage_id], seen[s.storage_id] = unit_of[block], True
         previous: tuple[Phase, int | None] = (Phase.OPTIMIZER, None)
         for op in graph.ops:
-            tag = self._op_tag(op, index_of, previous)
+            tag = self._op_tag(op, unit_of, previous)
             self.op.append(tag)
             previous = (op.phase, tag)
             position_tags = self._position_tags(op) if tag is None else {}
@@ -109,13 +132,13 @@ class _Tags:
                     touched[s.storage_id].add(self.op[op])
         return frozenset(sid for sid, blocks in touched.items() if max(blocks) - min(blocks) > 1)
 
-    def _op_tag(self, op: OpNode, index_of: dict, previous) -> int | None:
+    def _op_tag(self, op: OpNode, unit_of: dict, previous) -> int | None:
         if op.phase is Phase.OPTIMIZER:
             found = {self.storage[v.storage_id] for v in op.outputs + op.input_values()} - {None}
             return found.pop() if len(found) == 1 else None
-        block = block_of(op.module, index_of)
+        block = block_of(op.module, unit_of)
         if block:
-            return index_of[block]
+            return unit_of[block]
         if not op.module and previous[0] is op.phase:
             return previous[1]
         return None
@@ -165,8 +188,8 @@ def _runs(tags: list, wanted: int) -> list[list[int]]:
 class _Alignment:
     """Block 1's elements -> block 2's: `op[i]`, and `storage[s]` for every storage block 1 touches."""
 
-    def __init__(self, graph: StepGraph, tags: _Tags, blocks: list[str]):
-        self.graph, self.tags = graph, tags
+    def __init__(self, graph: StepGraph, tags: _Tags, blocks: list[str], group: int = 1):
+        self.graph, self.tags, self.group = graph, tags, group
         base_runs, next_runs = _runs(tags.op, _BASE), _runs(tags.op, _NEXT)
         if [len(r) for r in base_runs] != [len(r) for r in next_runs]:
             raise DepthError(f"blocks {_BASE} and {_NEXT} run {len(sum(base_runs, []))} and "
@@ -190,16 +213,16 @@ class _Alignment:
         self.op_inverse = {b: a for a, b in self.op.items()}
 
     def _pair_untouched_by_name(self, blocks: list[str]) -> None:
-        """Named block-1 storages no op pairs (optimizer state a fused step never reads as a tensor, e.g.
-        the simulated bitsandbytes moments) -> the block-2 storage of the same name relative to the block."""
-        base, other = blocks[_BASE] + ".", blocks[_NEXT] + "."
+        """Named unit-1 storages no op pairs (optimizer state a fused step never reads as a tensor, e.g.
+        the simulated bitsandbytes moments) -> the unit-2 storage of the same name relative to its block."""
+        prefix = blocks[0].rsplit(".", 1)[0]
         paired = set(self.storage.values())
         by_name = {s.name: s for s in self.graph.storages
                    if s.name and self.tags.storage[s.storage_id] == _NEXT and s.storage_id not in paired}
         for s in self.graph.storages:
-            if self.tags.storage[s.storage_id] != _BASE or s.storage_id in self.storage or not s.name.startswith(base):
+            if self.tags.storage[s.storage_id] != _BASE or s.storage_id in self.storage or not s.name:
                 continue
-            twin = by_name.get(other + s.name[len(base):])
+            twin = by_name.get(_shift_block(s.name, prefix, self.group))
             if twin is not None and _storage_shape(twin) == _storage_shape(s):
                 self.storage[s.storage_id] = twin.storage_id
 
@@ -237,6 +260,14 @@ class _Alignment:
         if not shared and _storage_shape(sx) != _storage_shape(sy):
             raise DepthError(f"storages {x} and {y} ({sx.name or sx.role.value}) differ between blocks {_BASE} "
                              f"and {_NEXT}")
+
+
+def _shift_block(path: str, prefix: str, by: int) -> str:
+    """`prefix.j.rest` -> `prefix.{j + by}.rest`; any other path unchanged."""
+    if not path.startswith(prefix + "."):
+        return path
+    index, dot, tail = path[len(prefix) + 1:].partition(".")
+    return f"{prefix}.{int(index) + by}{dot}{tail}" if index.isdigit() else path
 
 
 def _values(op: OpNode) -> tuple[TensorValue, ...]:
@@ -286,8 +317,10 @@ class _ValueMap:
 class _Builder:
     """The deeper graph: elements are (copy, original index), copy 0 being the captured element."""
 
-    def __init__(self, graph: StepGraph, blocks: list[str], tags: _Tags, align: _Alignment, copies: int):
+    def __init__(self, graph: StepGraph, blocks: list[str], tags: _Tags, align: _Alignment, copies: int,
+                 group: int = 1):
         self.graph, self.blocks, self.tags, self.align, self.copies = graph, blocks, tags, align, copies
+        self.group = group
         self.prefix = blocks[0].rsplit(".", 1)[0]
         self.refs: dict[tuple, int] = {}
         self.values: dict[tuple, dict] = {}          # (copy, tag) -> _ValueMap's values made so far
@@ -407,16 +440,15 @@ class _Builder:
                         held_until_op=self._op_ref(copy, s, "held_until_op"))
 
     def _rename(self, path: str, copy: int, tag: int | None) -> str:
-        """`blocks.1.x` of copy c -> `blocks.{1+c}.x`; `blocks.j.x` (j >= 2) -> `blocks.{j+copies}.x`."""
+        """`blocks.j.x` of unit 1 in copy c -> `blocks.{j + c * group}.x`; `blocks.j.x` of unit 2 or later ->
+        `blocks.{j + copies * group}.x`."""
         if tag is None or not path.startswith(self.prefix + "."):
             return path
-        rest = path[len(self.prefix) + 1:]
-        index, dot, tail = rest.partition(".")
+        index = path[len(self.prefix) + 1:].partition(".")[0]
         if not index.isdigit():
             return path
-        j = int(index)
-        new = j + copy if copy else (j + self.copies if j >= _NEXT else j)
-        return f"{self.prefix}.{new}{dot}{tail}"
+        by = copy * self.group if copy else (self.copies * self.group if int(index) >= _NEXT * self.group else 0)
+        return _shift_block(path, self.prefix, by)
 
     def _rename_storage(self, name: str, copy: int, tag: int) -> str:
         """A name with a number that counts blocks ("checkpoint RNG state, region 2"), the number found
@@ -426,12 +458,14 @@ class _Builder:
             return self._rename(name, copy, tag)
         parts = _NUMBER.split(name)
         number = int(parts[2 * position + 1])
-        parts[2 * position + 1] = str(number + copy if copy else number + self.copies if tag >= _NEXT else number)
+        step = self.group
+        parts[2 * position + 1] = str(number + copy * step if copy else number + self.copies * step if tag >= _NEXT
+                                      else number)
         return "".join(parts)
 
     def _name_counters(self) -> dict[str, int]:
-        """Name template (digits as #) -> which of its numbers counts blocks: the one that is 1 more in
-        the block-2 twin of a block-1 storage."""
+        """Name template (digits as #) -> which of its numbers counts blocks: the one that is `group` more
+        in the unit-2 twin of a unit-1 storage."""
         out: dict[str, int] = {}
         for x, y in self.align.storage.items():
             if self.tags.storage[x] != _BASE:
@@ -439,7 +473,7 @@ class _Builder:
             a, b = _NUMBER.split(self.graph.storages[x].name), _NUMBER.split(self.graph.storages[y].name)
             if len(a) != len(b) or a[0::2] != b[0::2]:
                 continue
-            steps = [i for i in range(len(a) // 2) if int(b[2 * i + 1]) - int(a[2 * i + 1]) == 1]
+            steps = [i for i in range(len(a) // 2) if int(b[2 * i + 1]) - int(a[2 * i + 1]) == self.group]
             if len(steps) == 1 and all(a[2 * i + 1] == b[2 * i + 1] for i in range(len(a) // 2) if i != steps[0]):
                 out[_NUMBER.sub("#", self.graph.storages[x].name)] = steps[0]
         return out
