@@ -90,18 +90,24 @@ class _KeywordBatch(torch.nn.Module):
         return self.model(**dict(zip(self.keys, values)))
 
 
+HF_GPT2 = ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "n_positions=64")
+
+
 @pytest.mark.parametrize("model_name,base", [("llama-88m-debug", "4bit"), ("llama-88m-debug", "8bit"),
-                                             ("hf:llama", "4bit"), ("hf:qwen2", "4bit")])
+                                             ("hf:llama", "4bit"), ("hf:qwen2", "4bit"), ("hf:gpt2", "4bit"),
+                                             ("hf:gpt2", "8bit")])
 def test_the_base_option_is_the_quantized_base_a_script_builds(model_name, base):
-    """`--base 4bit|8bit` on the built-in Llama and on transformers' Llama and Qwen2: the linears but the head
-    as bitsandbytes' layers, peft's prepare_model_for_kbit_training and LoRA r=8, predicted against the same
+    """`--base 4bit|8bit` on the built-in Llama and on transformers' Llama, Qwen2 and GPT-2 (whose projections
+    are transformers' Conv1D, quantized as linears as transformers does): the linears but the head as
+    bitsandbytes' layers, peft's prepare_model_for_kbit_training and LoRA r=8, predicted against the same
     model built for real."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from tracer.capture.lora import apply_lora
     from tracer.capture.quantized_base import QLORA_RANK, quantize_base
 
-    source = load_model_source(model_name, hf_config=HF_LLAMA if model_name.startswith("hf:") else ())
+    config = HF_GPT2 if model_name == "hf:gpt2" else HF_LLAMA if model_name.startswith("hf:") else ()
+    source = load_model_source(model_name, hf_config=config)
     graph = capture_step(source, CaptureOptions(batch=2, seq=32, target="cpu", quantized_base=base))
     predicted = analyze_graph(graph).policies["eager"]
     torch.manual_seed(0)

@@ -4,7 +4,9 @@ the model is built, as a fine-tuning script does it with bitsandbytes and peft.
 `quantized_base_source(source, base, precision)` returns the `ModelSource` whose `build_model()` builds the
 user's model, then:
   1. replaces every `nn.Linear` except the output head (lora.py's `linears_except_head`; transformers'
-     `BitsAndBytesConfig` skips the head the same way) by bitsandbytes' layer of the same shape and bias:
+     `BitsAndBytesConfig` skips the head the same way), and every transformers `Conv1D` (GPT-2's attention
+     and MLP projections, whose weight is stored (in, out)), by bitsandbytes' layer of the same in and out
+     features and bias, as transformers' `replace_with_bnb_linear` does:
        * `4bit`: `Linear4bit(quant_type="nf4", compress_statistics=True)`, the QLoRA paper's NF4 with double
          quantization (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
          bnb_4bit_use_double_quant=True)`), computing in the step's dtype (bf16 under bf16 autocast or
@@ -20,9 +22,8 @@ The capture (capture/__init__.py) then adds LoRA adapters (`--lora`, rank 8 when
 op by op (dispatch.py): bitsandbytes' layers are traced through their CPU kernels, and their memory is
 exact against real CPU steps (tests/accuracy/test_quantized_base.py). The layers' new weights are
 bitsandbytes' own initialisation: a quantized base's memory does not depend on the values.
-Not modelled: other quantizers (GPTQ, AWQ, HQQ, torchao's int4), layers other than nn.Linear (transformers'
-Conv1D in GPT-2, which transformers' own bitsandbytes integration quantizes: refused when nothing else is
-left), `llm_int8_skip_modules` beyond the head,
+Not modelled: other quantizers (GPTQ, AWQ, HQQ, torchao's int4), layers other than nn.Linear and transformers'
+Conv1D (refused when there is none but the head), `llm_int8_skip_modules` beyond the head,
 and CUDA's fused 4-bit kernel for calls of at most 1,536 tokens (it allocates only the output; the CPU kernel
 traced here dequantizes the weight, as CUDA does above that size).
 """
@@ -66,20 +67,43 @@ def quantize_base(model: nn.Module, base: str, compute: torch.dtype) -> nn.Modul
         from peft import prepare_model_for_kbit_training
     except ImportError as exc:
         raise UsageError("--base needs bitsandbytes and peft", hint="pip install bitsandbytes peft") from exc
-    paths = linears_except_head(model)
+    paths = linears_except_head(model) + _conv1d_paths(model)
     if not paths:
         raise UsageError(f"--base {base}: {type(model).__name__} has no nn.Linear besides its head to quantize",
-                         hint="only nn.Linear layers are quantized here (transformers' Conv1D, as in GPT-2, is not)")
+                         hint="nn.Linear layers and transformers' Conv1D are quantized here; other layers are not")
     for path in paths:
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         linear = getattr(parent, name)
+        features_in, features_out = _features(linear)
         if base == "4bit":
-            layer = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+            layer = bnb.nn.Linear4bit(features_in, features_out, bias=linear.bias is not None,
                                       compute_dtype=compute, quant_type="nf4", compress_statistics=True)
         else:
-            layer = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+            layer = bnb.nn.Linear8bitLt(features_in, features_out, bias=linear.bias is not None,
                                         has_fp16_weights=False)
         setattr(parent, name, layer)
     model = model.to("cpu")                 # bitsandbytes quantizes each weight as it moves to the device
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def _conv1d_paths(model: nn.Module) -> tuple[str, ...]:
+    """The paths of transformers' `Conv1D` layers (GPT-2 style), which transformers quantizes as linears."""
+    conv1d = _transformers_conv1d()
+    return () if conv1d is None else tuple(name for name, m in model.named_modules() if isinstance(m, conv1d))
+
+
+def _transformers_conv1d():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """(in, out) features: an nn.Linear's, or a Conv1D's from its (in, out) weight."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    features_in, features_out = layer.weight.shape
+    return features_in, features_out
