@@ -36,6 +36,19 @@ def test_a_data_dependent_branch_falls_back_to_the_dispatch_path():
     assert any("data_dependent_branch.py:18" in n and "0 / False" in n for n in notes)
 
 
+def test_the_dispatch_path_counts_a_tensor_saved_for_its_shape_as_saved():
+    """`torch.gather` saves its input, whose backward formula reads only its size: no backward op reads it,
+    yet autograd holds it until the node runs (tests/truth.py counts it through saved_tensors_hooks)."""
+    model = os.path.join(FIXTURES, "gathered_scores.py")
+    options = CaptureOptions(batch=2, seq=16, capture="dispatch")
+    predicted = _compare(model, options)
+    source = load_model_source(model)
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 16), torch.optim.AdamW(real.parameters(), lr=1e-3))
+    assert predicted.saved.total_bytes == measured.saved_bytes
+
+
 def test_the_dispatch_path_reproduces_a_llama_step_exactly():
     predicted = _compare("llama-debug", CaptureOptions(batch=2, seq=64, capture="dispatch"))
     lines = {r.label.rsplit("/", 1)[-1]: r.bytes_at_peak for r in predicted.at_peak.lines}

@@ -128,6 +128,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
                             opaque_raw_kernels=True)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
+    packed: set[int] = set()                # storage ids autograd saved in the recorded forward
 
     def run_step(record: bool):
         with contextlib.ExitStack() as stack:
@@ -139,7 +140,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             # with pin_memory=True every save is copied, activation_offload.py's model of a CPU target)
             offloaded = (torch.autograd.graph.save_on_cpu(pin_memory=True) if options.offload == "activations"
                          else contextlib.nullcontext())
-            with modules, _NodeStamper(modules), autocast(), offloaded:
+            noted = _saved_storages_noted(table, packed) if record else contextlib.nullcontext()
+            with modules, _NodeStamper(modules), autocast(), noted, offloaded:
                 loss = step(*batch)
             phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
@@ -190,6 +192,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)
+    _saved_and_held_into_backward(recorder.ops, table, packed)
     for fqn, sid in gradients:
         if sid is not None and table.get(sid).role is StorageRole.INTERMEDIATE:
             table.update(sid, role=StorageRole.GRADIENT, name=f"{fqn}.grad")
@@ -204,6 +207,33 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position, model
+
+
+def _saved_storages_noted(table: StorageTable, packed: set[int]):
+    """saved_tensors_hooks that add the storage id of every tensor autograd saves to `packed`, holding a
+    detached alias as autograd holds the tensor (made outside the recorder: it is no op of the step)."""
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sid = table.lookup(t)
+        if sid is not None:
+            packed.add(sid)
+        with torch.utils._python_dispatch._disable_current_modes():
+            return t.detach()
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _saved_and_held_into_backward(ops, table: StorageTable, packed: set[int]) -> None:
+    """A storage autograd saved and released in backward is held into backward although no backward op may
+    read it: a formula that needs only its input's shape still saves the input (`gather`'s backward makes
+    zeros of the input's size, yet GatherBackward0 saves the input), so it counts as saved for backward
+    (passes/saved.py reads `held_until_op`); the release itself was observed, so liveness is unchanged."""
+    first_backward = next((i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD), None)
+    if first_backward is None:
+        return
+    for sid in packed:
+        storage = table.get(sid)
+        released = storage.released_after_op
+        if released is not None and released >= first_backward and storage.held_until_op is None:
+            table.update(sid, held_until_op=released)
 
 
 def parameter_counts(model) -> tuple[int, int]:
