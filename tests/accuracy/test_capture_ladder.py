@@ -56,6 +56,29 @@ def test_the_dispatch_path_reproduces_a_llama_step_exactly():
     assert lines[f"llama.py:{loss_line}"] > 0          # backward memory attributed to the forward line (cross-entropy)
 
 
+HF_GPT2 = ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "n_positions=64")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("model,hf_config", [("llama-debug", ()), ("hf:gpt2", HF_GPT2)], ids=["llama", "hf-gpt2"])
+def test_the_dispatch_path_takes_the_cuda_targets_kernels_as_the_graph_does(model, hf_config, precision):
+    """For a CUDA target the step run op by op takes CUDA's choices (SDPA's CUDA op, bf16 autocast's CUDA
+    lists with eager's weight-cast cache, dropout's fused kernel with a bool mask, foreach AdamW), so it
+    equals the graph rung's CUDA step: every phase peak and the saved bytes. (GPT-2 has dropout and
+    addmm-based Conv1D projections; on CPU kernels its dropout masks alone were 122,880 B more.)"""
+    source = load_model_source(model, hf_config=hf_config)
+    results = {}
+    for capture in ("auto", "dispatch"):
+        options = CaptureOptions(batch=2, seq=64, target="cuda", precision=precision, capture=capture)
+        results[capture] = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    graph, op_by_op = results["auto"], results["dispatch"]
+    assert op_by_op.graph.config.capture_path == CAPTURE_PATH != graph.graph.config.capture_path
+    assert op_by_op.graph.config.target == "cuda"
+    assert op_by_op.start_bytes == graph.start_bytes
+    assert {k: p.peak_bytes for k, p in op_by_op.phases.items()} == {k: p.peak_bytes for k, p in graph.phases.items()}
+    assert op_by_op.saved.total_bytes == graph.saved.total_bytes
+
+
 def test_policies_need_a_graph():
     with pytest.raises(CaptureError, match="need a captured graph"):
         capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent_branch.py")),

@@ -410,12 +410,11 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer=_optimizer_label(source, options, model), step=options.step,
                         zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
-                        policy="eager", target="cpu",
-                        notes=(reason if chosen else f"export failed: {reason}",) + notes
-                        + ((f"the dispatch fallback traces CPU kernels: --target {options.target} is not "
-                            "applied",) if options.target != "cpu" else ()))
+                        policy="eager", target=options.target,
+                        notes=(reason if chosen else f"export failed: {reason}",) + notes)
     frozen_ops = tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops))
-    config = dataclasses.replace(config, notes=config.notes + unmodelled_scratch_notes(frozen_ops, cpu=True))
+    cpu = not parse_target(options.target).is_cuda
+    config = dataclasses.replace(config, notes=config.notes + unmodelled_scratch_notes(frozen_ops, cpu=cpu))
     graph = StepGraph(config=config, ops=frozen_ops, storages=table.freeze(), parameter_count=n_params,
                       frozen_parameter_count=n_frozen)
     return {spec.label: graph for spec in specs}

@@ -4,7 +4,11 @@ When no graph can be exported (data-dependent Python control flow, ops export ca
 still runs op by op on fake tensors: forward+loss, `loss.backward()`, `optimizer.step()`, `zero_grad()`,
 after an untracked warm-up step for steady state. Frees are observed (exact eager lifetimes, Python
 locals included). Backward ops are attributed to the forward line and module that created their
-autograd node (stamped on the node by a TorchFunctionMode during forward). Values read from tensors
+autograd node (stamped on the node by a TorchFunctionMode during forward). For a CUDA target the run takes
+CUDA's kernel choices where Python or the dispatcher makes them on the device (target.py: the SDPA op,
+bf16 autocast's lists, dropout's fused kernel, the optimizer's foreach default); a custom op's CPU Python
+kernel is still traced (bitsandbytes' 4-bit matmul dequantizes its weight there, as its CUDA kernel does
+for all but small calls). Values read from tensors
 (`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line; a truth
 value an `assert` statement reads is True (the step predicted passes its assertions).
 What this path cannot do: recompute policies (compiled, selective, full) need a graph.
@@ -92,13 +96,16 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     could be captured."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from tracer.capture.target import cuda_capture, cuda_eager_kernels, cuda_optimizer_defaults, parse_target
+
+    target = parse_target(options.target)
     fake_mode = FakeTensorMode()
     built = build_fake(source, options.batch, options.seq, options.precision, fake_mode)
     model, batch, step = built.model, built.batch, step_module(built, source)
     autocast = lambda: autocast_context(options.precision)        # noqa: E731
     scaler = make_grad_scaler(options.precision)       # the dispatch run scales the loss as a loop does
     make_optimizer = optimizer_factory(model, source.make_optimizer)
-    with fake_mode:
+    with fake_mode, cuda_optimizer_defaults(target):
         made = (make_optimizer(model.parameters()) if make_optimizer is not None
                 else make_standard_optimizer(options.optimizer, model.parameters(), foreach=options.foreach))
     if make_optimizer is None:
@@ -124,7 +131,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             return Phase.FORWARD, loc_from_python_stack(), modules.current
         return phase["now"], loc_from_python_stack(), ""
 
-    # the step runs CPU kernels (the target's are not applied here): a custom op's Python kernel is traced
+    # a custom op's CPU Python kernel is traced for either target: bitsandbytes' 4-bit matmul dequantizes
+    # its weight there, as its CUDA kernel does for all but small calls (a size bitsandbytes picks per GPU)
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
                             opaque_raw_kernels=True)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
@@ -133,6 +141,9 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     def run_step(record: bool):
         with contextlib.ExitStack() as stack:
             stack.enter_context(fake_mode)
+            log = stack.enter_context(cuda_capture(target, options.precision, cast_cache=True))
+            stack.enter_context(cuda_eager_kernels(target))
+            stack.enter_context(cuda_optimizer_defaults(target))    # read when step() runs, too
             if record:
                 stack.enter_context(recorder)
             phase["now"] = Phase.FORWARD
@@ -143,6 +154,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             noted = _saved_storages_noted(table, packed) if record else contextlib.nullcontext()
             with modules, _NodeStamper(modules), autocast(), noted, offloaded:
                 loss = step(*batch)
+            log.clear_casts()                  # autocast's exit frees its cached casts
             phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
                 raise no_gradient_error()

@@ -27,7 +27,8 @@ cuBLASLt handle's workspace, both taken from the caching allocator on the first 
 snapshots hold exactly two 8,519,680 B blocks allocated before the step.
 
 `choose_sdpa_backend` and the table functions are pure; only `cuda_capture` touches torch's dispatcher.
-Not handled: the dispatch fallback capture (no export) ignores the target; the cuDNN-first SDPA order of
+A step run op by op (dispatch.py) takes the same SDPA and autocast choices, CUDA eager's dropout
+(`cuda_eager_kernels`) and CUDA's optimizer defaults. Not handled: the cuDNN-first SDPA order of
 builds with cuDNN > 9.15 on sm90/sm100 (pass `priority`); fp16 autocast; CUDA-only fused optimizer kernels.
 """
 from __future__ import annotations
@@ -268,15 +269,24 @@ CUDA_AUTOCAST_POLICY: dict[str, str] = {
 
 @dataclasses.dataclass
 class CaptureLog:
-    """What a cuda capture did (filled while tracing): one entry per SDPA call."""
+    """What a cuda capture did (filled while tracing): one entry per SDPA call. `cast_cache`: autocast's
+    weight-cast cache as eager keeps it (id of the fp32 leaf -> (a weak reference to it, its cast)), when
+    the capture keeps one (`cuda_capture(..., cast_cache=True)`); `clear_casts()` is autocast's exit."""
     sdpa: list[tuple[SdpaCall, SdpaChoice]] = dataclasses.field(default_factory=list)
+    cast_cache: dict | None = None
+
+    def clear_casts(self) -> None:
+        if self.cast_cache is not None:
+            self.cast_cache.clear()
 
 
 @contextlib.contextmanager
-def cuda_capture(target: Target, precision: str):
+def cuda_capture(target: Target, precision: str, *, cast_cache: bool = False):
     """Within: SDPA calls the CUDA op the rules pick, and bf16 autocast follows CUDA's lists. Yields a
-    CaptureLog. Nothing is changed for a cpu target. Registrations are removed on exit."""
-    log = CaptureLog()
+    CaptureLog. Nothing is changed for a cpu target. Registrations are removed on exit. `cast_cache`: the
+    autocast kernels cache the casts of fp32 leaves that require grad as eager's `cached_cast` does (a step
+    run op by op; a traced graph gets the cache from capture/autocast_cache.py instead)."""
+    log = CaptureLog(cast_cache={} if cast_cache else None)
     if not target.is_cuda:
         yield log
         return
@@ -289,8 +299,37 @@ def cuda_capture(target: Target, precision: str):
             lib.impl("scaled_dot_product_attention", _sdpa_kernel(target.gpu, log), "CompositeImplicitAutograd")
             from tracer.capture.precision import autocast_dtype
             if autocast_dtype(precision) is not None:
-                _register_cuda_autocast(lib, autocast_dtype(precision))
+                _register_cuda_autocast(lib, autocast_dtype(precision), log.cast_cache)
         yield log
+    finally:
+        lib._destroy()
+
+
+@contextlib.contextmanager
+def cuda_eager_kernels(target: Target):
+    """Within, for a step run op by op (dispatch.py) on CPU fakes for a CUDA target: `aten.dropout` in
+    training takes CUDA eager's fused kernel, `native_dropout` (a bool mask saved for backward), where the CPU
+    kernel draws a noise tensor of the input's dtype: `at::dropout` picks by `input.is_cuda()`. (A traced
+    graph already gets `native_dropout`: eager_kernels.dropout_as_in_eager.) Nothing changes for a cpu
+    target; the registration is removed on exit."""
+    if not target.is_cuda:
+        yield
+        return
+    import torch
+
+    def dropout(input, p, train):
+        if not train or p == 0 or input.numel() == 0:
+            return input
+        if p == 1:                     # the fused kernel takes 0 < p < 1; at::dropout multiplies by a 0-dim zero
+            return input * torch.zeros((), dtype=input.dtype, device=input.device)
+        return torch.ops.aten.native_dropout.default(input, p, train)[0]
+
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+            lib.impl("dropout", dropout, "CompositeImplicitAutograd")
+        yield
     finally:
         lib._destroy()
 
@@ -321,7 +360,7 @@ def cuda_optimizer_defaults(target: Target):
             types.remove(FakeTensor)
 
 
-def _register_cuda_autocast(lib, lower_dtype) -> None:
+def _register_cuda_autocast(lib, lower_dtype, cast_cache: dict | None = None) -> None:
     import torch
 
     covered = set()
@@ -329,7 +368,7 @@ def _register_cuda_autocast(lib, lower_dtype) -> None:
         op = _overload(name)
         if op is None:
             continue
-        lib.impl(name, _autocast_kernel(op, policy, lower_dtype), "AutocastCPU")
+        lib.impl(name, _autocast_kernel(op, policy, lower_dtype, cast_cache), "AutocastCPU")
         covered.add(op._schema.name + ("." + op._schema.overload_name if op._schema.overload_name else ""))
     # Ops on CPU's lists only are not cast on CUDA: they fall through to their kernel, and a composite
     # one (cross_entropy_loss) decomposes with autocast still active, so the ops it calls (log_softmax,
@@ -348,7 +387,9 @@ def _overload(name: str):
     return None if packet_op is None else getattr(packet_op, overload or "default", None)
 
 
-def _autocast_kernel(op, policy: str, lower_dtype):
+def _autocast_kernel(op, policy: str, lower_dtype, cast_cache: dict | None = None):
+    import weakref
+
     import torch
 
     key_set = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -357,7 +398,16 @@ def _autocast_kernel(op, policy: str, lower_dtype):
     def eligible(t) -> bool:
         return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
+    def cached(t, dtype) -> bool:        # ATen's `cached_cast` condition
+        return (cast_cache is not None and dtype == lower_dtype and t.dtype == torch.float32 and t.requires_grad
+                and t.is_leaf and not t._is_view() and torch.is_autocast_cache_enabled())
+
     def cast(obj, dtype):
+        if eligible(obj) and obj.dtype != dtype and cached(obj, dtype):
+            entry = cast_cache.get(id(obj))
+            if entry is None or entry[0]() is not obj:
+                entry = cast_cache[id(obj)] = (weakref.ref(obj), obj.to(dtype))
+            return entry[1]
         if eligible(obj):
             return obj.to(dtype) if obj.dtype != dtype else obj
         if isinstance(obj, (list, tuple)):
