@@ -404,6 +404,7 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
                            hint=f"{fix}ask for --policy eager only")
     ops, table, (n_params, n_frozen), notes, loss_position, model = capture_step_dispatch(source, options,
                                                                                           chosen=chosen)
+    _eager_reduced_loss_storages(ops, table)      # the fake kernel's 0-dim loss; eager's keeps more
     notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position, model),
                           model)
     notes += _loop_order(ops, table, model, options.step == "steady")
