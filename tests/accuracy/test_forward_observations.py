@@ -10,13 +10,14 @@ from truth import measure_step
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 
 
-def _compare(fixture, rel):
+def _compare(fixture, rel, step="steady"):
     source = load_model_source(os.path.join(FIXTURES, fixture))
-    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32), (PolicySpec(name="eager"),))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32, step=step), (PolicySpec(name="eager"),))
     predicted = analyze_graphs(graphs).policies["eager"]
     torch.manual_seed(0)
     model = source.build_model()
-    measured = measure_step(model, source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3))
+    measured = measure_step(model, source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            steady=step == "steady")
     assert predicted.start_bytes == measured.start_bytes
     for phase in ("forward", "backward", "optimizer"):
         p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
@@ -49,3 +50,13 @@ def test_tensors_kept_in_a_list_or_dict_on_a_module_outlive_the_step():
     assert sorted(kept) == ["pyramid.levels[0]", "pyramid.levels[1]", "pyramid.levels[2]",
                             "the model.last['hidden']"]
     assert predicted.end_bytes == predicted.start_bytes + 4  # new values replace the old; + the 4-byte loss
+
+
+def test_a_buffer_the_first_forward_fills_is_held_from_before_a_steady_step():
+    """The forward replaces a placeholder buffer on its first call (a 32 x 32 table here, 4,096 B). A steady
+    step starts with it and reads it: the direct trace sees the replacement, runs one plain forward first,
+    and traces again (it was 4,096 B low in every phase)."""
+    predicted = _compare("placeholder_buffer.py", rel=0.0)
+    (table,) = [s for s in predicted.graph.storages if s.name == "mixer.mixing"]
+    assert table.nbytes == 4 * 32 * 32 and table.preexisting
+    assert predicted.graph.config.capture_path == "aot-joint"

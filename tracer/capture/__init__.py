@@ -368,7 +368,7 @@ def _ladder(capture: str) -> list:
     to the dispatch run after them."""
     def direct(source, o):
         return export_joint(source, o.batch, o.seq, o.precision, target=o.target, direct=True,
-                            offload_activations=o.offload == "activations")
+                            offload_activations=o.offload == "activations", steady=o.step == "steady")
 
     def non_strict(source, o):
         return export_joint(source, o.batch, o.seq, o.precision, target=o.target)

@@ -9,6 +9,11 @@ placeholders/outputs carry AOT descriptors. Export drops two things that a fake 
 call's nodes with an fx annotation and policies re-apply the checkpointing to the graph) and tensors
 stored on module attributes (kept alive past the step). Data-dependent control flow
 fails with a clear error naming the line.
+
+A forward that replaces a registered buffer (a placeholder its first call fills) is, for a steady step,
+traced again after one plain fake forward, so the step starts from the filled buffer as a steady step
+does. Not modelled: in a first step (`--step first`), the replacing buffer is an intermediate of the
+traced forward and the placeholder stays to the step's end (eager keeps the new buffer and drops the old).
 """
 from __future__ import annotations
 
@@ -87,7 +92,8 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
 
 
 def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, strict: bool = False,
-                 target: str = "cpu", direct: bool = False, offload_activations: bool = False) -> JointCapture:
+                 target: str = "cpu", direct: bool = False, offload_activations: bool = False,
+                 steady: bool = False) -> JointCapture:
     """`target` "cuda[:gpu]": the joint graph records the CUDA SDPA ops and autocast lists (capture/target.py).
     `direct`: trace the joint graph from the module itself, with tracer's own source metadata
     (`_SourceMetaMode`), instead of exporting first: one trace instead of two, and a separate fake run of
@@ -105,8 +111,19 @@ def export_joint(source: ModelSource, batch: int, seq: int, precision: str, *, s
     traced = step_module(built, source, precision)
     stack = contextlib.ExitStack()
     if direct:
-        with record_executed_lines(_is_user_file, traced) as executed:
+        rebound: list[tuple[str, str]] = []
+        with record_executed_lines(_is_user_file, traced) as executed, _buffer_rebinding_noted(rebound):
             jd, kept_tensors = _trace_directly(stack, traced, args, precision, device, source, offload_activations)
+        if rebound and steady:
+            # the forward replaces a registered buffer (a placeholder filled on the first call: ConViT's
+            # rel_indices): a steady step starts from the replaced one, so one plain fake forward makes it
+            # and the step is traced again
+            stack.close()
+            stack = contextlib.ExitStack()
+            _warm_up_forward(traced, args, fake_mode, precision)
+            with record_executed_lines(_is_user_file, traced) as executed:
+                jd, kept_tensors = _trace_directly(stack, traced, args, precision, device, source,
+                                                   offload_activations)
         # a forward that keeps tensors on module attributes runs once more, plainly, to say which and where
         seen, leaves = _observe_forward(traced, args, fake_mode, source) if kept_tensors else _NOTHING_SEEN, ()
     else:
@@ -175,6 +192,30 @@ def _trace_directly(stack: contextlib.ExitStack, traced: nn.Module, args: tuple,
                            "no scalar loss: it is exported, which observes the forward first (and lifts the leaf "
                            "as an input)", next_rung_may_work=True, quiet=True)
     return jd, kept_tensors
+
+
+@contextlib.contextmanager
+def _buffer_rebinding_noted(rebound: list):
+    """Within, every registered buffer a module assignment replaces (`self.buf = new`) is added to `rebound`
+    as (module class, buffer name)."""
+    from torch.nn.modules.module import register_module_buffer_registration_hook
+
+    def hook(module, name, tensor):
+        if name in module._buffers and module._buffers[name] is not tensor:
+            rebound.append((type(module).__name__, name))
+
+    handle = register_module_buffer_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _warm_up_forward(traced: nn.Module, args: tuple, fake_mode, precision: str) -> None:
+    """One plain forward on the fake tensors, without autograd: what a steady step finds its forward left."""
+    from tracer.capture.precision import autocast_context
+    with fake_mode, torch.no_grad(), autocast_context(precision):
+        traced(*args)
 
 
 def _failing_custom_backward(exc: BaseException) -> str | None:
