@@ -101,7 +101,7 @@ def test_strict_export_is_tried_when_non_strict_export_fails(monkeypatch):
     real_export_joint = capture.export_joint
 
     def non_strict_fails(source, batch, seq, precision, *, strict=False, target="cpu", direct=False,
-                         offload_activations=False):
+                         offload_activations=False, steady=False):
         if not strict:
             raise CaptureError("non-strict export failed (simulated)", next_rung_may_work=True)
         return real_export_joint(source, batch, seq, precision, strict=True, target=target)
