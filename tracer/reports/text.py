@@ -35,7 +35,7 @@ def render_text(analysis: Analysis, *, policy: str | None = None, top: int = 10)
         + (f" (+ {format_bytes(result.saved.input_bytes)} of inputs)" if result.saved.input_bytes else "")
         + (f", {format_bytes(result.host.saved_bytes)} of them copies in host memory (offloaded)"
            if result.host is not None and result.host.saved_bytes else ""),
-        *_device_lines(result, _device_target(analysis, cfg.target)),
+        *_device_lines(result, cfg.target),
         "",
         "bill at the peak:",
     ]
@@ -102,13 +102,6 @@ def render_policy_table(analysis: Analysis) -> str:
     names = dict.fromkeys(parse_policy_label(label)[0] for label in analysis.policies)
     lines += ["", "not modelled:"] + [f"  {name}: {policy_named(name).not_modelled}" for name in names]
     return "\n".join(lines) + "\n"
-
-
-def _device_target(analysis: Analysis, step_target: str) -> str:
-    """The device the device view models: the run's CUDA target even where the step itself was traced with
-    CPU kernels (the op-by-op rung, whose note says so), else the step's target."""
-    target = analysis.settings.get("target") or step_target
-    return target if str(target).startswith("cuda") else step_target
 
 
 def _device_lines(result: PolicyAnalysis, target: str) -> list[str]:
