@@ -88,6 +88,24 @@ def test_the_dispatch_path_takes_the_cuda_targets_kernels_as_the_graph_does(mode
     assert op_by_op.saved.total_bytes == graph.saved.total_bytes
 
 
+def test_gradient_sums_are_billed_to_the_module_whose_gradient_arrives_last_on_either_rung():
+    """Autograd's engine sums the gradients a tensor gets from its readers (the residual stream's, a norm's
+    input) when the last one arrives, inside the autograd node that made it: the op-by-op step bills the sum
+    to that node's module, and the graph rung, whose sums carry no forward module, does the same. The two
+    rungs give the same FLOPs and bytes per layer."""
+    source = load_model_source("llama-debug")
+    results = {}
+    for capture in ("auto", "dispatch"):
+        options = CaptureOptions(batch=2, seq=64, capture=capture)
+        results[capture] = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    graph, op_by_op = results["auto"], results["dispatch"]
+    sums = [op.module for op in graph.graph.ops if op.phase.value == "backward" and op.target == "aten.add.Tensor"]
+    assert sums and "" not in sums
+    assert graph.flops_by_layer == op_by_op.flops_by_layer
+    assert ({r.layer: (r.bytes_at_peak, r.saved_bytes) for r in graph.at_peak.layers}
+            == {r.layer: (r.bytes_at_peak, r.saved_bytes) for r in op_by_op.at_peak.layers})
+
+
 def test_policies_need_a_graph():
     with pytest.raises(CaptureError, match="need a captured graph"):
         capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent_branch.py")),

@@ -208,7 +208,17 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
         else:
             written = _written_storage(writes.get(node), table, values, written_inputs)
         ops.append(_convert_node(node, node_phase, recomputed, table, values, written=written))
+        if tagged_backward and "fwd_nn_module_stack" not in node.meta:
+            ops[-1].module = _summing_module(node, node_pos, ops)
         node_pos[node] = len(ops) - 1
+
+
+def _summing_module(node: fx.Node, node_pos: dict, ops: list[OpDraft]) -> str:
+    """The module of a backward op that no forward op made: autograd's engine summing the gradients a tensor
+    gets from its readers. Eager sums when the last of them arrives, as part of the autograd node that made
+    it, so the sum belongs to that node's module."""
+    positions = [node_pos[a] for a in node.all_input_nodes if a in node_pos]
+    return ops[max(positions)].module if positions else ""
 
 
 def _convert_region(region, backward: bool, table: StorageTable, values, node_pos, ops,

@@ -89,11 +89,18 @@ class _NodeStamper(TorchFunctionMode):
         return out
 
 
-def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False) -> tuple:
+def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:
     """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes, the loss's position in a
     returned tuple, the built model). `chosen`: the step runs
     op by op by choice (a second-order step, a quantized base, --capture dispatch), not because no graph
-    could be captured."""
+    could be captured.
+
+    A steady step needs what the step before it leaves behind. The optimizer's state is made by priming:
+    one optimizer step on fake gradients of every parameter that requires one, without running the model.
+    The recorded step then shows whether the model's own steps leave anything more (`_primed_step_is_steady`):
+    when its backward reaches other parameters, when something it makes outlives it, or when it changes a
+    module's attributes, it is recorded again after a whole warm-up step (`warm_up_step`), as it is from the
+    start for a loop that differentiates its gradients."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from tracer.capture.target import cuda_capture, cuda_eager_kernels, cuda_optimizer_defaults, parse_target
@@ -116,6 +123,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
         except NotAnOptimizer:
             raise not_an_optimizer_error(made) from None
     steady = options.step == "steady"
+    prime = steady and not warm_up_step and not source.create_graph
     table = StorageTable()
     names = {id(m): path for path, m in model.named_modules()}
     modules = _ModuleStack(names)
@@ -136,6 +144,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
                             opaque_raw_kernels=True)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
+    reached: set[int] = set()               # ids of the parameters the recorded backward reaches
     packed: set[int] = set()                # storage ids autograd saved in the recorded forward
 
     def run_step(record: bool):
@@ -158,6 +167,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
                 raise no_gradient_error()
+            if record and prime:
+                reached.update(_parameters_reached(loss))
             with warnings.catch_warnings():    # the cycle it warns of is broken by zero_grad(set_to_none=True)
                 warnings.filterwarnings("ignore", message="Using backward.. with create_graph=True")
                 (scaler.scale(loss) if scaler is not None else loss).backward(create_graph=source.create_graph)
@@ -177,7 +188,11 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
             return loss
 
     try:
-        if steady:
+        if prime:
+            with StepRecorder(StorageTable(), 0, read_scalars_as_zero=True):   # only reads scalars as 0
+                primed = _prime_optimizer(model, opt, scaler, options.zero_grad_set_to_none, fake_mode, target)
+            attributes_before = _module_attributes(model)
+        elif steady:
             with StepRecorder(StorageTable(), 0, read_scalars_as_zero=True):   # warm-up: only reads scalars as 0
                 run_step(record=False)
         _register_preexisting(recorder, model, batch, opt)
@@ -198,9 +213,13 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
                                   "attn_implementation='sdpa' or a static rope_type") + "; --verbose shows the full "
                                  "traceback") from exc
     loss_sid = table.lookup(loss)
+    del loss
+    if prime and not _primed_step_is_steady(recorder, table, loss_sid, primed, reached,
+                                            attributes_before, _module_attributes(model)):
+        del model, opt, recorder, table, built, batch, step
+        return capture_step_dispatch(source, options, chosen=chosen, warm_up_step=True)
     if loss_sid is not None:
         table.update(loss_sid, persistent=True, name="loss")
-    del loss
     for sid in recorder.created:
         if table.get(sid).released_after_op is None:
             table.update(sid, persistent=True)
@@ -219,6 +238,62 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False)
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position, model
+
+
+def _prime_optimizer(model, opt, scaler, set_to_none: bool, fake_mode, target) -> frozenset[int]:
+    """The state a step leaves in the optimizer, made without running the model: a fake gradient for every
+    parameter that requires one, the optimizer step the loop takes (through the GradScaler under fp16) and
+    zero_grad. Returns the ids of the parameters given a gradient."""
+    from tracer.capture.optimizer import set_fake_grads
+    from tracer.capture.target import cuda_optimizer_defaults
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    with fake_mode, cuda_optimizer_defaults(target):
+        set_fake_grads(params)
+        if opt is None:
+            model.zero_grad(set_to_none=set_to_none)
+            return frozenset(id(p) for p in params)
+        if scaler is not None:
+            scaler.scale(torch.zeros(()))           # its scale and growth tracker are made by the first scale()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+    return frozenset(id(p) for p in params)
+
+
+def _parameters_reached(loss: torch.Tensor) -> set[int]:
+    """Ids of the leaf tensors the autograd graph of `loss` accumulates gradients into."""
+    seen, stack, leaves = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            leaves.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return leaves
+
+
+def _module_attributes(model) -> list[tuple]:
+    """Each module's class and attributes: numbers, strings and flags by value, other objects by identity
+    (a flag set or a tensor cached at the first call shows here)."""
+    plain = (bool, int, float, str, type(None))
+    return [(type(m), tuple((k, v if isinstance(v, plain) else id(v)) for k, v in vars(m).items()))
+            for m in model.modules()]
+
+
+def _primed_step_is_steady(recorder: StepRecorder, table: StorageTable, loss_sid, primed: frozenset[int],
+                           reached: set[int], attributes_before: list, attributes_after: list) -> bool:
+    """Whether a step recorded after priming the optimizer is the steady step: its backward reaches exactly
+    the primed parameters, nothing it made outlives it but the loss, and no module's attributes changed.
+    Otherwise the model's first step differs from the next (a lazy cache, a first-call flag, a parameter
+    without a gradient) and only a whole warm-up step gives the steady one."""
+    outlives = [sid for sid in recorder.created if sid != loss_sid and table.get(sid).released_after_op is None]
+    return reached == set(primed) and not outlives and attributes_before == attributes_after
 
 
 def _saved_storages_noted(table: StorageTable, packed: set[int]):

@@ -210,7 +210,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
             if steady and opt is not None:
                 with StepRecorder(StorageTable(), 0, read_scalars_as_zero=reads_as_zero,
                                   kernel_device=kernel_device) as active[0]:
-                    _set_fake_grads(params)
+                    set_fake_grads(params)
                     _optimizer_step(opt, grad_scaler)
                     opt.zero_grad(set_to_none=True)
                 active[0] = None
@@ -257,7 +257,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     grad_sids = {}
     g = None
     with fake_mode:
-        for p, g in zip(params, _set_fake_grads(params)):
+        for p, g in zip(params, set_fake_grads(params)):
             grad_sids[id(p)] = table.add(g, StorageRole.GRADIENT)
             recorder.track_release(g, grad_sids[id(p)])
         del g
@@ -342,7 +342,8 @@ def _optimizer_step(opt, grad_scaler) -> None:
     grad_scaler.update()
 
 
-def _set_fake_grads(params) -> list[torch.Tensor]:
+def set_fake_grads(params) -> list[torch.Tensor]:
+    """A gradient of each parameter's shape and dtype (values unset: made under a fake mode, none exist)."""
     grads = [torch.empty_like(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g
