@@ -53,7 +53,10 @@ NVLINK4_NCCL_COMMUNICATOR_BYTES = 1_060 * 10**6
 # card offer 85.52 GB?" (thundergolfer.com/blog/nvidia-gpu-memory-capacity, read via NVML) and public
 # nvidia-smi logs (A10G 23,028 MiB, T4 15,360 MiB); V100 32GB: 32,510 MiB, B200: 183,359 MiB and RTX 3090:
 # 24,268 MiB from public nvidia-smi outputs (pytorch/pytorch#54564 for the 3090); RTX 4090: 24,564 MiB
-# (nvidia-smi in RLinf/RLinf#255), RTX 5090: 32,607 MiB (nvidia-smi in noonghunna/club-3090#1261).
+# (nvidia-smi in RLinf/RLinf#255), RTX 5090: 32,607 MiB (nvidia-smi in noonghunna/club-3090#1261); H100 NVL:
+# 95,830 MiB (nvidia-smi in NVIDIA/gpu-admin-tools#4); GH200 480GB (96 GB of HBM3 beside the Grace CPU's
+# 480 GB): 97,871 MiB (nvidia-smi in the sgawe11/rag-on-gh200 README and several other public logs); GH200
+# 144G HBM3e: 146,831 MiB (nvidia-smi --query-gpu=memory.total in public host set-up notes).
 GPUS: dict[str, GpuSpec] = {g.name: g for g in (
     GpuSpec("v100", (7, 0), 32_510 * _MIB, "Volta V100 32GB", 80),
     GpuSpec("t4", (7, 5), 15_360 * _MIB, "Turing T4 16GB", 40),
@@ -68,6 +71,12 @@ GPUS: dict[str, GpuSpec] = {g.name: g for g in (
             nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
     GpuSpec("h200", (9, 0), 143_771 * _MIB, "Hopper H200 141GB", 132,
             nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
+    # PCIe cards joined in pairs by an NVLink bridge: NCCL's PCIe-sized communicator
+    GpuSpec("h100-nvl", (9, 0), 95_830 * _MIB, "Hopper H100 NVL 94GB", 132),
+    # Grace Hopper: the GPU's own HBM is the device memory; the Grace CPU's LPDDR5X beside it is host memory
+    # (reached over NVLink-C2C), so offloading to it frees device memory as on any other host
+    GpuSpec("gh200", (9, 0), 97_871 * _MIB, "Grace Hopper GH200 96GB (480GB)", 132),
+    GpuSpec("gh200-144gb", (9, 0), 146_831 * _MIB, "Grace Hopper GH200 144GB HBM3e", 132),
     GpuSpec("b200", (10, 0), 183_359 * _MIB, "Blackwell B200 180GB", 148,
             nccl_communicator_bytes=NVLINK4_NCCL_COMMUNICATOR_BYTES),
     GpuSpec("rtx5090", (12, 0), 32_607 * _MIB, "Blackwell GeForce RTX 5090 32GB", 170),

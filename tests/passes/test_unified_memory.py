@@ -30,3 +30,18 @@ def test_offloading_is_no_lever_on_unified_memory():
     assert options is None and "share one memory" in why
     options, why = lever_options(offload, AnalysisOptions(batch=2, seq=64, gpu="h100"))
     assert options is not None and why == ""
+
+
+def test_grace_hopper_keeps_its_hbm_apart_from_the_grace_cpus_memory():
+    """GH200: the CPU's LPDDR5X is reached over NVLink-C2C but is not the GPU's HBM, so the device is judged
+    against the HBM total nvidia-smi reports (97,871 MiB; 146,831 MiB for the 144 GB HBM3e part) and
+    offloading to the host frees device memory, as on a card in a PCIe slot."""
+    mib = 2**20
+    assert [GPUS[name].memory_bytes for name in ("gh200", "gh200-144gb", "h100-nvl")] == [
+        97_871 * mib, 146_831 * mib, 95_830 * mib]
+    on_gh200 = tracer.analyze("llama-debug", batch=1, seq=16, gpu="gh200", offload="optimizer").policies["eager"]
+    assert not GPUS["gh200"].unified and on_gh200.host.peak_bytes > 0
+    assert on_gh200.device.capacity_bytes == 97_871 * mib - CUDA_CONTEXT_BYTES
+    offload = next(lever for lever in LEVERS if dict(lever.settings).get("offload"))
+    options, why = lever_options(offload, AnalysisOptions(batch=2, seq=64, gpu="gh200"))
+    assert options is not None and why == ""
