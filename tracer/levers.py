@@ -174,12 +174,11 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    from tracer.pipeline import capture_processes
 
     say = on_progress or (lambda message: None)
     say(f"capturing {len(jobs)} groups of levers in {count} processes ...")
-    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with capture_processes(count) as pool:
         for _ in range(count):                           # start every process now: they import torch
             pool.submit(_started)                        # while this one loads the model
         return _group_results(model, base, jobs, pool, on_progress)

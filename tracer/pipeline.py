@@ -393,8 +393,6 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     """`capture(source, indices)`'s graphs, the compiled policies' (Inductor's plan is most of a capture's
     time) captured here while a spawned process captures the others, when there are both; the same graphs
     (each capture is independent), made here when no process can start."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
@@ -405,8 +403,8 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
         with running_user_code(source.name):
             return capture(source, indices)
     say(f"capturing {', '.join(specs[i].label for i in apart)} in a second process ...")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        future = pool.submit(_capture_in_worker, model, options, apart, logging_state=_logging_state())
+    with capture_processes(1) as pool:
+        future = pool.submit(_capture_in_worker, model, options, apart)
         with running_user_code(source.name):
             graphs = dict(zip(here, capture(source, here)))
         try:
@@ -417,27 +415,42 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     return tuple(graphs[i] for i in indices)
 
 
-def _logging_state() -> tuple[int, int | None]:
-    """What this process lets Python's logging print (`logging.disable`'s level, the last-resort handler's
-    level): a spawned process starts with logging's defaults and takes these (the CLI quiets libraries'
-    warnings unless --verbose)."""
+def capture_processes(count: int):
+    """A pool of `count` spawned processes that print what this one prints: a spawned process starts with
+    logging's and warnings' defaults, and takes this process's (the CLI quiets libraries' logging and
+    Python warnings unless --verbose, cli/entry.py)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    return ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=_print_as_parent,
+                               initargs=(_output_state(),))
+
+
+def _output_state() -> tuple[int, int | None, bool]:
+    """What this process lets print: `logging.disable`'s level, the last-resort handler's level, and whether
+    Python warnings are ignored."""
     import logging
-    return logging.root.manager.disable, logging.lastResort.level if logging.lastResort is not None else None
+    import warnings
+    ignored = warnings.filters[:1] == [("ignore", None, Warning, None, 0)]      # warnings.simplefilter("ignore")
+    return (logging.root.manager.disable, logging.lastResort.level if logging.lastResort is not None else None,
+            ignored)
 
 
-def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None, *,
-                       logging_state: tuple[int, int | None] = (0, None)) -> tuple:
-    """A spawned process's job: the graphs of `model`'s policy specs at `indices` (None: all), of the model
-    cut to `depth` blocks (None: in full), with the parent's `_logging_state`."""
+def _print_as_parent(state: tuple[int, int | None, bool]) -> None:
     import logging
-
-    from tracer.capture.model_input import running_user_code
-    from tracer.depth_capture import cut_source
-
-    disable, last_resort_level = logging_state
+    import warnings
+    disable, last_resort_level, warnings_ignored = state
     logging.disable(disable)
     if logging.lastResort is not None and last_resort_level is not None:
         logging.lastResort.setLevel(last_resort_level)
+    if warnings_ignored:
+        warnings.simplefilter("ignore")
+
+
+def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
+    """A spawned process's job (`capture_processes`): the graphs of `model`'s policy specs at `indices` (None:
+    all), of the model cut to `depth` blocks (None: in full)."""
+    from tracer.capture.model_input import running_user_code
+    from tracer.depth_capture import cut_source
 
     source = load_source(model, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
@@ -465,8 +478,6 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     (None: all) in units of `group` blocks, the deeper one in a spawned process (which loads the model by its
     name) while this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut`
     keeps it."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
@@ -478,8 +489,8 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     base_depth, check_depth = cut_depths(blocks.depth, group)
     say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
         f"{blocks.depth} blocks under fake tensors ...")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        check = pool.submit(_capture_in_worker, model, options, indices, check_depth, logging_state=_logging_state())
+    with capture_processes(1) as pool:
+        check = pool.submit(_capture_in_worker, model, options, indices, check_depth)
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, base_depth, {}), indices)

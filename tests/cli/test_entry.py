@@ -1,6 +1,6 @@
-"""The CLI's output contract around libraries' logging: what a model's imports log below ERROR (torchao's
-"Failed to load ...", torch's pytree deprecations) is not printed unless --verbose, also by the spawned
-process that captures a deep model's second cut."""
+"""The CLI's output contract around libraries' logging and warnings: what a model's imports log below ERROR
+(torchao's "Failed to load ...", torch's pytree deprecations) and the Python warnings they raise are not
+printed unless --verbose, also by the processes a command spawns."""
 import subprocess
 import sys
 import textwrap
@@ -9,11 +9,13 @@ import pytest
 
 MODEL = textwrap.dedent('''
     import logging
+    import warnings
     import torch
     from torch import nn
 
     logging.getLogger("somelibrary").warning("a library's warning at import")
     logging.getLogger("torch.utils._pytree").warning("a torch logger's warning at import")
+    warnings.warn("a library's UserWarning at import")
 
     class Net(nn.Module):
         def __init__(self):
@@ -49,3 +51,17 @@ def test_libraries_warnings_are_printed_only_with_verbose(tmp_path, verbose):
     assert run.returncode == 0, run.stderr
     assert "in a second process" in run.stderr
     assert run.stderr.count("warning at import") == (4 if verbose else 0)
+    assert run.stderr.count("UserWarning: a library's UserWarning") == (2 if verbose else 0)
+
+
+@pytest.mark.slow
+def test_the_levers_processes_print_nothing_but_the_table(tmp_path):
+    """`--levers` captures its groups in spawned processes, and Inductor starts compile workers of its own:
+    none of them prints a library's logging or warnings (nor multiprocessing's resource tracker, at exit)."""
+    path = tmp_path / "noisy.py"
+    path.write_text(MODEL)
+    run = subprocess.run([sys.executable, "-m", "tracer", str(path), "--batch", "2", "--seq", "8", "--levers",
+                          "--no-cache"], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "what-if" in run.stdout
+    assert run.stderr == ""

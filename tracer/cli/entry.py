@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import warnings
 from typing import Callable
 
 from tracer.errors import ExitCode, TracerError
@@ -34,7 +35,9 @@ def _library_warnings_quiet(verbose: bool):
     for another Python, through Python's last-resort handler; torch's pytree: a deprecation when a library
     registers an Enum, through the handler torch._logging installs): that is not tracer's output, and the
     contract is one line on stderr. Without --verbose (or TORCH_LOGS, which asks for torch's), records below
-    ERROR are not emitted while the command runs; tracer itself does not log."""
+    ERROR are not emitted while the command runs, and neither are Python warnings (Inductor's "undefined
+    OpHandler", a library's deprecation); tracer itself does not log, and what it has to say is in the report.
+    The processes a command spawns do the same (tracer.pipeline.capture_processes)."""
     if verbose or os.environ.get("TORCH_LOGS"):
         yield
         return
@@ -43,9 +46,17 @@ def _library_warnings_quiet(verbose: bool):
     logging.disable(logging.WARNING)
     if last_resort is not None:         # a library may lift logging.disable; no handler of its own: this one
         last_resort.setLevel(logging.ERROR)
+    environment = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = "ignore"       # for processes started meanwhile (Inductor's compile workers)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
+        if environment is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = environment
         logging.disable(previous)
         if last_resort is not None:
             last_resort.setLevel(last_resort_level)
