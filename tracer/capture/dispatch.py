@@ -78,12 +78,14 @@ class _NodeStamper(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        site = (loc_from_python_stack(), self.modules.current)
+        site = None                       # read from the Python stack once a node needs it (most calls: none)
         stack = [t.grad_fn for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         while stack:
             node = stack.pop()
             if node is None or "tracer_site" in node.metadata or type(node).__name__ == "AccumulateGrad":
                 continue
+            if site is None:
+                site = (loc_from_python_stack(), self.modules.current)
             node.metadata["tracer_site"] = site
             stack.extend(fn for fn, _ in node.next_functions)
         return out
