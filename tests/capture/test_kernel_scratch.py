@@ -182,3 +182,53 @@ def test_a_qr_whose_workspace_is_counted_is_not_flagged(tmp_path, mode, flagged)
     assert bool(notes and "torch.linalg.qr" in notes[0]) is flagged
     scratch = [s for s in graph.storages if s.name.startswith("kernel scratch of aten.linalg_qr")]
     assert bool(scratch) is not flagged
+
+
+QR_FORWARD = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(128, 128))
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x, y):
+        q, _ = torch.linalg.qr(self.w)
+        return F.cross_entropy(self.head(x @ q), y)
+
+
+def build_model():
+    return Net()
+
+
+def example_batch(batch, seq):
+    return torch.randn(batch, 128), torch.randint(0, 10, (batch,))
+'''
+
+
+def test_the_op_by_op_step_counts_lapacks_workspace_on_a_cpu_target_only(tmp_path):
+    """A QR in forward, run op by op: for a CPU target its LAPACK workspaces are in the forward peak, which
+    equals the CPU allocator's in a real step; a CUDA step runs cuSOLVER instead, whose workspace is not
+    the CPU's, so none is counted there (the graph rung's CUDA step has the same forward peak)."""
+    from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+    from tracer.passes.analysis import analyze_graphs
+    from truth import measure_step_at_allocator
+
+    path = tmp_path / "qr_forward.py"
+    path.write_text(QR_FORWARD)
+    source = load_model_source(str(path))
+
+    def forward_peak(capture: str, target: str) -> int:
+        options = CaptureOptions(batch=4, seq=1, capture=capture, target=target)
+        graphs = capture_steps(source, options, (PolicySpec(name="eager"),))
+        return analyze_graphs(graphs).policies["eager"].phases["forward"].peak_bytes
+
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step_at_allocator(real, source.example_batch(4, 1), torch.optim.AdamW(real.parameters()))
+    assert forward_peak("dispatch", "cpu") == measured["forward"]
+    assert forward_peak("dispatch", "cuda") == forward_peak("export", "cuda") < measured["forward"]

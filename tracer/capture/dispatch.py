@@ -144,7 +144,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     # a custom op's CPU Python kernel is traced for either target: bitsandbytes' 4-bit matmul dequantizes
     # its weight there, as its CUDA kernel does for all but small calls (a size bitsandbytes picks per GPU)
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
-                            opaque_raw_kernels=True)
+                            opaque_raw_kernels=True, cpu_scratch=not target.is_cuda)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
     reached: set[int] = set()               # ids of the parameters the recorded backward reaches
     packed: set[int] = set()                # storage ids autograd saved in the recorded forward

@@ -45,9 +45,12 @@ class StepRecorder(TorchDispatchMode):
     def __init__(self, table: StorageTable, ops_offset: int,
                  site: Callable[[], tuple[Phase, SourceLoc | None, str]] = _optimizer_site,
                  read_scalars_as_zero: bool = False, kernel_device: str | None = None,
-                 opaque_raw_kernels: bool = False):
+                 opaque_raw_kernels: bool = False, cpu_scratch: bool | None = None):
         super().__init__()
         self.kernel_device = kernel_device
+        # the workspaces CPU kernels allocate inside a call (LAPACK's): the step's own on a CPU target; a
+        # custom op's Python kernel traced on the CPU for a CUDA target does not make them count
+        self.cpu_scratch = kernel_device == "cpu" if cpu_scratch is None else cpu_scratch
         self._inside_kernel = False
         self.traced_kernels: dict[str, None] = {}         # custom ops traced through their kernel, in order
         # `opaque_raw_kernels`: a Python kernel that cannot run on fake tensors (it hands raw memory to C
@@ -133,7 +136,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops.append(OpDraft(name=f"{phase.value}_{len(self.ops)}", target=target_name(func), phase=phase,
                                 args=plain_args, kwargs=plain_kwargs, outputs=tuple(outputs), source=source,
                                 module=module, is_view=bool(outputs) and not fresh))
-        if self.kernel_device == "cpu":      # the CPU kernel's own workspace, freed before it returns
+        if self.cpu_scratch:                 # the CPU kernel's own workspace, freed before it returns
             scratch = eager_scratch_allocations(target_name(func), args, kwargs)
             add_kernel_scratch(self.ops[-1], self.ops_offset + len(self.ops) - 1, scratch, self.table)
         return out
