@@ -19,7 +19,7 @@ modelled (no scratch is returned for them), nor is the scratch of other extern k
 CUDA attention).
 
 `eager_scratch_allocations(target, args, kwargs)` -> the same for an op run eagerly on the CPU (the optimizer
-step's recorded ops, for `--target cpu`). Registered: LAPACK's symmetric eigensolver behind
+step's recorded ops and the op-by-op rung's, for `--target cpu` only: a CUDA step runs cuSOLVER instead). Registered: LAPACK's symmetric eigensolver behind
 `torch.linalg.eigh` (`_linalg_eigh` with eigenvectors; BatchLinearAlgebra.cpp `apply_lapack_eigh`), which
 asks LAPACK for its workspace once per call and allocates it through the allocator: `syevd` with eigenvectors
 takes 2n^2 + 6n + 1 elements of the matrix's dtype and 5n + 3 ints (LAPACK's documented minimum; torch's
