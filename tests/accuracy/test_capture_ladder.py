@@ -88,6 +88,25 @@ def test_the_dispatch_path_takes_the_cuda_targets_kernels_as_the_graph_does(mode
     assert op_by_op.saved.total_bytes == graph.saved.total_bytes
 
 
+@pytest.mark.parametrize("model", ["llama-debug", "gpt2-debug"])
+def test_the_dispatch_path_scales_an_fp16_loss_as_the_loop_does(model):
+    """--precision fp16 op by op: `scaler.scale(loss)` runs after the model's forward and before backward, so
+    backward starts with autograd's own ops, and the scale it multiplies by is the GradScaler's state, not a
+    tensor the model's forward saved: every phase peak and the saved bytes equal a real step's to the byte
+    (they were 8 B over: the loss and the scale counted as saved)."""
+    source = load_model_source(model)
+    predicted = analyze_graphs(capture_steps(source, CaptureOptions(batch=2, seq=64, precision="fp16", target="cpu",
+                                                                    capture="dispatch"),
+                                             (PolicySpec(name="eager"),))).policies["eager"]
+    torch.manual_seed(0)
+    real = source.build_model()
+    measured = measure_step(real, source.example_batch(2, 64), torch.optim.AdamW(real.parameters(), lr=1e-3),
+                            precision="fp16")
+    assert predicted.start_bytes == measured.start_bytes
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert {p: predicted.phases[p].peak_bytes for p in ("forward", "backward", "optimizer")} == measured.phase_peaks
+
+
 def test_gradient_sums_are_billed_to_the_module_whose_gradient_arrives_last_on_either_rung():
     """Autograd's engine sums the gradients a tensor gets from its readers (the residual stream's, a norm's
     input) when the last one arrives, inside the autograd node that made it: the op-by-op step bills the sum

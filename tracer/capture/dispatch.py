@@ -166,14 +166,18 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             with modules, _NodeStamper(modules), autocast(), noted, offloaded:
                 loss = step(*batch)
             log.clear_casts()                  # autocast's exit frees its cached casts
-            phase["now"] = Phase.BACKWARD
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
                 raise no_gradient_error()
+            # the loop's scaling of the loss is a forward op, as on the graph rungs: backward begins with its
+            # own ops, and what it reads of the loss and the scale is no tensor autograd saved
+            scaled = scaler.scale(loss) if scaler is not None else loss
+            phase["now"] = Phase.BACKWARD
             if record and prime:
                 reached.update(_parameters_reached(loss))
             with warnings.catch_warnings():    # the cycle it warns of is broken by zero_grad(set_to_none=True)
                 warnings.filterwarnings("ignore", message="Using backward.. with create_graph=True")
-                (scaler.scale(loss) if scaler is not None else loss).backward(create_graph=source.create_graph)
+                scaled.backward(create_graph=source.create_graph)
+            del scaled
             if record:               # zero_grad(set_to_none=True) drops them before the step ends
                 gradients.extend((fqn, table.lookup(p.grad)) for fqn, p in model.named_parameters()
                                  if p.grad is not None)

@@ -3,7 +3,7 @@ one that reads only metadata, `METADATA_READERS`), and those made in the forward
 backward without any backward op reading them (`Storage.held_until_op` in backward: a custom Function's
 `ctx.save_for_backward` of a tensor its backward never uses, as the capture saw it).
 
-Parameters are excluded (they are not activations); user inputs that backward reads (token ids,
+Parameters, gradients and optimizer state are excluded (they are not activations); user inputs that backward reads (token ids,
 targets) are included in `storage_ids` and reported apart as `input_bytes`, since eager autograd
 saves them too but they existed before the step.
 """
@@ -19,6 +19,12 @@ from tracer.stepgraph import Phase, StepGraph, StorageRole
 METADATA_READERS: frozenset[str] = frozenset({
     "aten.empty_like", "aten.zeros_like", "aten.ones_like", "aten.full_like", "aten.new_empty",
     "aten.new_empty_strided", "aten.new_zeros", "aten.new_ones", "aten.new_full"})
+
+
+# what backward may read but is billed as itself, never as saved: the weights, their gradients, and the
+# optimizer's state (the GradScaler's scale, which the loop's `scaler.scale(loss)` multiplies in after the
+# model's forward has returned)
+_NOT_SAVED = frozenset({StorageRole.PARAMETER, StorageRole.GRADIENT, StorageRole.OPTIMIZER_STATE})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +49,7 @@ def find_saved_tensors(graph: StepGraph, liveness: Liveness) -> SavedTensors:
         for value in _read_values(op):
             storage = graph.storage(value.storage_id)
             alloc = liveness.intervals[value.storage_id].alloc_op
-            if storage.role in (StorageRole.PARAMETER, StorageRole.GRADIENT) or alloc is None \
+            if storage.role in _NOT_SAVED or alloc is None \
                     or alloc >= first_backward[op.micro_batch]:
                 continue
             saved.add(value.storage_id)
@@ -69,6 +75,6 @@ def _held_into_backward(graph: StepGraph, liveness: Liveness, first_backward: di
         alloc = liveness.intervals[storage.storage_id].alloc_op
         if (storage.held_until_op is not None and storage.held_until_op >= start and alloc is not None
                 and alloc != BEFORE_STEP and alloc < start and not storage.caller_held and not storage.persistent
-                and storage.role not in (StorageRole.PARAMETER, StorageRole.GRADIENT)):
+                and storage.role not in _NOT_SAVED):
             held.add(storage.storage_id)
     return held
