@@ -80,6 +80,19 @@ def test_fp16_autocast_with_grad_scaler_every_phase(foreach):
     assert result.phases["optimizer"].peak_bytes == measured.phase_peaks["optimizer"]
 
 
+@pytest.mark.parametrize("model", ["llama-debug", "gpt2-debug"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_autocasts_copy_of_a_calls_argument_lives_until_the_call_returns(model, precision):
+    """`F.cross_entropy` of half-precision logits under autocast: autocast hands the kernel an fp32 copy of
+    them, alive while `nll_loss` makes the loss although `log_softmax` read it last. Every phase peak and
+    the saved bytes equal the real step's to the byte (the forward peak was 8 B low: the loss and its total
+    weight allocated after the copy was freed)."""
+    result, measured = predict_and_measure(model, batch=2, seq=64, precision=precision)
+    assert result.start_bytes == measured.start_bytes
+    assert result.saved.total_bytes == measured.saved_bytes
+    assert {p: result.phases[p].peak_bytes for p in ("forward", "backward", "optimizer")} == measured.phase_peaks
+
+
 def test_llama_4_layers_long_sequence_peak_in_backward():
     result, measured = predict_and_measure(os.path.join(FIXTURES, "llama4.py"), batch=4, seq=1024)
     assert_step_matches(result, measured, peak_phase="backward")

@@ -5,7 +5,8 @@ several aten ops (a C++ composite kernel, or a Python function such as `F.cross_
 frees each tensor at its last use; eager holds more:
   * the call's arguments: the caller's frame holds them until the call returns (a temporary argument such
     as `logits.flatten(0, 1)` included), so every storage the call reads that was made before it lives
-    until the call's last op;
+    until the call's last op; so do the copies autocast makes of them when the call begins (its dtype
+    casts), which it hands to the kernel as its arguments;
   * the math kernel of scaled dot-product attention (`_scaled_dot_product_attention_math`, attention.cpp)
     prepares its inputs into C++ locals (`query_acc`/`key_acc`/`value_acc` casts, the scaled `query`, the
     GQA-repeated `key_expanded`/`value_expanded`, a converted boolean or causal mask) that live until it
@@ -47,6 +48,8 @@ def call_holds(ops: Sequence) -> dict[int, int]:
     for start, end in _call_ranges(ops):
         first_matmul = _first_matmul(ops, start, end)
         temporaries = _matmul_temporaries(ops, start, first_matmul) if first_matmul is not None else set()
+        for sid in _cast_arguments(ops, start, end, made_at):
+            holds[sid] = max(holds.get(sid, -1), end - 1)               # autocast's copy of an argument
         for index in range(start, end):
             for sid in storage_ids((ops[index].args, ops[index].kwargs)):
                 if made_at.get(sid, -1) < start:
@@ -56,6 +59,25 @@ def call_holds(ops: Sequence) -> dict[int, int]:
                     until = first_matmul if value.storage_id in temporaries else end - 1
                     holds[value.storage_id] = max(holds.get(value.storage_id, -1), until)
     return holds
+
+
+def _cast_arguments(ops: Sequence, start: int, end: int, made_at: dict[int, int]) -> set[int]:
+    """The storages of the dtype casts a call begins with, of tensors made before it: autocast casts a call's
+    arguments before its kernel runs and hands the copies to the kernel as its arguments, which live until
+    the kernel returns (`F.cross_entropy` of fp16 logits under autocast: the fp32 copy is alive while
+    `nll_loss` makes the loss, after `log_softmax` read it last)."""
+    casts: set[int] = set()
+    for index in range(start, end):
+        op = ops[index]
+        if op.is_view:
+            continue
+        if op.target != "aten._to_copy.default":
+            break
+        sources = [a for a in op.args[:1] if hasattr(a, "storage_id")]
+        if not sources or made_at.get(sources[0].storage_id, -1) >= start:
+            break
+        casts.update(value.storage_id for value in op.outputs)
+    return casts
 
 
 # ops through which at::matmul passes an operand on to its bmm: views, and the copies of its batch expansion
