@@ -54,15 +54,14 @@ def predict_and_measure(fixture, *, pick=None, batch=2, seq=16, capture="auto"):
 
 
 def assert_exact(predicted, measured):
-    """Start and saved bytes exact; each phase peak exact up to the 0-dim scalar tensors eager makes in
-    forward that the graph folds (at most 8 bytes measured, as in test_eager_step.py)."""
+    """Start and saved bytes, the peak's phase and each phase peak exact."""
     assert predicted.start_bytes == measured.start_bytes
     assert predicted.saved.total_bytes == measured.saved_bytes
     assert predicted.peak_phase == measured.peak_phase
     for phase in ("forward", "backward", "optimizer"):
         p, m = predicted.phases[phase].peak_bytes, measured.phase_peaks[phase]
-        assert abs(p - m) <= 8, f"{phase}: predicted {p:,} measured {m:,}"
-    assert abs(predicted.peak_bytes - measured.peak_bytes) <= 8
+        assert p == m, f"{phase}: predicted {p:,} measured {m:,}"
+    assert predicted.peak_bytes == measured.peak_bytes
 
 
 def test_trunc_normal_init_cs336_style():
