@@ -99,3 +99,21 @@ def test_config_json_names_the_architecture(tmp_path):
     source = load_model_source("hf:meta-llama/Llama-3.2-1B", config_json=str(config))
     graphs = capture_steps(source, CaptureOptions(batch=1, seq=16), (PolicySpec(name="eager"),))
     assert graphs["eager"].parameter_count == sum(p.numel() for p in source.build_model().parameters())
+
+
+@pytest.mark.parametrize("name", ["hf:bert", "hf:roberta", "hf:git"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_layer_norm_under_autocast_saves_its_statistics_as_the_cpu_kernel_does(name, precision):
+    """A LayerNorm whose input autocast left in 16 bits (BERT's masked-LM head after its dense layer and GELU)
+    keeps fp32 weight and bias, and the CPU kernel then makes its saved mean and rstd fp32, not the input's
+    dtype as torch's fake kernel does: every phase peak and the saved bytes equal the real step's (they were
+    256 B low for BERT and RoBERTa, 136 B for GIT)."""
+    source = load_model_source(name, hf_config=CONFIGS[name], hf_attn="sdpa")
+    options = CaptureOptions(batch=2, seq=32, precision=precision, target="cpu")
+    predicted = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    torch.manual_seed(0)
+    model = source.build_model()
+    measured = measure_step(model, source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            precision=precision)
+    assert predicted.saved.total_bytes == measured.saved_bytes
+    assert {p: predicted.phases[p].peak_bytes for p in ("forward", "backward", "optimizer")} == measured.phase_peaks

@@ -2,7 +2,7 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tracer.capture.eager_kernels import CONTIGUOUS_IN_EAGER, layouts_as_in_eager
+from tracer.capture.eager_kernels import CONTIGUOUS_IN_EAGER, layer_norm_statistics_as_in_eager, layouts_as_in_eager
 
 
 def _layer_norm_grad_input_strides():
@@ -25,6 +25,30 @@ def test_traced_layer_norm_grad_input_has_the_eager_layout_and_only_while_tracin
         assert _layer_norm_grad_input_strides() == (192, 16, 1)
     with FakeTensorMode():
         assert _layer_norm_grad_input_strides() == (192, 1, 12)  # torch's decomposition follows grad_out
+
+
+def _layer_norm_statistics_dtypes(x_dtype, parameter_dtype):
+    x = torch.randn(2, 8, 16, dtype=x_dtype)
+    weight = bias = None if parameter_dtype is None else torch.ones(16, dtype=parameter_dtype)
+    out, mean, rstd = torch.ops.aten.native_layer_norm(x, [16], weight, bias, 1e-5)
+    return out.dtype, mean.dtype, rstd.dtype
+
+
+def test_layer_norm_statistics_take_the_dtype_the_targets_kernel_gives_them():
+    """Mean and rstd, which autograd saves: the CPU kernel makes them fp32 when a 16-bit input meets fp32
+    parameters (autocast's case), else in the input's dtype; CUDA's always in the accumulation type. torch's
+    fake kernel gives a CPU tensor the input's dtype in both cases."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cases = [(bf16, fp32), (bf16, bf16), (bf16, None), (torch.float16, fp32), (fp32, fp32)]
+    real = [_layer_norm_statistics_dtypes(*case) for case in cases]       # the CPU kernel itself
+    assert real[0] == (bf16, fp32, fp32) and real[1] == (bf16, bf16, bf16)
+    with FakeTensorMode():
+        assert _layer_norm_statistics_dtypes(bf16, fp32) == (bf16, bf16, bf16)     # torch's fake kernel
+        with layer_norm_statistics_as_in_eager(cpu=True):
+            assert [_layer_norm_statistics_dtypes(*case) for case in cases] == real
+        with layer_norm_statistics_as_in_eager(cpu=False):
+            assert [_layer_norm_statistics_dtypes(*case)[1] for case in cases] == [fp32, fp32, fp32, fp32, fp32]
+        assert _layer_norm_statistics_dtypes(bf16, fp32) == (bf16, bf16, bf16)     # restored on the way out
 
 
 def test_interpolate_traces_as_the_eager_kernel_and_its_backward_exactly():
