@@ -101,13 +101,14 @@ def test_config_json_names_the_architecture(tmp_path):
     assert graphs["eager"].parameter_count == sum(p.numel() for p in source.build_model().parameters())
 
 
-@pytest.mark.parametrize("name", ["hf:bert", "hf:roberta", "hf:git"])
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name, precision", [(name, precision) for name in ("hf:bert", "hf:roberta", "hf:git")
+                                              for precision in ("bf16", "fp16")] + [("hf:wav2vec2", "bf16")])
 def test_a_layer_norm_under_autocast_saves_its_statistics_as_the_cpu_kernel_does(name, precision):
     """A LayerNorm whose input autocast left in 16 bits (BERT's masked-LM head after its dense layer and GELU)
     keeps fp32 weight and bias, and the CPU kernel then makes its saved mean and rstd fp32, not the input's
-    dtype as torch's fake kernel does: every phase peak and the saved bytes equal the real step's (they were
-    256 B low for BERT and RoBERTa, 136 B for GIT)."""
+    dtype as torch's fake kernel does; so does a GroupNorm (wav2vec2's feature encoder, run op by op): every
+    phase peak and the saved bytes equal the real step's (they were 256 B low for BERT, RoBERTa and
+    wav2vec2's GroupNorm, 136 B for GIT)."""
     source = load_model_source(name, hf_config=CONFIGS[name], hf_attn="sdpa")
     options = CaptureOptions(batch=2, seq=32, precision=precision, target="cpu")
     predicted = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]

@@ -51,6 +51,28 @@ def test_layer_norm_statistics_take_the_dtype_the_targets_kernel_gives_them():
         assert _layer_norm_statistics_dtypes(bf16, fp32) == (bf16, bf16, bf16)     # restored on the way out
 
 
+def _group_norm_statistics_dtypes(x_dtype, parameter_dtype):
+    x = torch.randn(2, 8, 16, dtype=x_dtype)
+    weight = bias = None if parameter_dtype is None else torch.ones(8, dtype=parameter_dtype)
+    out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, 2, 8, 16, 4, 1e-5)
+    return out.dtype, mean.dtype, rstd.dtype, tuple(mean.shape)
+
+
+def test_group_norm_statistics_take_the_dtype_the_kernel_gives_them_on_either_device():
+    """group_norm.cpp chooses the statistics' dtype for every device: fp32 for a 16-bit input with fp32
+    parameters, else the input's; torch's fake kernel gives the input's dtype."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cases = [(bf16, fp32), (bf16, bf16), (bf16, None), (fp32, fp32)]
+    real = [_group_norm_statistics_dtypes(*case) for case in cases]
+    assert real[0] == (bf16, fp32, fp32, (2, 4))
+    with FakeTensorMode():
+        assert _group_norm_statistics_dtypes(bf16, fp32)[1] == bf16
+        for cpu in (True, False):
+            with layer_norm_statistics_as_in_eager(cpu=cpu):
+                assert [_group_norm_statistics_dtypes(*case) for case in cases] == real
+        assert _group_norm_statistics_dtypes(bf16, fp32)[1] == bf16
+
+
 def test_interpolate_traces_as_the_eager_kernel_and_its_backward_exactly():
     """F.interpolate's Python decomposition saves index tensors eager never makes (an `arange` per axis for
     nearest); traced as ATen's upsample kernels, the step equals a real CPU step's."""

@@ -27,10 +27,10 @@ tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
 noise made and scaled in place, then `x.mul_(noise)`); it has no Python kernel, so the trace recorded the
 noise's in-place calls as new tensors. For the duration it has one making the same calls, each marked in place.
 
-`layer_norm_statistics_as_in_eager(cpu)`: `native_layer_norm`'s saved mean and rstd in the dtype the target's
-kernel gives them (fp32 for a 16-bit input on CUDA; on the CPU fp32 when the parameters are fp32, as under
-autocast), where torch's fake kernel gives a CPU tensor's the input's dtype. The op-by-op rung runs under it
-too.
+`layer_norm_statistics_as_in_eager(cpu)`: a layer norm's or group norm's saved mean and rstd in the dtype the
+target's kernel gives them (fp32 for a 16-bit layer norm input on CUDA; fp32 when the parameters are fp32,
+as under autocast), where torch's fake kernels give a CPU tensor's the input's dtype. The op-by-op rung runs
+under it too.
 
 `upsampling_as_in_eager()`: F.interpolate's ops trace as ATen's fused kernels and their own backward (the
 Python decomposition saves index tensors eager never makes). Limit: it sets aside the ops' `py_kernels`.
@@ -444,46 +444,56 @@ def _aten_cpu_gru(input, hx, params, has_biases, num_layers, dropout, train, bid
 
 @contextlib.contextmanager
 def layer_norm_statistics_as_in_eager(cpu: bool):
-    """`native_layer_norm`'s mean and rstd (saved for backward, one value per normalized row) in the dtype
-    the target's kernel makes them. CPU (layer_norm.cpp): fp32 when a reduced-precision input meets
+    """The mean and rstd a layer norm or a group norm saves for backward (one value per normalized row or
+    group) in the dtype the target's kernel makes them. `native_layer_norm` on the CPU (layer_norm.cpp) and
+    `native_group_norm` on either device (group_norm.cpp): fp32 when a reduced-precision input meets
     parameters of another dtype (autocast leaves a norm's weight and bias fp32: `param_scalar_type` of a
-    mixed call), else the input's dtype. CUDA (layer_norm_kernel.cu): the accumulation type, fp32 for an
-    fp16 or bf16 input, which torch's fake kernel gives a CUDA tensor too. The capture's tensors are fake
-    CPU tensors whatever the target, and the fake kernel gives a CPU input's dtype in either case, so a
-    bf16 BERT's head LayerNorm saved 2 x 128 B where a real CPU step saves 2 x 256 B. Limit: it swaps an
-    entry of torch's fake-kernel table (`fake_impls.op_implementations_dict`), so the fake cache is emptied
-    on the way in and out."""
+    mixed call), else the input's dtype. `native_layer_norm` on CUDA (layer_norm_kernel.cu): the
+    accumulation type, fp32 for an fp16 or bf16 input, which torch's fake kernel gives a CUDA tensor too.
+    The capture's tensors are fake CPU tensors whatever the target, and the fake kernels give the input's
+    dtype in either case, so a bf16 BERT's head LayerNorm saved 2 x 128 B where a real CPU step saves
+    2 x 256 B. Limit: it sets entries of torch's fake-kernel table (`fake_impls.op_implementations_dict`),
+    so the fake cache is emptied on the way in and out."""
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensorMode
+    import torch._refs as refs
 
-    op = torch.ops.aten.native_layer_norm.default
-    fake_kernel = fake_impls.op_implementations_dict.get(op)
-    if fake_kernel is None:
-        yield
-        return
+    layer_norm, group_norm = torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default
+    table = fake_impls.op_implementations_dict
+    saved = {op: table.get(op) for op in (layer_norm, group_norm)}
 
-    def statistics_dtype(x, weight, bias):
-        if not cpu:                       # at::toAccumulateType(dtype, is_cuda=true)
-            return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    def mixed_dtype(x, weight, bias):
         parameter = next((t for t in (weight, bias) if t is not None), None)
-        mixed = parameter is not None and parameter.dtype != x.dtype
-        return torch.float32 if mixed else x.dtype
+        return torch.float32 if parameter is not None and parameter.dtype != x.dtype else x.dtype
 
-    def as_in_eager(fake_mode, func, *args, **kwargs):
-        out, mean, rstd = fake_kernel(fake_mode, func, *args, **kwargs)
+    def as_in_eager(out, mean, rstd, dtype):
+        return (out, mean, rstd) if mean.dtype == dtype else (out, mean.to(dtype), rstd.to(dtype))
+
+    def layer_norm_kernel(fake_mode, func, *args, **kwargs):
+        x = args[0]
         weight = args[2] if len(args) > 2 else kwargs.get("weight")
         bias = args[3] if len(args) > 3 else kwargs.get("bias")
-        dtype = statistics_dtype(args[0], weight, bias)
-        if mean.dtype != dtype:
-            mean, rstd = mean.to(dtype), rstd.to(dtype)
-        return out, mean, rstd
+        outputs = saved[layer_norm](fake_mode, func, *args, **kwargs)
+        if not cpu:                       # at::toAccumulateType(dtype, is_cuda=true)
+            return as_in_eager(*outputs, torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype)
+        return as_in_eager(*outputs, mixed_dtype(x, weight, bias))
 
-    fake_impls.op_implementations_dict[op] = as_in_eager
-    FakeTensorMode.cache_clear()         # metadata cached with torch's dtypes would bypass the wrapper
+    def group_norm_kernel(fake_mode, func, *args, **kwargs):
+        x, weight, bias = args[0], args[1], args[2]
+        return as_in_eager(*refs.native_group_norm(*args, **kwargs), mixed_dtype(x, weight, bias))
+
+    if saved[layer_norm] is not None:
+        table[layer_norm] = layer_norm_kernel
+    table[group_norm] = group_norm_kernel
+    FakeTensorMode.cache_clear()         # metadata cached with torch's dtypes would bypass the wrappers
     try:
         yield
     finally:
-        fake_impls.op_implementations_dict[op] = fake_kernel
+        for op, kernel in saved.items():
+            if kernel is None:
+                table.pop(op, None)
+            else:
+                table[op] = kernel
         FakeTensorMode.cache_clear()
 
 
