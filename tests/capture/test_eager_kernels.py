@@ -2,7 +2,7 @@
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tracer.capture.eager_kernels import CONTIGUOUS_IN_EAGER, layer_norm_statistics_as_in_eager, layouts_as_in_eager
+from tracer.capture.eager_kernels import CONTIGUOUS_IN_EAGER, norm_statistics_as_in_eager, layouts_as_in_eager
 
 
 def _layer_norm_grad_input_strides():
@@ -44,9 +44,9 @@ def test_layer_norm_statistics_take_the_dtype_the_targets_kernel_gives_them():
     assert real[0] == (bf16, fp32, fp32) and real[1] == (bf16, bf16, bf16)
     with FakeTensorMode():
         assert _layer_norm_statistics_dtypes(bf16, fp32) == (bf16, bf16, bf16)     # torch's fake kernel
-        with layer_norm_statistics_as_in_eager(cpu=True):
+        with norm_statistics_as_in_eager(cpu=True):
             assert [_layer_norm_statistics_dtypes(*case) for case in cases] == real
-        with layer_norm_statistics_as_in_eager(cpu=False):
+        with norm_statistics_as_in_eager(cpu=False):
             assert [_layer_norm_statistics_dtypes(*case)[1] for case in cases] == [fp32, fp32, fp32, fp32, fp32]
         assert _layer_norm_statistics_dtypes(bf16, fp32) == (bf16, bf16, bf16)     # restored on the way out
 
@@ -68,7 +68,7 @@ def test_group_norm_statistics_take_the_dtype_the_kernel_gives_them_on_either_de
     with FakeTensorMode():
         assert _group_norm_statistics_dtypes(bf16, fp32)[1] == bf16
         for cpu in (True, False):
-            with layer_norm_statistics_as_in_eager(cpu=cpu):
+            with norm_statistics_as_in_eager(cpu=cpu):
                 assert [_group_norm_statistics_dtypes(*case) for case in cases] == real
         assert _group_norm_statistics_dtypes(bf16, fp32)[1] == bf16
 

@@ -27,7 +27,7 @@ tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
 noise made and scaled in place, then `x.mul_(noise)`); it has no Python kernel, so the trace recorded the
 noise's in-place calls as new tensors. For the duration it has one making the same calls, each marked in place.
 
-`layer_norm_statistics_as_in_eager(cpu)`: a layer norm's or group norm's saved mean and rstd in the dtype the
+`norm_statistics_as_in_eager(cpu)`: a layer norm's or group norm's saved mean and rstd in the dtype the
 target's kernel gives them (fp32 for a 16-bit layer norm input on CUDA; fp32 when the parameters are fp32,
 as under autocast), where torch's fake kernels give a CPU tensor's the input's dtype. The op-by-op rung runs
 under it too.
@@ -443,7 +443,7 @@ def _aten_cpu_gru(input, hx, params, has_biases, num_layers, dropout, train, bid
 
 
 @contextlib.contextmanager
-def layer_norm_statistics_as_in_eager(cpu: bool):
+def norm_statistics_as_in_eager(cpu: bool):
     """The mean and rstd a layer norm or a group norm saves for backward (one value per normalized row or
     group) in the dtype the target's kernel makes them. `native_layer_norm` on the CPU (layer_norm.cpp) and
     `native_group_norm` on either device (group_norm.cpp): fp32 when a reduced-precision input meets
@@ -502,7 +502,7 @@ def kernels_as_in_eager(cpu: bool = False):
     """All of the above, while a graph is traced (`cpu`: for a CPU target)."""
     rnns = (lstm_as_in_eager(), gru_as_in_eager()) if cpu else ()
     with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager(), \
-            layer_norm_statistics_as_in_eager(cpu), contextlib.ExitStack() as stack:
+            norm_statistics_as_in_eager(cpu), contextlib.ExitStack() as stack:
         for rnn in rnns:
             stack.enter_context(rnn)
         yield
