@@ -118,7 +118,8 @@ def test_what_the_capture_stages_share_imports_nothing_of_tracer():
 CAPTURE_STAGES = (
     ("what every stage reads", {"meta", "source", "storages", "precision", "process_state", "target", "pylocals",
                                 "kernel_scratch"}),
-    ("the model input", {"model_input", "loop_declarations", "lightning_loop", "routing", "device_queries"}),
+    ("the model input", {"model_input", "loop_declarations", "lightning_loop", "routing", "device_queries",
+                         "process_group"}),
     ("building the model on fake tensors", {"build", "lora", "quantized_base", "float8", "trainer_optimizer"}),
     ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
                                  "dynamo_joint"}),

@@ -52,6 +52,17 @@ class _LineStamper(TorchFunctionMode):
         return out
 
 
+def _holds_memory(storage) -> bool:
+    """False for the storage of a wrapper tensor subclass (a functional collective's AsyncCollectiveTensor,
+    a DTensor): it is a placeholder of the wrapper's size whose data pointer is invalid; the memory is the
+    inner tensor's, which is counted on its own."""
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return False
+    return True
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -70,7 +81,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _register(self, storage, line, phase) -> None:
         key = storage._cdata
-        if key in self.live:
+        if key in self.live or not _holds_memory(storage):
             return
         self.live[key] = (storage.nbytes(), line, phase)
         self.current += storage.nbytes()
@@ -385,6 +396,8 @@ class BalancedTopk(TorchFunctionMode):
     autograd's version counters, the values read from the input at the chosen indices, so the gradient
     flows to the chosen logits. Which token goes to which expert changes no size, only the counts do."""
 
+    worst = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -393,25 +406,32 @@ class BalancedTopk(TorchFunctionMode):
             k = args[1] if len(args) > 1 else kwargs["k"]
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
             if _routes_over_last_dim(x, dim):
-                _choose_balanced(x, out.indices, k, values=out.values)
+                _choose_balanced(x, out.indices, k, values=out.values, worst=self.worst)
         elif func in (torch.argmax, torch.Tensor.argmax):
             x = args[0]
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             if dim is not None and _routes_over_last_dim(x, dim):
-                _choose_balanced(x, out, 1)
+                _choose_balanced(x, out, 1, worst=self.worst)
         return out
+
+
+class WorstTopk(BalancedTopk):
+    """Every router call chooses as tracer's `worst` assumption: every token's j-th choice is expert j."""
+    worst = True
 
 
 def _routes_over_last_dim(x, dim) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() >= 1 and dim in (-1, x.dim() - 1)
 
 
-def _choose_balanced(x: torch.Tensor, indices: torch.Tensor, k: int, *, values: torch.Tensor | None = None) -> None:
+def _choose_balanced(x: torch.Tensor, indices: torch.Tensor, k: int, *, values: torch.Tensor | None = None,
+                     worst: bool = False) -> None:
     from torch.utils._python_dispatch import _disable_current_modes
     experts = x.shape[-1]
     with _disable_current_modes(), torch.no_grad():
         tokens = indices.numel() // k
-        chosen = ((torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts).reshape(indices.shape)
+        slots = torch.arange(k).expand(tokens, k) if worst else torch.arange(tokens)[:, None] * k + torch.arange(k)
+        chosen = (slots % experts).reshape(indices.shape)
         with torch.autograd._unsafe_preserve_version_counter(indices):
             indices.copy_(chosen)
         if values is not None:

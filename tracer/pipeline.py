@@ -20,7 +20,7 @@ from tracer.checks.options import MODEL_DEFAULTS
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
                    "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets", "quantized_base",
-                   "trainer_args", "fp8")
+                   "trainer_args", "fp8", "ep")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,6 +68,7 @@ class AnalysisOptions:
     trainer_args: str | None = None  # a TrainingArguments JSON: the Trainer's optimizer (capture/trainer_optimizer.py)
     fp8: str | None = MODEL_DEFAULTS["fp8"]     # torchao's float8 recipe on the linears (capture/float8.py)
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
+    ep: int = MODEL_DEFAULTS["ep"]                        # expert parallelism: rank 0 of N (capture/process_group.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
     pp: int = MODEL_DEFAULTS["pp"]                        # pipeline stages (passes/pipeline_parallel.py)
     microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
@@ -140,6 +141,24 @@ class AnalysisOptions:
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
+        self.check_expert_parallel()
+
+    def check_expert_parallel(self) -> None:
+        """--ep is the model's own expert parallelism run as rank 0 of N: the other parallelisms' passes
+        take a single-rank step, which it is not. Raises UsageError for a combination."""
+        from tracer.errors import UsageError
+        if self.ep == 1:
+            return
+        combined = [flag for flag, given in (("--shard", self.shard is not None), ("--tp", self.tp > 1),
+                                             ("--pp", self.pp > 1)) if given]
+        if combined:
+            raise UsageError(f"--ep with {', '.join(combined)} is not modelled",
+                             hint="--ep captures the rank the model's own code makes; drop " + ", ".join(combined))
+        compiled = [p for p in self.policies if p.startswith("compiled")]
+        if compiled:
+            raise UsageError(f"--ep with --policy {compiled[0]} is not planned: Inductor does not lower c10d's "
+                             f"collectives on a fake process group (their ProcessGroup argument)",
+                             hint="--ep takes --policy eager, selective or full")
 
     def policy_specs(self, model_save_policy=None) -> tuple:
         """The PolicySpecs to simulate; `model_save_policy`, the model file's `save_policy` function, is the
@@ -225,7 +244,7 @@ class AnalysisOptions:
                 "reshard_after_forward": self.reshard_after_forward,
                 "fsdp_mixed_precision": self.fsdp_mixed_precision, "accumulate": self.accumulate,
                 "offload": self.offload, "lora_rank": self.lora_rank, "lora_targets": list(self.lora_targets),
-                "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "pp": self.pp, "microbatches": self.microbatches,
+                "quantized_base": self.quantized_base, "fp8": self.fp8, "trainer_args": self.trainer_args, "tp": self.tp, "sp": self.sp, "ep": self.ep, "pp": self.pp, "microbatches": self.microbatches,
                 "pp_schedule": self.pp_schedule, "pp_return_outputs": self.pp_return_outputs,
                 "pp_local_stages": self.pp_local_stages,
                 "gradient_checkpointing": self.gradient_checkpointing}
@@ -275,8 +294,9 @@ class AnalysisOptions:
     def nccl_communicators(self) -> int:
         """The NCCL communicators a rank of this step holds: one for the sharded data-parallel group
         (--shard over more than one rank), one for the tensor-parallel group (--tp > 1), one for the
-        pipeline's sends and receives (--pp > 1)."""
-        return int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1) + int(self.pp > 1)
+        pipeline's sends and receives (--pp > 1), one for the expert-parallel group (--ep > 1)."""
+        return (int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1) + int(self.pp > 1)
+                + int(self.ep > 1))
 
     def pipeline_setup(self, *, check_batch: bool = True):
         """The pipeline-parallel view's setup, or None (pp=1). Raises UsageError for what it cannot take
@@ -528,11 +548,12 @@ def block_list(source, options: AnalysisOptions):
     """The block list `capture_graphs` and `capture_variants` synthesize the depth of (tracer/depth_capture.py),
     or None: captured in full."""
     from tracer.capture.model_input import running_user_code
+    from tracer.capture.process_group import rank_zero_of
     from tracer.depth_capture import find_block_list
 
     if options.full_capture:
         return None
-    with running_user_code(source.name):
+    with running_user_code(source.name), rank_zero_of(options.ep):      # the model is built as a rank builds it
         return find_block_list(source, precision=options.precision, seq=options.seq)
 
 

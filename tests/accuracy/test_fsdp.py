@@ -21,14 +21,12 @@ optimizer peak is 131,328 B above it; under load, both ranks of the b1 s16 case 
 peaks at least the prediction and at most one unit's gathered bytes above it.
 """
 import gc
-import json
-import os
-import socket
 import weakref
 
 import pytest
 import torch
 
+from gloo import run_ranks
 from tracer.capture import CaptureOptions, PolicySpec, capture_steps
 from tracer.capture.model_input import ModelSource
 from tracer.models import llama
@@ -131,35 +129,14 @@ def _measure_rank(batch: int, seq: int, reshard: bool) -> dict:
     return {"phase_peaks": tracker.phase_peaks}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        results = [_measure_rank(batch, seq, reshard) for batch, seq, reshard in CASES]
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _measure_cases(rank: int) -> list[dict]:
+    return [_measure_rank(batch, seq, reshard) for batch, seq, reshard in CASES]
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[list[dict]]:
     """measured[rank][case] = {"phase_peaks": {...}}."""
-    import torch.multiprocessing as mp
-    out_dir = str(tmp_path_factory.mktemp("fsdp"))
-    mp.spawn(_worker, args=(_free_port(), out_dir), nprocs=WORLD_SIZE, join=True)
-    ranks = []
-    for rank in range(WORLD_SIZE):
-        with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
-            ranks.append(json.load(f))
-    return ranks
+    return run_ranks(_measure_cases, WORLD_SIZE, str(tmp_path_factory.mktemp("fsdp")))
 
 
 def _predict(batch: int, seq: int, reshard: bool):

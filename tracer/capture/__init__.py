@@ -53,6 +53,7 @@ from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
+from tracer.capture.process_group import collective_ops, no_collective_error, rank_zero_of
 from tracer.capture.quantized_base import QLORA_RANK
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors
 from tracer.policies import PolicySpec
@@ -80,6 +81,7 @@ class CaptureOptions:
     quantized_base: str | None = None  # 4bit | 8bit: the linears as bitsandbytes' layers (quantized_base.py)
     trainer_args: str | None = None    # TrainingArguments JSON: the Trainer's own optimizer (trainer_optimizer.py)
     fp8: str | None = None             # torchao's float8 recipe on the linears (float8.py)
+    ep: int = 1                        # built and stepped as rank 0 of this many ranks (process_group.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -127,9 +129,20 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
         from tracer.capture.trainer_optimizer import trainer_optimizer_source
         source = trainer_optimizer_source(source, options.trainer_args)
     try:
-        return _requested_steps(source, requests, options, on_policy, on_stage)
+        with rank_zero_of(options.ep):
+            graphs = _requested_steps(source, requests, options, on_policy, on_stage)
     finally:
         restore_module_caches()        # the process's libraries keep no tensor of this capture
+    if options.ep > 1:
+        collectives = tuple(dict.fromkeys(name for graph in graphs for name in collective_ops(graph)))
+        if not collectives:
+            raise no_collective_error(options.ep, source.name)
+        note = (f"--ep {options.ep}: built and stepped as rank 0 of {options.ep} ranks of a fake process group "
+                f"(nothing is sent); every rank is assumed to hold a batch of this shape and to route it as "
+                f"--moe-routing says; the step's collectives: {', '.join(collectives)}")
+        graphs = tuple(dataclasses.replace(graph, config=dataclasses.replace(
+            graph.config, notes=graph.config.notes + (note,))) for graph in graphs)
+    return graphs
 
 
 def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[StepGraph, ...]:

@@ -32,6 +32,10 @@ target's kernel gives them (fp32 for a 16-bit layer norm input on CUDA; fp32 whe
 as under autocast), where torch's fake kernels give a CPU tensor's the input's dtype. The op-by-op rung runs
 under it too.
 
+`collective_waits_as_in_eager()`: a functional collective's `wait_tensor` returns the tensor it waits on
+(the C++ kernel waits and hands its input back), where its fake kernel makes a new one: under fake tensors
+every all-to-all's result counted twice while both were live. The op-by-op rung runs under it too.
+
 `upsampling_as_in_eager()`: F.interpolate's ops trace as ATen's fused kernels and their own backward (the
 Python decomposition saves index tensors eager never makes). Limit: it sets aside the ops' `py_kernels`.
 """
@@ -498,11 +502,37 @@ def norm_statistics_as_in_eager(cpu: bool):
 
 
 @contextlib.contextmanager
+def collective_waits_as_in_eager():
+    """`_c10d_functional.wait_tensor(t)` returns `t`, as its kernel does. Limit: it sets an entry of torch's
+    fake-kernel table (`fake_impls.op_implementations_dict`), so the fake cache is emptied on the way in and
+    out."""
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+    if wait is None:
+        yield
+        return
+    table, op = fake_impls.op_implementations_dict, wait.default
+    saved = table.get(op)
+    table[op] = lambda fake_mode, func, tensor, *args, **kwargs: tensor
+    FakeTensorMode.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            table.pop(op, None)
+        else:
+            table[op] = saved
+        FakeTensorMode.cache_clear()
+
+
+@contextlib.contextmanager
 def kernels_as_in_eager(cpu: bool = False):
     """All of the above, while a graph is traced (`cpu`: for a CPU target)."""
     rnns = (lstm_as_in_eager(), gru_as_in_eager()) if cpu else ()
     with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager(), \
-            norm_statistics_as_in_eager(cpu), contextlib.ExitStack() as stack:
+            norm_statistics_as_in_eager(cpu), collective_waits_as_in_eager(), contextlib.ExitStack() as stack:
         for rnn in rnns:
             stack.enter_context(rnn)
         yield

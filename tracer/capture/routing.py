@@ -247,12 +247,40 @@ class RoutingShadows:
         """Run `func` on the shadows too; give each tensor output the matching real result."""
         if any(isinstance(a, torch.Tensor) and a.numel() > _SHADOW_LIMIT for a in flat):
             return
+        args, _ = tree_unflatten(flat, spec)
+        if func is _WITH_EFFECTS and len(args) > 1 and _is_collective(args[1]):
+            # an effectful op in a joint trace: with_effects(token, op, *args) -> (token, *outputs)
+            func, args, out = args[1], args[2:], (out[1] if isinstance(out, tuple) and len(out) == 2 else None)
+        if _is_collective(func) and func not in _SYMMETRIC_AS_RUN:
+            self._follow_collective(func, args, out, flat)
+            return
         try:
             real = self._real(func, flat, spec)
         except Exception:                    # an op the shadows cannot run: the outputs simply get none
             return
         origin = self._origin_of(func, flat)
         self._pair(out, real, origin, floats=not (origin & _RANDOM or _makes_uninitialised(func)))
+
+    def _follow_collective(self, func, args, out, flat) -> None:
+        """A collective over the fake group of `--ep` ranks (capture/process_group.py), as symmetric ranks
+        make it: every rank sends what rank 0 sends, so rank 0 receives from each rank the block it sends to
+        itself (all-to-all). Other collectives give their outputs and the tensors they write no value."""
+        import torch.distributed as dist
+        if func in _ALL_TO_ALL:
+            written, source, source_splits = ((args[0], args[1], args[4]) if func is _ALL_TO_ALL[0]
+                                              else (out, args[0], args[2]))
+            if not isinstance(written, torch.Tensor):
+                return
+            received = _received_from_symmetric_ranks(self._value(source), source_splits, dist.get_world_size())
+            if received is not None and received.shape == written.shape:
+                self._set(written, received, self._origin_of(func, flat))
+                return
+            self.forget(written)
+            return
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.forget(t)
+        self._forget_mutated(func, args)
 
     def _pair(self, out, real, origin: int = 0, *, floats: bool = True) -> None:
         """Give each fake output its real result; `floats` False: floating-point outputs get none (random
@@ -393,6 +421,41 @@ class RoutingShadows:
 
 
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+
+
+def _is_collective(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.name.split("::")[0] in _COLLECTIVE_NAMESPACES
+
+
+def _collective(namespace: str, name: str):
+    """The collective op `namespace::name`'s default overload, or None where this torch lacks it."""
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# all-to-all's in-place c10d op (output, input, group, output splits, input splits, ...) and its functional
+# form (input, output splits, input splits, group name) -> output
+_ALL_TO_ALL = (_collective("c10d", "alltoall_base_"), _collective("_c10d_functional", "all_to_all_single"))
+# collectives whose result on the fake group (capture/process_group.py) is already what symmetric ranks
+# give: a gather or a broadcast of values every rank holds alike, and waiting
+_SYMMETRIC_AS_RUN = frozenset(op for op in (
+    _collective("c10d", "allgather_"), _collective("c10d", "_allgather_base_"), _collective("c10d", "broadcast_"),
+    _collective("_c10d_functional", "all_gather_into_tensor"), _collective("_c10d_functional", "broadcast"),
+    _collective("_c10d_functional", "wait_tensor")) if op is not None)
+
+
+def _received_from_symmetric_ranks(sent: torch.Tensor, sent_splits, ranks: int) -> torch.Tensor | None:
+    """What rank 0 receives in an all-to-all when every rank sends what it sends: from each rank, the
+    block the sender addresses to rank 0 (its first block), stacked along dim 0."""
+    rows = list(sent_splits) if sent_splits else [sent.shape[0] // ranks] * ranks
+    if len(rows) != ranks or sum(rows) != sent.shape[0]:
+        return None
+    return torch.cat([sent[:rows[0]]] * ranks)
 _CTC_LOSS = (aten._ctc_loss.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.default,
              aten._ctc_loss_backward.Tensor)
 

@@ -1,5 +1,5 @@
 """The model options of one analysis (batch, seq, precision, optimizer, foreach, step, zero_grad, target, gpu,
-capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp, full_capture), defined once.
+capture, hf_attn, moe_routing, lora_rank, lora_targets, tp, sp, ep, full_capture), defined once.
 
 `MODEL_OPTIONS` is the single table behind the command-line flags (`add_model_arguments`) and the
 `memory_budget` marker's keyword arguments; `analyze_kwargs(values)` validates a mapping of option name ->
@@ -99,6 +99,11 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("sp", False, None,
                 "--tp: Megatron sequence parallelism: the activations outside the tensor-parallel regions "
                 "(layer norms, dropouts, residuals) are split along the sequence too (default off)"),
+    ModelOption("ep", 1, None,
+                "expert parallelism written into the model (torchtitan's style: experts split over "
+                "dist.get_world_size() ranks, tokens exchanged by all-to-all): the model is built and stepped as "
+                "rank 0 of N ranks of a fake process group, every rank routing as --moe-routing says (default 1: "
+                "off)"),
     ModelOption("pp", 1, None,
                 "pipeline parallelism as torch.distributed.pipelining runs it: the memory of the busiest of N "
                 "pipeline stages (the repeated blocks split evenly; every stage's peak in a note) (default 1: off)"),

@@ -39,8 +39,8 @@ Conventions (one FLOP = one multiply or add; a fused multiply-add counts 2):
     _unsafe_masked_index_put_accumulate per value added; embedding itself is a gather.
   * Fused Adam/AdamW: 13 per parameter element, + 1 (AdamW) or 2 (Adam) with weight_decay, + 1 amsgrad.
   * Zero cost (`ZERO_COST_OPS`): views and reshapes, data movement (clone, copy_, _to_copy, cat, stack,
-    gather, embedding, padding), factories and fills, RNG, scalar reads, asserts, getitem. Moving or
-    converting bytes costs memory bandwidth, not FLOPs.
+    gather, embedding, padding; all-to-all, all-gather and broadcast between ranks), factories and fills,
+    RNG, scalar reads, asserts, getitem. Moving or converting bytes costs memory bandwidth, not FLOPs.
 
 Not handled (reported as unknown): einsum and other ops not in the registry, the low-level
 _flash_attention_* / _efficient_attention_* kernels, flex attention, higher-order ops (checkpoint HOPs),
@@ -72,6 +72,10 @@ ZERO_COST_OPS: frozenset[str] = frozenset({
     "aten.stack", "aten.constant_pad_nd", "aten.repeat", "aten.flip", "aten.roll", "aten.slice_backward",
     "aten.select_backward", "aten.slice_scatter", "aten.select_scatter", "aten.embedding",
     "aten.index_select", "aten.gather", "aten.index", "aten._foreach_copy_", "prims.convert_element_type",
+    # collectives that move data between ranks (a reduction adds: it has no formula yet)
+    "c10d.alltoall_base_", "c10d.allgather_", "c10d._allgather_base_", "c10d.broadcast_",
+    "_c10d_functional.all_to_all_single", "_c10d_functional.all_gather_into_tensor",
+    "_c10d_functional.broadcast", "_c10d_functional.wait_tensor", "_c10d_functional._wrap_tensor_autograd",
     # factories, fills, random numbers
     "aten.empty", "aten.empty_like", "aten.empty_strided", "aten.zeros", "aten.zeros_like", "aten.ones",
     "aten.ones_like", "aten.full", "aten.full_like", "aten.new_empty", "aten.new_empty_strided",

@@ -1,0 +1,83 @@
+"""Expert parallelism (--ep): rank 0 of a real 2-rank step, predicted to the byte.
+
+tests/fixtures/expert_parallel_moe.py splits its experts over torch.distributed's ranks and exchanges the
+routed tokens with all-to-all, in torchtitan's style. Two gloo processes run one real training step of it
+(a warm-up step first), measured at storage level (tests/truth.py), with every router choosing as tracer's
+routing assumption: balanced, and worst (every token of every rank picks experts 0 and 1, which rank 0
+holds, so rank 0's experts receive both ranks' tokens). tracer captures the same file as rank 0 of a fake
+2-rank group (`--ep 2`). The one-process step of the same file (no group: every expert local) is the
+control.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+import tracer
+import truth
+from gloo import run_ranks
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "expert_parallel_moe.py")
+BATCH, SEQ, RANKS = 2, 16, 2
+ROUTINGS = ("balanced", "worst")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("expert_parallel_moe", FIXTURE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _measure(routing: str) -> dict:
+    model_file = _load()
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with (truth.WorstTopk() if routing == "worst" else truth.BalancedTopk()):
+        measured = truth.measure_step(model, model_file.example_batch(BATCH, SEQ), optimizer)
+    return {"phases": measured.phase_peaks, "saved": measured.saved_bytes, "start": measured.start_bytes}
+
+
+def _measure_routings(rank: int) -> dict:
+    return {routing: _measure(routing) for routing in ROUTINGS}
+
+
+@pytest.fixture(scope="module")
+def rank0(tmp_path_factory) -> dict:
+    """Rank 0's measurement per routing."""
+    return run_ranks(_measure_routings, RANKS, str(tmp_path_factory.mktemp("ep")))[0]
+
+
+def _predicted(routing: str, ep: int, capture: str = "auto") -> dict:
+    result = tracer.analyze(FIXTURE, batch=BATCH, seq=SEQ, target="cpu", moe_routing=routing, ep=ep,
+                            capture=capture).policies["eager"]
+    return {"phases": {name: peak.peak_bytes for name, peak in result.phases.items()},
+            "saved": result.saved.total_bytes, "start": result.start_bytes}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_rank_zero_of_an_expert_parallel_step_is_predicted_to_the_byte(rank0, routing, capture):
+    """Every phase's peak, the saved bytes and the bytes before the step, on the joint-graph rung and
+    op by op."""
+    assert _predicted(routing, RANKS, capture) == rank0[routing]
+
+
+@pytest.mark.slow
+def test_worst_routing_sends_every_ranks_tokens_to_rank_zeros_experts(rank0):
+    """The all-to-all's received sizes follow symmetric ranks: under `worst` rank 0 receives both ranks'
+    tokens for its two experts, so its forward holds more than under `balanced`."""
+    assert rank0["worst"]["phases"]["forward"] > rank0["balanced"]["phases"]["forward"]
+    assert _predicted("worst", RANKS)["phases"]["forward"] == rank0["worst"]["phases"]["forward"]
+
+
+@pytest.mark.slow
+def test_the_same_file_in_one_process_holds_every_expert():
+    predicted = _predicted("balanced", 1)
+    assert predicted == _measure("balanced")
+    assert predicted["start"] > _predicted("balanced", RANKS)["start"]      # twice the experts' weights and state
