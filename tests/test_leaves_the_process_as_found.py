@@ -54,7 +54,8 @@ def process_state() -> dict:
     state = {"torch rng": torch.get_rng_state().tolist(), "python random": random.getstate(),
              "default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled(),
              "threads": torch.get_num_threads(), "matmul precision": torch.get_float32_matmul_precision(),
-             "deterministic": torch.are_deterministic_algorithms_enabled(), "anomaly": torch.is_anomaly_enabled()}
+             "deterministic": torch.are_deterministic_algorithms_enabled(), "anomaly": torch.is_anomaly_enabled(),
+             "excepthook": sys.excepthook, "process group": torch.distributed.is_initialized()}
     for name, module in list(sys.modules.items()):
         if isinstance(module, ConfigModule):
             values = module.get_config_copy()
@@ -84,6 +85,8 @@ def run_cli(argv):
     return main(argv)
 
 
+EXPERT_PARALLEL = os.path.join(os.path.dirname(__file__), "fixtures", "expert_parallel_moe.py")
+
 COMMANDS = {
     "tracer.analyze, every policy": lambda model, tmp: tracer.analyze(
         model, seq=16, batch=2, policies=("eager", "compiled", "selective", "full")),
@@ -92,6 +95,8 @@ COMMANDS = {
     "save a baseline, then tracer check": lambda model, tmp: (
         run_cli([model, "--seq", "16", "--save-baseline", str(tmp / "b.json"), "--quiet"]),
         run_cli(["check", model, "--baseline", str(tmp / "b.json")])),
+    "--ep on a model that splits its experts over the ranks": lambda model, tmp: run_cli(
+        [EXPERT_PARALLEL, "--seq", "16", "--ep", "2", "--quiet"]),
     "the memory_budget marker": lambda model, tmp: check_budget_marker(
         (), dict(model=os.path.basename(model), peak="1GiB", seq=16), test_dir=os.path.dirname(model)),
 }

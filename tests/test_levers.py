@@ -66,6 +66,29 @@ def test_an_error_in_a_worker_process_keeps_its_type_and_hint(tmp_path):
     assert raised.value.exit_code == ModelRunError.exit_code
 
 
+def test_a_lever_whose_step_cannot_be_captured_says_why_and_the_others_stand(tmp_path):
+    """The model reads its projection's weight itself, which a 4-bit layer's packed weight cannot serve: the
+    QLoRA row gives the failure, the baseline's row is made as without it."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    model = tmp_path / "reads_weight.py"
+    model.write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
+                     "class Net(nn.Module):\n"
+                     "    def __init__(self):\n"
+                     "        super().__init__()\n"
+                     "        self.embed, self.proj, self.head = nn.Embedding(64, 32), nn.Linear(32, 32), nn.Linear(32, 64)\n"
+                     "    def forward(self, tokens, targets):\n"
+                     "        h = F.linear(self.embed(tokens), self.proj.weight.t())\n"
+                     "        return F.cross_entropy(self.head(h).flatten(0, 1), targets.flatten())\n\n"
+                     "def build_model():\n    return Net()\n\n"
+                     "def example_batch(batch, seq):\n"
+                     "    return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))\n")
+    levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "QLoRA: 4-bit base + LoRA r=16"))
+    baseline, qlora = run_levers(str(model), BASE, levers=levers).rows
+    assert qlora.options is None and "failed" in qlora.reason and qlora.peak_bytes is None
+    assert baseline.peak_bytes == run_analysis(str(model), BASE).policies["eager"].peak_bytes
+
+
 def test_a_lever_that_does_not_apply_says_why():
     zero2 = next(lever for lever in LEVERS if lever.name == "ZeRO-2")
     accumulate = next(lever for lever in LEVERS if lever.name == "accumulate 4")

@@ -366,26 +366,32 @@ def assert_step_exact(predicted, measured, *, scalar_bytes: int = 0) -> None:
 
 
 def balanced_routers(model: torch.nn.Module) -> torch.nn.Module:
-    """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption: its weight
-    reads the first `experts` features, and a pre-hook feeds it token t's preference for experts
-    (t * k + j) % experts, j < k, 1000 above the others, plus a thousandth of the real hidden state (so the
-    router still gets a gradient). One AdamW step moves the weight by about 1e-3: the choice stays fixed."""
+    """Every top-k router of a transformers MoE made to route as tracer's `balanced` assumption
+    (`route_as_balanced`)."""
     for module in model.modules():
         if is_topk_router(module):
-            experts, k = module.num_experts, module.top_k
-            with torch.no_grad():
-                module.weight.zero_()
-                module.weight[:, :experts] = torch.eye(experts)
-
-            def prefer(mod, args, experts=experts, k=k):
-                hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
-                slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
-                wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
-                # the router's other arguments (a score-correction bias, ...) pass through unchanged
-                return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3, *args[1:])
-
-            module.register_forward_pre_hook(prefer)
+            route_as_balanced(module, module.num_experts, module.top_k)
     return model
+
+
+def route_as_balanced(router: torch.nn.Module, experts: int, k: int) -> None:
+    """A router whose weight maps hidden states to per-expert logits, made to route as tracer's `balanced`
+    assumption: its weight reads the first `experts` features, and a pre-hook feeds it token t's preference
+    for experts (t * k + j) % experts, j < k, 1000 above the others, plus a thousandth of the real hidden
+    state (so the router still gets a gradient). One AdamW step moves the weight by about 1e-3: the choice
+    stays fixed. A hook runs again when checkpointing recomputes the router, so the choice does too."""
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, :experts] = torch.eye(experts)
+
+    def prefer(mod, args):
+        hidden = args[0].reshape(-1, args[0].shape[-1])                          # (T, H)
+        slots = torch.arange(hidden.shape[0])[:, None] * k + torch.arange(k)     # (T, k)
+        wanted = torch.nn.functional.one_hot(slots % experts, hidden.shape[-1]).sum(1)
+        # the router's other arguments (a score-correction bias, ...) pass through unchanged
+        return (hidden * 1e-3 + wanted.to(hidden.dtype) * 1e3, *args[1:])
+
+    router.register_forward_pre_hook(prefer)
 
 
 class BalancedTopk(TorchFunctionMode):

@@ -24,7 +24,7 @@ import dataclasses
 from typing import Callable
 
 from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
-from tracer.errors import UsageError
+from tracer.errors import TracerError, UsageError
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.pipeline import (AnalysisOptions, analyze_captured, analyze_one, block_list, capture_cut_variants,
                              capture_variants, load_source)
@@ -221,10 +221,11 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     for j in order:
         try:
             rows, checked = _rows_of_group(j, jobs, pending[j], reuses[j], checked, source, base, say, on_progress)
-        except UsageError as exc:
+        except TracerError as exc:
             if j == 0:
                 raise                   # the baseline: without it no row means anything
-            # a lever the model refuses (LoRA on a model with no linear layer): its rows say why
+            # a lever the model refuses (LoRA on a model with no linear layer) or whose step cannot be captured
+            # (a quantized layer the model's code cannot run): its rows say why
             rows = {i: LeverRow(lever=name, options=None, reason=str(exc).splitlines()[0]) for i, name, _ in jobs[j]}
         out[j] = rows
     return [out[j] for j in range(len(jobs))]

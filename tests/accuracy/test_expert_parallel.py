@@ -4,7 +4,8 @@ tests/fixtures/expert_parallel_moe.py splits its experts over torch.distributed'
 routed tokens with all-to-all, in torchtitan's style. Two gloo processes run one real training step of it
 (a warm-up step first), measured at storage level (tests/truth.py), with every router choosing as tracer's
 routing assumption: balanced, and worst (every token of every rank picks experts 0 and 1, which rank 0
-holds, so rank 0's experts receive both ranks' tokens). tracer captures the same file as rank 0 of a fake
+holds, so rank 0's experts receive both ranks' tokens); and once with every block checkpointed (tracer's
+`full` policy). tracer captures the same file as rank 0 of a fake
 2-rank group (`--ep 2`). The one-process step of the same file (no group: every expert local) is the
 control.
 """
@@ -42,8 +43,22 @@ def _measure(routing: str) -> dict:
     return {"phases": measured.phase_peaks, "saved": measured.saved_bytes, "start": measured.start_bytes}
 
 
+def _measure_checkpointed() -> dict:
+    """Every block under non-reentrant torch.utils.checkpoint (tracer's `full` policy): the recompute runs the
+    all-to-alls again; the routers route as `balanced` through their weights, so the recompute routes alike."""
+    model_file = _load()
+    torch.manual_seed(0)
+    model = model_file.build_model()
+    model.blocks = torch.nn.ModuleList(truth.Checkpointed(block) for block in model.blocks)
+    for block in model.blocks:
+        truth.route_as_balanced(block.block.moe.router, model_file.EXPERTS, model_file.TOP_K)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    measured = truth.measure_step(model, model_file.example_batch(BATCH, SEQ), optimizer)
+    return {"phases": measured.phase_peaks, "saved": measured.saved_bytes, "start": measured.start_bytes}
+
+
 def _measure_routings(rank: int) -> dict:
-    return {routing: _measure(routing) for routing in ROUTINGS}
+    return {**{routing: _measure(routing) for routing in ROUTINGS}, "full": _measure_checkpointed()}
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +67,9 @@ def rank0(tmp_path_factory) -> dict:
     return run_ranks(_measure_routings, RANKS, str(tmp_path_factory.mktemp("ep")))[0]
 
 
-def _predicted(routing: str, ep: int, capture: str = "auto") -> dict:
+def _predicted(routing: str, ep: int, capture: str = "auto", policy: str = "eager") -> dict:
     result = tracer.analyze(FIXTURE, batch=BATCH, seq=SEQ, target="cpu", moe_routing=routing, ep=ep,
-                            capture=capture).policies["eager"]
+                            capture=capture, policies=(policy,)).policies[policy]
     return {"phases": {name: peak.peak_bytes for name, peak in result.phases.items()},
             "saved": result.saved.total_bytes, "start": result.start_bytes}
 
@@ -66,6 +81,12 @@ def test_rank_zero_of_an_expert_parallel_step_is_predicted_to_the_byte(rank0, ro
     """Every phase's peak, the saved bytes and the bytes before the step, on the joint-graph rung and
     op by op."""
     assert _predicted(routing, RANKS, capture) == rank0[routing]
+
+
+@pytest.mark.slow
+def test_full_checkpointing_recomputes_rank_zeros_exchange_as_a_real_step_does(rank0):
+    """The checkpointed blocks' forward runs again in backward, the all-to-alls with it."""
+    assert _predicted("balanced", RANKS, policy="full") == rank0["full"]
 
 
 @pytest.mark.slow

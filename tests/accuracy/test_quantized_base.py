@@ -93,14 +93,18 @@ class _KeywordBatch(torch.nn.Module):
 HF_GPT2 = ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "n_positions=64")
 
 
+ENCODER = os.path.join(os.path.dirname(FIXTURE), "build_transformer_encoder.py")
+
+
 @pytest.mark.parametrize("model_name,base", [("llama-88m-debug", "4bit"), ("llama-88m-debug", "8bit"),
                                              ("hf:llama", "4bit"), ("hf:qwen2", "4bit"), ("hf:gpt2", "4bit"),
-                                             ("hf:gpt2", "8bit")])
+                                             ("hf:gpt2", "8bit"), (ENCODER, "4bit")])
 def test_the_base_option_is_the_quantized_base_a_script_builds(model_name, base):
     """`--base 4bit|8bit` on the built-in Llama and on transformers' Llama, Qwen2 and GPT-2 (whose projections
     are transformers' Conv1D, quantized as linears as transformers does): the linears but the head as
     bitsandbytes' layers, peft's prepare_model_for_kbit_training and LoRA r=8, predicted against the same
-    model built for real."""
+    model built for real. nn.TransformerEncoder's attention keeps its output projection unquantized: its
+    parent reads the weight itself."""
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
     from tracer.capture.lora import apply_lora
@@ -121,5 +125,8 @@ def test_the_base_option_is_the_quantized_base_a_script_builds(model_name, base)
     # transformers models' 32 B above (0-dim scalars)
     for phase, peak in measured.items():
         assert abs(predicted.phases[phase].peak_bytes - peak) <= peak * 0.001, (phase, predicted.phases[phase].peak_bytes, peak)
+    if model_name == ENCODER:
+        assert all(m.out_proj.weight.dtype == torch.float32      # not packed 4-bit weights
+                   for m in model.modules() if isinstance(m, torch.nn.MultiheadAttention))
     real_weights = sum(p.numel() for p in source.build_model().parameters())
     assert graph.parameter_count == real_weights + sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)

@@ -33,7 +33,7 @@ from tracer.capture.inplace import in_place_writes, input_copies_written_back
 from tracer.capture.joint import JointCapture
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_meta, input_nodes, is_rng_wrapper
 from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
-                                 is_gradient_output, is_input_mutation_output, is_parameter_input, is_static_input,
+                                 is_effect_token_input, is_gradient_output, is_input_mutation_output, is_parameter_input, is_static_input,
                                  is_tangent_input, loss_output_index, rng_wrapped_call, target_name)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
@@ -131,7 +131,9 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         else:
             _convert_nodes(schedule.backward, table, values, node_pos, ops, tangent, partitioned=True,
                            phase=Phase.BACKWARD, fake_mode=cap.fake_mode)
-        primal_descs = [descs.get(n.name) for n in schedule.forward.graph.find_nodes(op="placeholder")]
+        # the backward returns the joint graph's gradients: one per primal input, none for an effect token
+        primal_descs = [d for d in (descs.get(n.name) for n in schedule.forward.graph.find_nodes(op="placeholder"))
+                        if not is_effect_token_input(d)]
         grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
                         if is_parameter_input(d) and out is not None]
     return _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting,

@@ -55,6 +55,12 @@ def is_static_input(desc) -> bool:
     return _kind(desc) in ("ParamAOTInput", "BufferAOTInput")
 
 
+def is_effect_token_input(desc) -> bool:
+    """The placeholder of an effect token (an effectful op in forward: a c10d collective under `--ep`); the
+    joint graph returns no gradient for it."""
+    return _kind(desc) in ("ForwardTokenAOTInput", "BackwardTokenAOTInput")
+
+
 def is_tangent_input(desc) -> bool:
     """The placeholder of the gradient that starts backward (the loss's tangent)."""
     return _kind(desc) == "TangentAOTInput"

@@ -30,6 +30,7 @@ the device view).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from tracer.errors import UsageError
 
@@ -53,7 +54,9 @@ def rank_zero_of(ranks: int):
                          f"({dist.get_backend()}, {dist.get_world_size()} ranks)",
                          hint="run tracer in a process of its own; it makes its own fake group of --ep ranks")
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    sys.excepthook = excepthook          # init_process_group prefixes every traceback with "[rank0]:"
     try:
         yield
     finally:

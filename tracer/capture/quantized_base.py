@@ -4,7 +4,8 @@ the model is built, as a fine-tuning script does it with bitsandbytes and peft.
 `quantized_base_source(source, base, precision)` returns the `ModelSource` whose `build_model()` builds the
 user's model, then:
   1. replaces every `nn.Linear` except the output head (lora.py's `linears_except_head`; transformers'
-     `BitsAndBytesConfig` skips the head the same way), and every transformers `Conv1D` (GPT-2's attention
+     `BitsAndBytesConfig` skips the head the same way) and nn.MultiheadAttention's output projection (its
+     parent reads the weight itself), and every transformers `Conv1D` (GPT-2's attention
      and MLP projections, whose weight is stored (in, out)), by bitsandbytes' layer of the same in and out
      features and bias, as transformers' `replace_with_bnb_linear` does:
        * `4bit`: `Linear4bit(quant_type="nf4", compress_statistics=True)`, the QLoRA paper's NF4 with double
@@ -67,7 +68,8 @@ def quantize_base(model: nn.Module, base: str, compute: torch.dtype) -> nn.Modul
         from peft import prepare_model_for_kbit_training
     except ImportError as exc:
         raise UsageError("--base needs bitsandbytes and peft", hint="pip install bitsandbytes peft") from exc
-    paths = linears_except_head(model) + _conv1d_paths(model)
+    paths = tuple(path for path in linears_except_head(model)
+                  if not isinstance(model.get_submodule(path), _READ_BY_PARENT)) + _conv1d_paths(model)
     if not paths:
         raise UsageError(f"--base {base}: {type(model).__name__} has no nn.Linear besides its head to quantize",
                          hint="nn.Linear layers and transformers' Conv1D are quantized here; other layers are not")
@@ -85,6 +87,12 @@ def quantize_base(model: nn.Module, base: str, compute: torch.dtype) -> nn.Modul
         setattr(parent, name, layer)
     model = model.to("cpu")                 # bitsandbytes quantizes each weight as it moves to the device
     return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+# linears whose parent reads their weight itself, which a quantized layer's packed weight cannot serve:
+# nn.MultiheadAttention hands `out_proj.weight` to F.multi_head_attention_forward (torch marks that layer
+# NonDynamicallyQuantizableLinear so that quantization passes leave it alone)
+_READ_BY_PARENT = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 
 def _conv1d_paths(model: nn.Module) -> tuple[str, ...]:
