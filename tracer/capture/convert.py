@@ -112,7 +112,11 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         saved_inputs = []
         forward_nodes = {node.name: node for node in schedule.forward.graph.nodes}
         for node in schedule.backward.graph.find_nodes(op="placeholder"):
-            if node.name.startswith("tangents"):
+            if is_effect_token_input(descs.get(node.name)):    # the backward's effect token: no memory
+                val = node.meta.get("val")
+                values[node] = table.value(val, table.add(val, StorageRole.INPUT, preexisting=True, persistent=True,
+                                                          name="effect token"))
+            elif node.name.startswith("tangents"):
                 tangent = (node, node.meta.get("val"))
             elif FORWARD_VALUE_KEY in node.meta:      # a parameter an eager recompute reads (policies.py)
                 values[node] = values[forward_nodes[node.meta[FORWARD_VALUE_KEY]]]

@@ -70,6 +70,12 @@ def is_gradient_output(desc) -> bool:
     return _kind(desc) == "GradAOTOutput"
 
 
+def is_forward_output(desc) -> bool:
+    """An output the forward graph returns (the loss, a buffer's new value, the forward's effect token),
+    not a gradient nor the backward's effect token, which the joint graph returns after the gradients."""
+    return desc is not None and _kind(desc) not in ("GradAOTOutput", "BackwardTokenAOTOutput")
+
+
 def is_input_mutation_output(desc) -> bool:
     """An output that writes a buffer or a user input the forward updated in place."""
     return _kind(desc) == "InputMutationAOTOutput"

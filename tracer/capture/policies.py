@@ -31,7 +31,7 @@ import torch
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta
 from tracer.capture.eager_rerun import rerun_as_eager
 from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
-    CHECKPOINT_KEY, MODULE_CALL_ENTRIES, is_gradient_output, is_parameter_input, is_static_input, target_name
+    CHECKPOINT_KEY, MODULE_CALL_ENTRIES, is_forward_output, is_parameter_input, is_static_input, target_name
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -75,7 +75,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     static = [i for i, p in enumerate(placeholders)
               if is_static_input(p.meta.get("desc"))]
     output = next(iter(joint.graph.find_nodes(op="output")))
-    num_fwd = sum(1 for d in output.meta["desc"] if d is not None and not is_gradient_output(d))
+    num_fwd = sum(1 for d in output.meta["desc"] if is_forward_output(d))
     if user_calls:
         notes += _tag_user_regions(joint, user_calls, cap.fake_mode)
         if spec.name == "eager" and all(c.reentrant for c in user_calls):
