@@ -63,6 +63,17 @@ def _holds_memory(storage) -> bool:
     return True
 
 
+def _memory_holders(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s memory: `t` itself, or a wrapper subclass's inner tensors (a
+    DTensor's local shard), recursively."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    inner = (getattr(t, name) for name in names)       # a DTensor also names its device mesh
+    return [holder for value in inner if isinstance(value, torch.Tensor) for holder in _memory_holders(value)]
+
+
 class StorageTracker(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -77,7 +88,8 @@ class StorageTracker(TorchDispatchMode):
 
     def track_existing(self, tensors, label: str) -> None:
         for t in tensors:
-            self._register(t.untyped_storage(), label, "before")
+            for inner in _memory_holders(t):
+                self._register(inner.untyped_storage(), label, "before")
 
     def _register(self, storage, line, phase) -> None:
         key = storage._cdata

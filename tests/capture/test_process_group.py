@@ -60,3 +60,42 @@ def test_a_model_without_collectives_is_refused_under_ep():
 def test_ep_with_what_it_does_not_model_is_refused(options):
     with pytest.raises(UsageError, match="--ep with"):
         AnalysisOptions(ep=2, **options)
+
+
+SHARDED_BY_DTENSOR = """
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(64, 32), nn.Linear(32, 64)
+
+    def forward(self, tokens, targets):
+        return nn.functional.cross_entropy(self.fc(self.emb(tokens)).flatten(0, 1), targets.flatten())
+
+
+def build_model():
+    model = Net()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model.emb.weight = nn.Parameter(distribute_tensor(model.emb.weight, mesh, [Shard(0)], src_data_rank=None))
+    return model
+
+
+def example_batch(batch, seq):
+    return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
+"""
+
+
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+def test_a_model_sharded_with_dtensor_parameters_is_refused(tmp_path, capture):
+    """The joint graph flattens a DTensor parameter into its shard and loses track of its gradient; op by op
+    its shard is not counted as the parameter either. Refused, with the parameter named."""
+    path = tmp_path / "sharded.py"
+    path.write_text(SHARDED_BY_DTENSOR)
+    with pytest.raises(UsageError, match="parameter emb.weight is a DTensor"):
+        tracer.analyze(str(path), batch=2, seq=16, target="cpu", ep=2, capture=capture)

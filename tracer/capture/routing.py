@@ -19,6 +19,11 @@ depends on the trained router and the data: no static tool can know it. It is mo
   a tensor made from constants (transformers' `fast_all(torch.ones(b, s))` deciding SDPA's `is_causal`) is
   answered as eager answers it. A tensor written in place by an op the shadows do not follow loses its
   shadow, and so does every other tensor on its storage (a view's write changes its base).
+* a collective over the fake process group of `--ep` ranks (capture/process_group.py) gives what symmetric
+  ranks give, every rank sending what rank 0 sends: an all-to-all of shadowed values (the per-expert token
+  counts an expert-parallel MoE exchanges) gives rank 0, from each rank, the block that rank addresses to
+  rank 0; a gather or broadcast repeats rank 0's values (as the fake group does); any other collective's
+  result has no shadow, so a value read of it stops the capture with the op named.
 * a data-dependent op whose inputs have shadows gets its size (and its value, for `.item()`) from them.
   Where they have none, capture stops with a `RoutingError` naming the user's line and the op.
 * `aten._ctc_loss` has no fake kernel: its log_alpha is sized by the longest target, read from the target
@@ -456,6 +461,8 @@ def _received_from_symmetric_ranks(sent: torch.Tensor, sent_splits, ranks: int) 
     if len(rows) != ranks or sum(rows) != sent.shape[0]:
         return None
     return torch.cat([sent[:rows[0]]] * ranks)
+
+
 _CTC_LOSS = (aten._ctc_loss.default, aten._ctc_loss.Tensor, aten._ctc_loss_backward.default,
              aten._ctc_loss_backward.Tensor)
 
