@@ -104,6 +104,10 @@ class StorageTracker(TorchDispatchMode):
         self.current -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+        if any(is_traceable_wrapper_subclass(t) for t in tree_leaves((args, kwargs or {}))
+               if isinstance(t, torch.Tensor)):
+            return NotImplemented       # a subclass (a DTensor) runs the op on its inner tensors, seen here next
         out = func(*args, **(kwargs or {}))
         node = torch._C._current_autograd_node()
         line = node.metadata.get("line") if node is not None else _user_line()
@@ -176,7 +180,7 @@ def measure_step(model: torch.nn.Module, batch: tuple, optimizer, *, precision: 
         else:
             model.zero_grad(set_to_none=set_to_none)
         del loss
-    param_keys = {p.untyped_storage()._cdata for p in params}
+    param_keys = {part.untyped_storage()._cdata for p in params for part in _memory_holders(p)}
     saved = _SavedStorages(param_keys)
     tracker = StorageTracker()
     tracker.track_existing(params, "parameter")

@@ -109,25 +109,9 @@ def build_fake(source: ModelSource, batch: int, seq: int, precision: str, fake_m
         with fake_mode:
             args = tuple(a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args)
-    _refuse_distributed_tensor_parameters(model, source.name)
     model.train()
     _tensor_attributes_as_buffers(model)
     return FakeBuild(model=model, batch=args, batch_keys=keys, notes=values.notes())
-
-
-def _refuse_distributed_tensor_parameters(model: nn.Module, name: str) -> None:
-    """A parameter that is a DTensor (a model sharded by torch's distribute_tensor / fully_shard, or by
-    transformers' DistributedConfig) is flattened into its shard by the joint graph, whose gradient is then
-    not known as the parameter's: its lifetime would be wrong, so the step is refused."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.tensor import DTensor
-    sharded = next((n for n, p in model.named_parameters() if isinstance(p, DTensor)), None)
-    if sharded is not None:
-        raise UsageError(f"{name}: parameter {sharded} is a DTensor (a model sharded by torch.distributed.tensor, "
-                         f"fully_shard or transformers' DistributedConfig): DTensor parameters are not modelled",
-                         hint="build the model unsharded: --shard fsdp and --tp model FSDP2 and tensor parallelism, "
-                              "and --ep runs experts the model splits itself with plain tensors")
 
 
 # Submodules and parameters a build may register. The largest models people train register about a

@@ -23,6 +23,7 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -33,7 +34,7 @@ from tracer.capture.inplace import in_place_writes, input_copies_written_back
 from tracer.capture.joint import JointCapture
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_meta, input_nodes, is_rng_wrapper
 from tracer.capture.meta import (FORWARD_VALUE_KEY, FRAME_HELD_KEY, HELD_KEY, PARTIAL_HELD_KEY, REGION_KEY, RERUN_KEY,
-                                 is_effect_token_input, is_gradient_output, is_input_mutation_output, is_parameter_input, is_static_input,
+                                 is_effect_token_input, is_gradient_output, inner_path, whole_desc, is_input_mutation_output, is_parameter_input, is_static_input,
                                  is_tangent_input, loss_output_index, rng_wrapped_call, target_name)
 from tracer.capture.source import loc_from_stack_trace, module_from_stack, normalize_module_path, user_frames
 from tracer.errors import CaptureError
@@ -138,8 +139,8 @@ def convert_step(cap: JointCapture, table: StorageTable, schedule: Schedule, *, 
         # the backward returns the joint graph's gradients: one per primal input, none for an effect token
         primal_descs = [d for d in (descs.get(n.name) for n in schedule.forward.graph.find_nodes(op="placeholder"))
                         if not is_effect_token_input(d)]
-        grad_outputs = [(d.target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
-                        if is_parameter_input(d) and out is not None]
+        grad_outputs = [(whole_desc(d).target, out) for d, out in zip(primal_descs, _output_args(schedule.backward))
+                        if is_parameter_input(d) and _is_tensor_node(out)]
     return _apply_grad_semantics(cap, loss_node, grad_outputs, table, values, node_pos, ops, grads_preexisting,
                                  compiled=schedule.compiled)
 
@@ -169,8 +170,13 @@ def _input_name(desc) -> str:
 
 
 def _grad_outputs(outs: list, descs: list) -> list[tuple[str, fx.Node]]:
-    return [(d.grad_of.target, out) for out, d in zip(outs, descs)
-            if is_gradient_output(d) and out is not None]
+    return [(whole_desc(d).grad_of.target, out) for out, d in zip(outs, descs)
+            if is_gradient_output(d) and _is_tensor_node(out)]
+
+
+def _is_tensor_node(out) -> bool:
+    """A gradient output that is a tensor: not None, nor the device mesh a DTensor gradient carries."""
+    return isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor)
 
 
 def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bool, phase: Phase | None = None,
@@ -381,7 +387,7 @@ def _op_at_or_before(last_op: dict[int, int], step: int, floor: int) -> int:
 
 def _add_placeholders(cap, gm, descs, table, values) -> tuple:
     """Registers parameters, buffers and inputs; returns the loss tangent (node, fake value)."""
-    sid_by_param_id: dict[int, int] = {}
+    sid_by_param_id: dict[tuple, int] = {}     # (id(parameter), path to a part) -> storage id
     tangent = (None, None)
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = descs.get(node.name)
@@ -395,16 +401,22 @@ def _add_placeholders(cap, gm, descs, table, values) -> tuple:
             table.alias(leaf.tensor, sid)
             values[node] = table.value(val, sid)
         elif is_static_input(desc):
-            owner = cap.param_by_fqn.get(desc.target)
+            # a subclass parameter (a DTensor) is flattened into its parts: each tensor part is a storage
+            whole, path = whole_desc(desc), inner_path(desc)
+            owner = cap.param_by_fqn.get(whole.target)
             if owner is None:
-                owner = cap.buffer_by_fqn.get(desc.target)
-            sid = sid_by_param_id.get(id(owner))
+                owner = cap.buffer_by_fqn.get(whole.target)
+            part = functools.reduce(getattr, path, owner)
+            if not isinstance(part, torch.Tensor):          # a DTensor's device mesh: no memory
+                values[node] = val
+                continue
+            sid = sid_by_param_id.get((id(owner), path))
             if sid is None:
                 role = StorageRole.PARAMETER if is_parameter_input(desc) else StorageRole.BUFFER
-                sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(desc.target),
+                sid = table.add(val, role, preexisting=True, persistent=True, name=normalize_module_path(whole.target),
                                 frozen=role is StorageRole.PARAMETER and not owner.requires_grad)
-                sid_by_param_id[id(owner)] = sid
-                table.alias(owner, sid)
+                sid_by_param_id[(id(owner), path)] = sid
+                table.alias(part, sid)
             values[node] = table.value(val, sid)
         elif is_tangent_input(desc):
             tangent = (node, val)          # made by the synthetic ones_like op at the start of backward
@@ -437,7 +449,7 @@ def _in_reentrant_region(cap, leaf) -> bool:
 
 def _forward_leaf(cap, desc):
     """The lifted leaf (tracer/capture/forward_leaves.py) a placeholder's descriptor names, if any."""
-    target = getattr(desc, "target", None) if is_parameter_input(desc) else None
+    target = getattr(whole_desc(desc), "target", None) if is_parameter_input(desc) else None
     return next((leaf for leaf in cap.forward_leaves if leaf.fqn == target), None)
 
 

@@ -41,18 +41,41 @@ FORMULA_WRITE_KEY = "tracer_formula_write"
 MODULE_CALL_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")
 
 
+_SUBCLASS_PARTS = ("SubclassGetAttrAOTInput", "SubclassGetAttrAOTOutput")
+
+
+def whole_desc(desc):
+    """The descriptor of the tensor a placeholder or an output is part of: a tensor subclass (a DTensor
+    parameter, its gradient) is flattened into its inner attributes, each described as
+    `SubclassGetAttr(base, attr)`; anything else is its own whole."""
+    while _kind(desc) in _SUBCLASS_PARTS:
+        desc = desc.base
+    return desc
+
+
+def inner_path(desc) -> tuple[str, ...]:
+    """The attributes from the whole tensor down to this part (`("_local_tensor",)` for a DTensor's shard;
+    () for a plain tensor)."""
+    path = []
+    while _kind(desc) in _SUBCLASS_PARTS:
+        path.append(desc.attr)
+        desc = desc.base
+    return tuple(reversed(path))
+
+
 def _kind(desc) -> str:
     return type(desc).__name__
 
 
 def is_parameter_input(desc) -> bool:
-    """A placeholder for a parameter (a leaf the forward makes is lifted to one too: see forward_leaves)."""
-    return _kind(desc) == "ParamAOTInput"
+    """A placeholder for a parameter, or for a part of a subclass parameter (a leaf the forward makes is
+    lifted to one too: see forward_leaves)."""
+    return _kind(whole_desc(desc)) == "ParamAOTInput"
 
 
 def is_static_input(desc) -> bool:
-    """A placeholder for a parameter or a buffer: a static input of a compiled graph."""
-    return _kind(desc) in ("ParamAOTInput", "BufferAOTInput")
+    """A placeholder for a parameter or a buffer (or a part of one): a static input of a compiled graph."""
+    return _kind(whole_desc(desc)) in ("ParamAOTInput", "BufferAOTInput")
 
 
 def is_effect_token_input(desc) -> bool:
@@ -67,13 +90,14 @@ def is_tangent_input(desc) -> bool:
 
 
 def is_gradient_output(desc) -> bool:
-    return _kind(desc) == "GradAOTOutput"
+    """A parameter's or input's gradient, or a part of a subclass gradient."""
+    return _kind(whole_desc(desc)) == "GradAOTOutput"
 
 
 def is_forward_output(desc) -> bool:
     """An output the forward graph returns (the loss, a buffer's new value, the forward's effect token),
     not a gradient nor the backward's effect token, which the joint graph returns after the gradients."""
-    return desc is not None and _kind(desc) not in ("GradAOTOutput", "BackwardTokenAOTOutput")
+    return desc is not None and _kind(whole_desc(desc)) not in ("GradAOTOutput", "BackwardTokenAOTOutput")
 
 
 def is_input_mutation_output(desc) -> bool:

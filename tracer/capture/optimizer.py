@@ -21,7 +21,7 @@ from tracer.capture.compiled_calls import CompiledCalls, compiled_calls_planned
 from tracer.capture.optimizer_wrappers import unwrapped_host_offload, wrapper_modules_imported
 from tracer.capture.recorder import StepRecorder, distinct_fake_data_pointers
 from tracer.capture.splice import copy_storages, relocated_ops
-from tracer.capture.storages import StorageTable
+from tracer.capture.storages import StorageTable, memory_parts
 from tracer.errors import ModelRunError, UsageError
 
 
@@ -243,8 +243,9 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero, kernel_device=kernel_device)
     param_sids = {}
     for fqn, p in model.named_parameters():
-        if p not in table:
-            param_sids[id(p)] = recorder.add_existing(p, StorageRole.PARAMETER, name=fqn)
+        for part in memory_parts(p):              # a DTensor parameter's memory is its local shard
+            if part not in table:
+                param_sids.setdefault(id(p), recorder.add_existing(part, StorageRole.PARAMETER, name=fqn))
     if grad_scaler is not None:
         for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
                                                                         "GradScaler growth tracker")):
@@ -258,9 +259,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     g = None
     with fake_mode:
         for p, g in zip(params, set_fake_grads(params)):
-            grad_sids[id(p)] = table.add(g, StorageRole.GRADIENT)
-            recorder.track_release(g, grad_sids[id(p)])
-        del g
+            part = memory_parts(g)[0]             # a DTensor gradient's memory is its local shard
+            grad_sids[id(p)] = table.add(part, StorageRole.GRADIENT)
+            recorder.track_release(part, grad_sids[id(p)])
+        del g, part
     active[0] = recorder
     try:
         with fake_mode, recorder, compiled_calls_planned(lambda: active[0], fake_mode, compiled), \
@@ -310,8 +312,9 @@ def splice_optimizer_step(recording: OptimizerRecording, model: torch.nn.Module,
         raise ModelRunError("the optimizer was recorded for another set of parameters with gradients")
     sid_map = {}
     for param in model.parameters():
-        if id(param) in recording.param_sids and param in table:
-            sid_map[recording.param_sids[id(param)]] = table.lookup(param)
+        for part in memory_parts(param):
+            if part in recording.table and part in table:
+                sid_map[recording.table.lookup(part)] = table.lookup(part)
     for param_id, grad_sid in recording.grad_sids.items():
         sid_map[grad_sid] = grad_sid_by_param[param_id]
         released = recording.table.get(grad_sid).released_after_op

@@ -31,7 +31,7 @@ import torch
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta
 from tracer.capture.eager_rerun import rerun_as_eager
 from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
-    CHECKPOINT_KEY, MODULE_CALL_ENTRIES, is_forward_output, is_parameter_input, is_static_input, target_name
+    CHECKPOINT_KEY, MODULE_CALL_ENTRIES, is_forward_output, is_parameter_input, is_static_input, target_name, whole_desc
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -113,7 +113,7 @@ def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> f
     is an activation)."""
     leaves = {leaf.fqn for leaf in cap.forward_leaves}
     return frozenset(p.name for p in joint.graph.find_nodes(op="placeholder")
-                     if is_parameter_input(p.meta.get("desc")) and p.meta["desc"].target not in leaves)
+                     if is_parameter_input(p.meta.get("desc")) and whole_desc(p.meta["desc"]).target not in leaves)
 
 
 def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,

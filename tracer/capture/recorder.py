@@ -6,6 +6,9 @@ a Python variable, an autograd saved tensor, `.grad`), so liveness needs no last
 storage in the table is so tracked (`add_existing` for what exists before), or a dead storage's address, which
 a new storage may take, would still name it.
 Phases and source lines come from callables, so the optimizer step and a whole-step fallback share it.
+An op on a tensor subclass (a DTensor parameter, its gradient or optimizer state) is not recorded itself:
+the subclass runs it on its inner tensors, and those ops, which come back through this mode, are recorded:
+the wrapper holds no memory of its own.
 A custom op (torch.library, outside aten/prims) whose kernel for `kernel_device` is written in Python is
 run through that kernel (`kernel_device="cpu"` for a CPU target), so the tensors the kernel makes and frees
 are recorded, as the allocator sees them on a real run; custom ops it calls in turn run their fake kernels
@@ -25,7 +28,7 @@ import weakref
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.convert import OpDraft, add_kernel_scratch, plain_value
@@ -110,9 +113,13 @@ class StepRecorder(TorchDispatchMode):
                     return True
                 self.scalar_reads.append(loc)
                 return _zero_like_scalar(args[0].dtype)
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                self.ensure_tracked(t)      # made outside the dispatcher during the step (a lifted constant)
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if any(is_traceable_wrapper_subclass(t) for t in leaves):
+            # a tensor subclass (a DTensor) runs the op on its inner tensors: those ops, which come back
+            # through this mode, are what allocates; the subclass itself holds no memory of its own
+            return NotImplemented
+        for t in leaves:
+            self.ensure_tracked(t)      # made outside the dispatcher during the step (a lifted constant)
         if self._traces_kernel_of(func):
             if not self.opaque_raw_kernels or self._kernel_runs_on_fakes(func, args, kwargs):
                 return self._through_kernel(func, args, kwargs)

@@ -2,19 +2,41 @@
 
 Keys are torch StorageImpl addresses (`untyped_storage()._cdata`), valid only while the tensors that
 own them are alive: the capture keeps them alive, or forgets a key when it sees its storage released
-(`StepRecorder`), so one key never names two storages.
+(`StepRecorder`), so one key never names two storages. A wrapper tensor subclass with one inner tensor (a
+DTensor: its local shard) is that inner tensor's storage; the wrapper's own storage is a placeholder of the
+global size that holds nothing.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from tracer.stepgraph import Storage, StorageRole, TensorValue
 
 
 def storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return _holder(t).untyped_storage()._cdata
+
+
+def _holder(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `t`'s memory: `t`, or the one inner tensor of a wrapper subclass that
+    has one (a DTensor's local shard: the wrapper's own storage is a placeholder of the global size)."""
+    if not is_traceable_wrapper_subclass(t):
+        return t
+    parts = memory_parts(t)
+    return parts[0] if len(parts) == 1 else t
+
+
+def memory_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose storages hold `t`'s memory: `t` itself, or a wrapper subclass's inner tensors
+    (`__tensor_flatten__`: a DTensor's local shard, not its device mesh), recursively."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attributes, _ = t.__tensor_flatten__()
+    inner = (getattr(t, attribute) for attribute in attributes)
+    return [part for value in inner if isinstance(value, torch.Tensor) for part in memory_parts(value)]
 
 
 def flat_tensors(val) -> list[torch.Tensor]:
@@ -66,6 +88,7 @@ class StorageTable:
         """A new storage for tensor `t` (or a synthetic one when `t` is None, with explicit nbytes/shape)."""
         sid = len(self._entries)
         if t is not None:
+            t = _holder(t)
             entry = _Entry(nbytes=t.untyped_storage().nbytes(), role=role, dtype=dtype_name(t.dtype),
                            shape=tuple(int(d) for d in t.shape), **fields)
             self._by_key[storage_key(t)] = sid
