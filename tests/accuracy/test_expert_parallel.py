@@ -68,10 +68,26 @@ def _measure_checkpointed(style: str) -> dict:
     return _step(model, model_file)
 
 
+HF_MIXTRAL = ("num_hidden_layers=2", "hidden_size=32", "intermediate_size=64", "num_attention_heads=4",
+              "num_key_value_heads=2", "num_local_experts=4", "vocab_size=128")
+
+
+def _measure_hf(routing: str) -> dict:
+    """`hf:mixtral` as tracer builds it, in a process of the 2-rank group: transformers' expert-parallel
+    plan applied (tracer/models/hf.py)."""
+    from tracer.capture import load_model_source
+    source = load_model_source("hf:mixtral", hf_config=HF_MIXTRAL)
+    torch.manual_seed(0)
+    model = source.build_model()
+    with (truth.WorstTopk() if routing == "worst" else truth.BalancedTopk()):
+        return _step(model, source)
+
+
 def _measure_every_case(rank: int) -> dict:
-    return {style: {**{routing: _measure(style, routing) for routing in ROUTINGS},
-                    **({"full": _measure_checkpointed(style)} if style in CHECKPOINTED else {})}
-            for style in FIXTURES}
+    return {**{style: {**{routing: _measure(style, routing) for routing in ROUTINGS},
+                       **({"full": _measure_checkpointed(style)} if style in CHECKPOINTED else {})}
+               for style in FIXTURES},
+            "hf:mixtral": {routing: _measure_hf(routing) for routing in ROUTINGS}}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +111,18 @@ def test_rank_zero_of_an_expert_parallel_step_is_predicted_to_the_byte(rank0, st
     """Every phase's peak, the saved bytes and the bytes before the step, on the joint-graph rung and
     op by op."""
     assert _predicted(style, routing, RANKS, capture) == rank0[style][routing]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_a_transformers_moe_named_hf_is_split_as_transformers_splits_it(rank0, routing):
+    """`hf:mixtral --ep 2`: tracer builds the model with transformers' own expert-parallel plan
+    (DistributedConfig(ep_size=2, tp_size=2, tp_plan={})), exact against the same build in a real group."""
+    result = tracer.analyze("hf:mixtral", hf_config=HF_MIXTRAL, batch=BATCH, seq=SEQ, target="cpu",
+                            moe_routing=routing, ep=RANKS).policies["eager"]
+    predicted = {"phases": {name: peak.peak_bytes for name, peak in result.phases.items()},
+                 "saved": result.saved.total_bytes, "start": result.start_bytes}
+    assert predicted == rank0["hf:mixtral"][routing]
 
 
 @pytest.mark.slow

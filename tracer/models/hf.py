@@ -190,8 +190,24 @@ def build_hf_model(spec: HFSpec) -> nn.Module:
     model_class = getattr(transformers, spec.model_class)
     config._attn_implementation = _attn_implementation(spec, model_class)
     _check_axial_positions(spec, config, None)
-    model = model_class(config)
+    model = _expert_parallel(model_class, model_class(config))
     return LossFromLabels(model, _input_names(spec))
+
+
+def _expert_parallel(model_class, model: nn.Module) -> nn.Module:
+    """Under --ep N (torch.distributed's default group has N ranks: tracer/capture/process_group.py), a
+    model with an expert-parallel plan is split as transformers splits it for
+    `from_pretrained(..., distributed_config=DistributedConfig(ep_size=N, tp_size=N, tp_plan={}))`: its
+    experts' weights DTensors sharded over the N ranks, which share the batch and exchange the routed tokens
+    with all-to-all. Otherwise the model as built."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 \
+            or not getattr(model, "ep_plan", None):
+        return model
+    from transformers.distributed import DistributedConfig
+    ranks = dist.get_world_size()
+    config, _, mesh = model_class.prepare_distribute_model(DistributedConfig(ep_size=ranks, tp_size=ranks, tp_plan={}))
+    return model_class.maybe_distribute_model(model, config, mesh)
 
 
 def _attn_implementation(spec: HFSpec, model_class) -> str:
