@@ -12,7 +12,10 @@ run as one rank: its experts, the tokens it receives, the exchange's buffers. `-
 model as rank 0 of N ranks of torch's fake process group (`torch.testing._internal.distributed.fake_pg`),
 under which every collective returns at once. Under fake tensors a collective is an op like any other:
 its output is allocated by the op, its input is read, its autograd saves what torch's saves, so the
-capture records what a real rank allocates and frees.
+capture records what a real rank allocates and frees. An `hf:` model with an expert-parallel plan is split
+by transformers' own plan under the group (tracer/models/hf.py), as `from_pretrained` with a
+`DistributedConfig(ep_size=N)` splits it; its experts become DTensor parameters, counted by their shards
+(capture/storages.py).
 
 What the other ranks do is assumed to be what rank 0 does (symmetric ranks): each holds a batch of the
 same shape and routes it by the same `--moe-routing` assumption. The sizes a collective decides follow
