@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 import weakref
 
 import torch
@@ -61,6 +62,10 @@ def _holds_memory(storage) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+_GLOO_SETTLE_SECONDS = 0.02
 
 
 def _memory_holders(t: torch.Tensor) -> list[torch.Tensor]:
@@ -109,6 +114,11 @@ class StorageTracker(TorchDispatchMode):
                if isinstance(t, torch.Tensor)):
             return NotImplemented       # a subclass (a DTensor) runs the op on its inner tensors, seen here next
         out = func(*args, **(kwargs or {}))
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            # gloo's worker thread drops its references to a collective's tensors shortly after the work
+            # completes; a tensor the step lets go of before then would be freed on that thread, at a time
+            # that varies from run to run. Waiting here lets the worker finish first, as it almost always does.
+            time.sleep(_GLOO_SETTLE_SECONDS)
         node = torch._C._current_autograd_node()
         line = node.metadata.get("line") if node is not None else _user_line()
         for t in tree_leaves(out):

@@ -1,9 +1,9 @@
 """Expert parallelism (--ep): rank 0 of a real 2-rank step, predicted to the byte.
 
-Two model files split their experts over torch.distributed's ranks, in the two styles people train with:
-tests/fixtures/expert_parallel_moe.py exchanges exactly the routed tokens with all-to-all, its split sizes
-read from an all-to-all of the per-expert counts (torchtitan's dropless MoE); expert_parallel_capacity.py
-gives each expert a fixed capacity and exchanges a dense (experts, capacity, dim) buffer through an autograd
+tests/fixtures/expert_parallel_moe.py splits its experts over torch.distributed's ranks in the two styles
+people train with: `dropless` exchanges exactly the routed tokens with all-to-all, its split sizes read from
+an all-to-all of the per-expert counts (torchtitan's MoE); `capacity` (`build_model(moe="capacity")`) gives
+each expert a fixed capacity and exchanges a dense (experts, capacity, dim) buffer through an autograd
 Function around the in-place all_to_all_single (DeepSpeed-MoE's, GShard's gating);
 expert_parallel_transformers.py is transformers' Mixtral with transformers' own expert parallelism
 (DistributedConfig: DTensor expert weights, AllToAllEP). Two gloo processes run one
@@ -26,16 +26,18 @@ import tracer
 import truth
 from gloo import run_ranks
 
-FIXTURES = {style: os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", name)
-            for style, name in (("dropless", "expert_parallel_moe.py"), ("capacity", "expert_parallel_capacity.py"),
-                                ("transformers", "expert_parallel_transformers.py"))}
-CHECKPOINTED = ("dropless", "capacity")            # model files whose blocks the test wraps in checkpoint
+_FIXTURE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
+# style -> (model file, build_model's keywords)
+FIXTURES = {"dropless": (os.path.join(_FIXTURE_DIR, "expert_parallel_moe.py"), {}),
+            "capacity": (os.path.join(_FIXTURE_DIR, "expert_parallel_moe.py"), {"moe": "capacity"}),
+            "transformers": (os.path.join(_FIXTURE_DIR, "expert_parallel_transformers.py"), {})}
+CHECKPOINTED = ("dropless", "capacity")            # styles whose blocks the test wraps in checkpoint
 BATCH, SEQ, RANKS = 2, 16, 2
 ROUTINGS = ("balanced", "worst")
 
 
 def _load(style: str):
-    spec = importlib.util.spec_from_file_location(f"expert_parallel_{style}", FIXTURES[style])
+    spec = importlib.util.spec_from_file_location(f"expert_parallel_{style}", FIXTURES[style][0])
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -50,7 +52,7 @@ def _step(model, model_file) -> dict:
 def _measure(style: str, routing: str) -> dict:
     model_file = _load(style)
     torch.manual_seed(0)
-    model = model_file.build_model()
+    model = model_file.build_model(**FIXTURES[style][1])
     with (truth.WorstTopk() if routing == "worst" else truth.BalancedTopk()):
         return _step(model, model_file)
 
@@ -60,7 +62,7 @@ def _measure_checkpointed(style: str) -> dict:
     all-to-alls again; the routers route as `balanced` through their weights, so the recompute routes alike."""
     model_file = _load(style)
     torch.manual_seed(0)
-    model = model_file.build_model()
+    model = model_file.build_model(**FIXTURES[style][1])
     model.blocks = torch.nn.ModuleList(truth.Checkpointed(block) for block in model.blocks)
     for block in model.blocks:
         router = next(m for m in block.block.moe.children() if isinstance(m, torch.nn.Linear))
@@ -97,8 +99,10 @@ def rank0(tmp_path_factory) -> dict:
 
 
 def _predicted(style: str, routing: str, ep: int, capture: str = "auto", policy: str = "eager") -> dict:
-    result = tracer.analyze(FIXTURES[style], batch=BATCH, seq=SEQ, target="cpu", moe_routing=routing, ep=ep,
-                            capture=capture, policies=(policy,)).policies[policy]
+    path, keywords = FIXTURES[style]
+    result = tracer.analyze(path, batch=BATCH, seq=SEQ, target="cpu", moe_routing=routing, ep=ep, capture=capture,
+                            policies=(policy,), model_args=tuple(f"{k}={v}" for k, v in keywords.items())
+                            ).policies[policy]
     return {"phases": {name: peak.peak_bytes for name, peak in result.phases.items()},
             "saved": result.saved.total_bytes, "start": result.start_bytes}
 

@@ -459,12 +459,10 @@ def norm_statistics_as_in_eager(cpu: bool):
     2 x 256 B. Limit: it sets entries of torch's fake-kernel table (`fake_impls.op_implementations_dict`),
     so the fake cache is emptied on the way in and out."""
     from torch._subclasses import fake_impls
-    from torch._subclasses.fake_tensor import FakeTensorMode
     import torch._refs as refs
 
     layer_norm, group_norm = torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default
-    table = fake_impls.op_implementations_dict
-    saved = {op: table.get(op) for op in (layer_norm, group_norm)}
+    saved = {op: fake_impls.op_implementations_dict.get(op) for op in (layer_norm, group_norm)}   # torch's own
 
     def mixed_dtype(x, weight, bias):
         parameter = next((t for t in (weight, bias) if t is not None), None)
@@ -486,10 +484,38 @@ def norm_statistics_as_in_eager(cpu: bool):
         x, weight, bias = args[0], args[1], args[2]
         return as_in_eager(*refs.native_group_norm(*args, **kwargs), mixed_dtype(x, weight, bias))
 
+    kernels = {group_norm: group_norm_kernel}
     if saved[layer_norm] is not None:
-        table[layer_norm] = layer_norm_kernel
-    table[group_norm] = group_norm_kernel
-    FakeTensorMode.cache_clear()         # metadata cached with torch's dtypes would bypass the wrappers
+        kernels[layer_norm] = layer_norm_kernel
+    with _fake_kernels_replaced(kernels):
+        yield
+
+
+@contextlib.contextmanager
+def collective_waits_as_in_eager():
+    """`_c10d_functional.wait_tensor(t)` returns `t`, as its kernel does. Limit: it sets an entry of torch's
+    fake-kernel table (`fake_impls.op_implementations_dict`), so the fake cache is emptied on the way in and
+    out."""
+    wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
+    if wait is None:
+        yield
+        return
+    with _fake_kernels_replaced({wait.default: lambda fake_mode, func, tensor, *args, **kwargs: tensor}):
+        yield
+
+
+@contextlib.contextmanager
+def _fake_kernels_replaced(kernels: dict):
+    """Each op's entry of torch's fake-kernel table (`fake_impls.op_implementations_dict`) set to the given
+    kernel while active, the old entries (or none) put back after; the fake cache is emptied on the way in
+    and out, since metadata it cached from the old kernels would bypass the new ones."""
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    table = fake_impls.op_implementations_dict
+    saved = {op: table.get(op) for op in kernels}
+    table.update(kernels)
+    FakeTensorMode.cache_clear()
     try:
         yield
     finally:
@@ -498,32 +524,6 @@ def norm_statistics_as_in_eager(cpu: bool):
                 table.pop(op, None)
             else:
                 table[op] = kernel
-        FakeTensorMode.cache_clear()
-
-
-@contextlib.contextmanager
-def collective_waits_as_in_eager():
-    """`_c10d_functional.wait_tensor(t)` returns `t`, as its kernel does. Limit: it sets an entry of torch's
-    fake-kernel table (`fake_impls.op_implementations_dict`), so the fake cache is emptied on the way in and
-    out."""
-    from torch._subclasses import fake_impls
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    wait = getattr(getattr(torch.ops, "_c10d_functional", None), "wait_tensor", None)
-    if wait is None:
-        yield
-        return
-    table, op = fake_impls.op_implementations_dict, wait.default
-    saved = table.get(op)
-    table[op] = lambda fake_mode, func, tensor, *args, **kwargs: tensor
-    FakeTensorMode.cache_clear()
-    try:
-        yield
-    finally:
-        if saved is None:
-            table.pop(op, None)
-        else:
-            table[op] = saved
         FakeTensorMode.cache_clear()
 
 

@@ -127,7 +127,6 @@ class OptimizerRecording:
     and gradients' entries stand for the storages a step graph gives them (`splice_optimizer_step`)."""
     ops: list[OpDraft]
     table: StorageTable
-    param_sids: dict[int, int]                 # id(parameter) -> its entry in `table`
     grad_sids: dict[int, int]                  # id(parameter) -> the entry of its gradient in `table`
     notes: tuple[str, ...] = ()                # how the optimizer is simulated, for the report
     host_offload: object = None                # optimizer_wrappers.HostOffload: a wrapper moved it to the host
@@ -241,11 +240,10 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
                                  "fix what the error names") from exc
     table = StorageTable()
     recorder = StepRecorder(table, 0, read_scalars_as_zero=reads_as_zero, kernel_device=kernel_device)
-    param_sids = {}
     for fqn, p in model.named_parameters():
         for part in memory_parts(p):              # a DTensor parameter's memory is its local shard
             if part not in table:
-                param_sids.setdefault(id(p), recorder.add_existing(part, StorageRole.PARAMETER, name=fqn))
+                recorder.add_existing(part, StorageRole.PARAMETER, name=fqn)
     if grad_scaler is not None:
         for tensor, name in ((grad_scaler._scale, "GradScaler scale"), (grad_scaler._growth_tracker,
                                                                         "GradScaler growth tracker")):
@@ -296,7 +294,7 @@ def _record_optimizer_step(model: torch.nn.Module, params_with_grad: set[int], f
     device_state = frozenset(name for _, name in optimizer_held_tensors(opt, names)
                              if host is not None and not any(name.startswith(f"{names[id(p)]}.") for p in params
                                                              if id(p) in host.host_parameter_ids))
-    return OptimizerRecording(ops=recorder.ops, table=table, param_sids=param_sids, grad_sids=grad_sids,
+    return OptimizerRecording(ops=recorder.ops, table=table, grad_sids=grad_sids,
                               host_offload=host, device_state_names=device_state,
                               notes=optimizer_notes(opt) + tuple(reads) + traced + compiled.notes(
                                   "C++" if kernel_device == "cpu" else "C++ (a CUDA run fuses these kernels with Triton's "

@@ -252,13 +252,14 @@ class RoutingShadows:
         """Run `func` on the shadows too; give each tensor output the matching real result."""
         if any(isinstance(a, torch.Tensor) and a.numel() > _SHADOW_LIMIT for a in flat):
             return
-        args, _ = tree_unflatten(flat, spec)
-        if func is _WITH_EFFECTS and len(args) > 1 and _is_collective(args[1]):
-            # an effectful op in a joint trace: with_effects(token, op, *args) -> (token, *outputs)
-            func, args, out = args[1], args[2:], (out[1] if isinstance(out, tuple) and len(out) == 2 else None)
-        if _is_collective(func) and func not in _SYMMETRIC_AS_RUN:
-            self._follow_collective(func, args, out, flat)
-            return
+        if func is _WITH_EFFECTS or _is_collective(func):
+            args, _ = tree_unflatten(flat, spec)
+            if func is _WITH_EFFECTS and len(args) > 1 and _is_collective(args[1]):
+                # an effectful op in a joint trace: with_effects(token, op, *args) -> (token, *outputs)
+                func, args, out = args[1], args[2:], (out[1] if isinstance(out, tuple) and len(out) == 2 else None)
+            if _is_collective(func) and func not in _SYMMETRIC_AS_RUN:
+                self._follow_collective(func, args, out, flat)
+                return
         try:
             real = self._real(func, flat, spec)
         except Exception:                    # an op the shadows cannot run: the outputs simply get none
