@@ -258,7 +258,8 @@ class _SavedStorages:
         # a detached alias (same storage): returning `t` itself makes a saved output hold its own grad_fn, a
         # cycle through C++ that keeps a branch the loss never reaches (BERT's pooler) alive to the step's end
         packed = t.detach()
-        self.add(t.untyped_storage(), packed)
+        for holder in _memory_holders(t):       # a wrapper subclass (a DTensor) by its inner tensors' storages
+            self.add(holder.untyped_storage(), packed)
         return packed
 
     def forward_ended(self) -> None:

@@ -20,7 +20,7 @@ from tracer.checks.options import MODEL_DEFAULTS
 
 _CAPTURE_FIELDS = ("batch", "seq", "precision", "optimizer", "foreach", "step", "zero_grad_set_to_none", "capture",
                    "moe_routing", "accumulate", "offload", "lora_rank", "lora_targets", "quantized_base",
-                   "trainer_args", "fp8", "ep")
+                   "trainer_args", "fp8", "ep", "cp")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,6 +69,7 @@ class AnalysisOptions:
     fp8: str | None = MODEL_DEFAULTS["fp8"]     # torchao's float8 recipe on the linears (capture/float8.py)
     tp: int = MODEL_DEFAULTS["tp"]                        # Megatron tensor-parallel ranks (passes/tensor_parallel.py)
     ep: int = MODEL_DEFAULTS["ep"]                        # expert parallelism: rank 0 of N (capture/process_group.py)
+    cp: int = MODEL_DEFAULTS["cp"]                        # context parallelism: rank 0 of N (capture/context_parallel.py)
     sp: bool = MODEL_DEFAULTS["sp"]                       # with tp: Megatron sequence parallelism
     pp: int = MODEL_DEFAULTS["pp"]                        # pipeline stages (passes/pipeline_parallel.py)
     microbatches: int | None = MODEL_DEFAULTS["microbatches"]    # with pp: micro-batches per step (None: pp)
@@ -141,24 +142,35 @@ class AnalysisOptions:
         self.policy_specs()
         self.target_label()
         self.sharding_setup()
-        self.check_expert_parallel()
+        self.check_rank_parallel()
 
-    def check_expert_parallel(self) -> None:
-        """--ep is the model's own expert parallelism run as rank 0 of N: the other parallelisms' passes
-        take a single-rank step, which it is not. Raises UsageError for a combination."""
+    def check_rank_parallel(self) -> None:
+        """--ep (the model's own expert parallelism) and --cp (torch's ring attention) capture rank 0 of N
+        as it runs: the other parallelisms' passes take a single-rank step, which it is not. Raises
+        UsageError for a combination."""
         from tracer.errors import UsageError
-        if self.ep == 1:
-            return
-        combined = [flag for flag, given in (("--shard", self.shard is not None), ("--tp", self.tp > 1),
-                                             ("--pp", self.pp > 1)) if given]
-        if combined:
-            raise UsageError(f"--ep with {', '.join(combined)} is not modelled",
-                             hint="--ep captures the rank the model's own code makes; drop " + ", ".join(combined))
-        compiled = [p for p in self.policies if p.startswith("compiled")]
-        if compiled:
-            raise UsageError(f"--ep with --policy {compiled[0]} is not planned: Inductor does not lower c10d's "
-                             f"collectives on a fake process group (their ProcessGroup argument)",
-                             hint="--ep takes --policy eager, selective or full")
+        for flag, ranks in (("--ep", self.ep), ("--cp", self.cp)):
+            if ranks == 1:
+                continue
+            combined = [other for other, given in (("--shard", self.shard is not None), ("--tp", self.tp > 1),
+                                                   ("--pp", self.pp > 1), ("--ep", self.ep > 1),
+                                                   ("--cp", self.cp > 1)) if given and other != flag]
+            if combined:
+                raise UsageError(f"{flag} with {', '.join(combined)} is not modelled",
+                                 hint=f"{flag} captures the rank its collectives make; drop " + ", ".join(combined))
+            compiled = [p for p in self.policies if p.startswith("compiled")]
+            if compiled:
+                raise UsageError(f"{flag} with --policy {compiled[0]} is not planned: Inductor does not lower "
+                                 f"collectives on a fake process group (their ProcessGroup argument)",
+                                 hint=f"{flag} takes --policy eager, selective or full")
+        if self.cp > 1:
+            from tracer.capture.context_parallel import local_seq
+            local_seq(self.seq, self.cp)
+
+    @property
+    def capture_seq(self) -> int:
+        """The positions one rank's batch holds: --seq, or its 1/N share under --cp N."""
+        return self.seq // self.cp
 
     def policy_specs(self, model_save_policy=None) -> tuple:
         """The PolicySpecs to simulate; `model_save_policy`, the model file's `save_policy` function, is the
@@ -262,6 +274,7 @@ class AnalysisOptions:
         fields = {name: getattr(self, name) for name in _CAPTURE_FIELDS}
         if self.fsdp_mixed_precision:
             fields["precision"] = "bf16-pure"
+        fields["seq"] = self.capture_seq
         pipeline = self.pipeline_setup()
         if pipeline is not None:           # the stages' step: the micro-batches' forwards and backwards
             fields.update(batch=self.batch // pipeline.microbatches, accumulate=pipeline.microbatches)
@@ -294,9 +307,10 @@ class AnalysisOptions:
     def nccl_communicators(self) -> int:
         """The NCCL communicators a rank of this step holds: one for the sharded data-parallel group
         (--shard over more than one rank), one for the tensor-parallel group (--tp > 1), one for the
-        pipeline's sends and receives (--pp > 1), one for the expert-parallel group (--ep > 1)."""
+        pipeline's sends and receives (--pp > 1), one for the expert-parallel group (--ep > 1), one for the
+        context-parallel group (--cp > 1)."""
         return (int(self.shard is not None and (self.world_size or 1) > 1) + int(self.tp > 1) + int(self.pp > 1)
-                + int(self.ep > 1))
+                + int(self.ep > 1) + int(self.cp > 1))
 
     def pipeline_setup(self, *, check_batch: bool = True):
         """The pipeline-parallel view's setup, or None (pp=1). Raises UsageError for what it cannot take
@@ -547,14 +561,17 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
 def block_list(source, options: AnalysisOptions):
     """The block list `capture_graphs` and `capture_variants` synthesize the depth of (tracer/depth_capture.py),
     or None: captured in full."""
+    from tracer.capture.context_parallel import ring_attention
     from tracer.capture.model_input import running_user_code
     from tracer.capture.process_group import rank_zero_of
     from tracer.depth_capture import find_block_list
 
     if options.full_capture:
         return None
-    with running_user_code(source.name), rank_zero_of(options.ep):      # the model is built as a rank builds it
-        return find_block_list(source, precision=options.precision, seq=options.seq)
+    # the model is built as a rank builds it
+    with running_user_code(source.name), rank_zero_of(max(options.ep, options.cp)), \
+            ring_attention(options.cp, options.seq):
+        return find_block_list(source, precision=options.precision, seq=options.capture_seq)
 
 
 def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: int, *,

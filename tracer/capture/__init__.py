@@ -53,6 +53,7 @@ from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
+from tracer.capture.context_parallel import no_ring_error, ring_attention
 from tracer.capture.process_group import collective_ops, no_collective_error, rank_zero_of
 from tracer.capture.quantized_base import QLORA_RANK
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors
@@ -82,6 +83,7 @@ class CaptureOptions:
     trainer_args: str | None = None    # TrainingArguments JSON: the Trainer's own optimizer (trainer_optimizer.py)
     fp8: str | None = None             # torchao's float8 recipe on the linears (float8.py)
     ep: int = 1                        # built and stepped as rank 0 of this many ranks (process_group.py)
+    cp: int = 1                        # context parallelism: `seq` is one rank's share (context_parallel.py)
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -129,10 +131,13 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
         from tracer.capture.trainer_optimizer import trainer_optimizer_source
         source = trainer_optimizer_source(source, options.trainer_args)
     try:
-        with rank_zero_of(options.ep):
+        with rank_zero_of(max(options.ep, options.cp), flag="--cp" if options.cp > 1 else "--ep"), \
+                ring_attention(options.cp, options.seq * options.cp):
             graphs = _requested_steps(source, requests, options, on_policy, on_stage)
     finally:
         restore_module_caches()        # the process's libraries keep no tensor of this capture
+    if options.cp > 1:
+        graphs = _context_parallel_noted(graphs, options, source.name)
     if options.ep > 1:
         collectives = tuple(dict.fromkeys(name for graph in graphs for name in collective_ops(graph)))
         if not collectives:
@@ -143,6 +148,21 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
         graphs = tuple(dataclasses.replace(graph, config=dataclasses.replace(
             graph.config, notes=graph.config.notes + (note,))) for graph in graphs)
     return graphs
+
+
+def _context_parallel_noted(graphs, options: CaptureOptions, model: str) -> tuple[StepGraph, ...]:
+    collectives = tuple(dict.fromkeys(name for graph in graphs for name in collective_ops(graph)))
+    if not collectives:
+        raise no_ring_error(options.cp, model)
+    from tracer.capture.context_parallel import load_balanced
+    whole = options.seq * options.cp
+    balance = ("head-tail load-balanced when attention is causal" if load_balanced(whole, options.cp)
+               else f"not load-balanced: {whole} is not a multiple of {2 * options.cp}")
+    note = (f"--cp {options.cp}: built and stepped as rank 0 of {options.cp} ranks of a fake process group, its "
+            f"batch {options.seq} of the {whole} positions (--seq), attention as torch's context_parallel "
+            f"rings it ({balance}); the step's collectives: {', '.join(collectives)}")
+    return tuple(dataclasses.replace(graph, config=dataclasses.replace(
+        graph.config, notes=graph.config.notes + (note,))) for graph in graphs)
 
 
 def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[StepGraph, ...]:
@@ -603,16 +623,18 @@ def _python_holds(cap, ops, table: StorageTable, forward: list, *,
     op_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.FORWARD and not d.recomputed}
     if cap.python_deaths is None or not op_index_of:
         return local_holds(forward, cap.executed_lines), {}
-    backward_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD} if joint_as_traced else None
+    # backward ops keep their joint node names in a partition (recomputed ops are new nodes)
+    backward_index_of = {d.name: i for i, d in enumerate(ops) if d.phase is Phase.BACKWARD and not d.recomputed}
     sid_of_output = {(d.name, position): value.storage_id for d in ops if d.phase is Phase.FORWARD and not d.recomputed
                      for position, value in enumerate(d.outputs)
                      if table.get(value.storage_id).role is StorageRole.INTERMEDIATE
                      and not table.get(value.storage_id).preexisting}
-    # what a custom Function's Python backward makes: its locals hold it until the backward returns
+    # what a Python backward makes (or writes in place: `grad += part` rebinds the local to the write's result
+    # in the traced graph): its locals hold it until they let go of it, at the latest when it returns
     python_backward_outputs = {(d.name, position): value.storage_id for d in ops
                                if d.phase is Phase.BACKWARD and d.seq_nr in cap.python_backward_nodes
-                               and not d.recomputed and not d.rerun and not d.is_view
-                               for position, value in enumerate(d.outputs)} if joint_as_traced else None
+                               and not d.recomputed and not d.rerun and (not d.is_view or d.writes_in_place)
+                               for position, value in enumerate(d.outputs)}
     observed = observed_holds(cap.python_deaths, sid_of_output, op_index_of,
                               [node.name for node in cap.joint.graph.nodes], backward_index_of,
                               python_backward_outputs)
@@ -623,7 +645,7 @@ def _python_holds(cap, ops, table: StorageTable, forward: list, *,
         for sid, op_index in local_holds(forward, cap.executed_lines).items():
             if sid in observed.unseen:
                 holds[sid] = max(op_index, holds.get(sid, -1))
-    return holds, observed.saved_until
+    return holds, observed.saved_until if joint_as_traced else {}
 
 
 def _shared_storages(cap, first: MicroBatch, later: MicroBatch) -> dict[int, int]:

@@ -299,10 +299,13 @@ def _aot_joint(stack: contextlib.ExitStack, module: nn.Module, args: tuple, prec
 
 
 class _CustomFunctionNodes:
-    """While the joint graph is traced: the sequence numbers of the autograd nodes that custom
-    `torch.autograd.Function`s create (their backward is Python code, whose temporaries die at their last
-    use: capture/formulas.py). `Function.apply` is wrapped for the trace only; `saving` is the context its
-    call runs in (PythonLifetimes.saving: what `ctx.save_for_backward` saves is seen as eager saves it)."""
+    """While the joint graph is traced: the sequence numbers of the autograd nodes whose backward is Python
+    code, whose temporaries die as Python lets go of them, not with a C++ formula's expression
+    (capture/formulas.py): the nodes custom `torch.autograd.Function`s create, and those whose backward runs
+    Python code marked by `python_backward_code`. `Function.apply` is wrapped for the trace only; `saving` is
+    the context a Function's call runs in (PythonLifetimes.saving: what `ctx.save_for_backward` saves is seen
+    as eager saves it), `watching` the one a Python backward runs in."""
+    active: "_CustomFunctionNodes | None" = None      # the one of the trace now running
 
     def __init__(self, saving=contextlib.nullcontext, watching=contextlib.nullcontext):
         self.seq_nrs: set[int] = set()
@@ -312,6 +315,7 @@ class _CustomFunctionNodes:
         self._watching = watching
 
     def __enter__(self):
+        _CustomFunctionNodes.active = self
         function = torch.autograd.function.Function
         self._apply = function.__dict__["apply"]
         original, seq_nrs, saving = self._apply.__func__, self.seq_nrs, self._saving
@@ -341,6 +345,24 @@ class _CustomFunctionNodes:
     def __exit__(self, *exc):
         torch.autograd.function.Function.apply = self._apply
         torch.autograd.function.BackwardCFunction.apply = self._backward_apply
+        _CustomFunctionNodes.active = None
+
+
+@contextlib.contextmanager
+def python_backward_code():
+    """Around Python code that a built-in autograd node's backward runs (a tensor subclass's handler of the
+    node's backward op: a DTensor runs the context-parallel ring there): while the joint graph is traced,
+    the node counts as Python code (its temporaries die as Python lets go of them, not with a C++ formula's
+    expression) and the code's torch calls are watched like a custom Function's backward. Nothing outside
+    a trace or outside backward."""
+    nodes = _CustomFunctionNodes.active
+    node = torch._C._current_autograd_node()
+    if nodes is None or node is None:
+        yield
+        return
+    nodes.seq_nrs.add(node._sequence_nr())
+    with nodes._watching():
+        yield
 
 
 @contextlib.contextmanager

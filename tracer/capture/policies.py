@@ -104,8 +104,19 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
             _use_lazy_graph_module(True):
         forward, backward = partition(joint, None, num_fwd_outputs=num_fwd, static_lifetime_input_indices=static)
     restore_rng_wrapper_meta(forward, backward)
+    _drop_backward_ops_from_forward(forward)
     rerun_as_eager(joint, backward, _parameter_placeholders(joint, cap))
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
+
+
+def _drop_backward_ops_from_forward(forward: torch.fx.GraphModule) -> None:
+    """The partitioner copies into the forward every op it can compute from the forward's inputs, and keeps
+    the ones nothing reads there (its dead-code pass spares all but collectives); the backward computes its
+    own. An op traced in backward that the forward does not read (the context-parallel ring's first
+    key/value concatenation, which needs no gradient) runs in backward in eager: removed from the forward."""
+    for node in reversed(list(forward.graph.nodes)):
+        if node.op == "call_function" and not node.users and node.meta.get("partitioner_tag") == "is_backward":
+            forward.graph.erase_node(node)
 
 
 def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> frozenset[str]:

@@ -41,7 +41,7 @@ COLLECTIVE_NAMESPACES = ("c10d.", "_c10d_functional.", "_c10d_functional_autogra
 
 
 @contextlib.contextmanager
-def rank_zero_of(ranks: int):
+def rank_zero_of(ranks: int, flag: str = "--ep"):
     """torch.distributed's default process group of `ranks` fake ranks, this process rank 0, while active;
     nothing for one rank. Re-entered (the same group already made here) it does nothing. Raises UsageError
     when this process already belongs to a real group."""
@@ -53,9 +53,9 @@ def rank_zero_of(ranks: int):
         if _is_fake_group_of(dist, ranks):
             yield
             return
-        raise UsageError(f"--ep {ranks}: this process already belongs to a torch.distributed process group "
+        raise UsageError(f"{flag} {ranks}: this process already belongs to a torch.distributed process group "
                          f"({dist.get_backend()}, {dist.get_world_size()} ranks)",
-                         hint="run tracer in a process of its own; it makes its own fake group of --ep ranks")
+                         hint=f"run tracer in a process of its own; it makes its own fake group of {flag} ranks")
     from torch.testing._internal.distributed.fake_pg import FakeStore
     excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)

@@ -253,7 +253,9 @@ class PythonLifetimes:
 
         def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
             unpacked, lifetimes._unpacked = lifetimes._unpacked, None
-            if func is torch.ops.aten.detach.default and unpacked is not None and args and args[0] is unpacked:
+            # a saved wrapper subclass (a DTensor) is detached by its own dispatch, on its inner tensors
+            if func is torch.ops.aten.detach.default and isinstance(unpacked, FunctionalTensor) and args \
+                    and args[0] is unpacked:
                 return FunctionalTensor(unpacked.elem, mode)
             return dispatch(mode, func, types, args, kwargs)
 

@@ -104,6 +104,11 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "dist.get_world_size() ranks, tokens exchanged by all-to-all): the model is built and stepped as "
                 "rank 0 of N ranks of a fake process group, every rank routing as --moe-routing says (default 1: "
                 "off)"),
+    ModelOption("cp", 1, None,
+                "context parallelism as torch's context_parallel runs it: the sequence split over N ranks, "
+                "F.scaled_dot_product_attention run as its ring attention (key and value all-gathered, their "
+                "gradients passed around the ring); the model is built and stepped as rank 0 of N ranks of a "
+                "fake process group with --seq / N positions (default 1: off)"),
     ModelOption("pp", 1, None,
                 "pipeline parallelism as torch.distributed.pipelining runs it: the memory of the busiest of N "
                 "pipeline stages (the repeated blocks split evenly; every stage's peak in a note) (default 1: off)"),

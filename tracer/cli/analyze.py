@@ -188,7 +188,7 @@ def analysis_options(args):
         device_memory_bytes=device_memory, shard=args.shard, world_size=args.world_size,
         reshard_after_forward=not args.no_reshard_after_forward, fsdp_mixed_precision=args.fsdp_mixed_precision,
         accumulate=args.accumulate, offload=args.offload, lora_rank=args.lora_rank, lora_targets=args.lora_targets,
-        quantized_base=args.quantized_base, fp8=args.fp8, trainer_args=args.trainer_args, tp=args.tp, sp=args.sp, ep=args.ep, pp=args.pp, microbatches=args.microbatches,
+        quantized_base=args.quantized_base, fp8=args.fp8, trainer_args=args.trainer_args, tp=args.tp, sp=args.sp, ep=args.ep, cp=args.cp, pp=args.pp, microbatches=args.microbatches,
         pp_schedule=args.pp_schedule, pp_return_outputs=args.pp_return_outputs, pp_local_stages=args.pp_local_stages, full_capture=args.full_capture, gradient_checkpointing=args.gradient_checkpointing)
     return options                          # AnalysisOptions validates every field when made: before any capture
 
