@@ -55,12 +55,22 @@ def process_state() -> dict:
              "default dtype": torch.get_default_dtype(), "grad mode": torch.is_grad_enabled(),
              "threads": torch.get_num_threads(), "matmul precision": torch.get_float32_matmul_precision(),
              "deterministic": torch.are_deterministic_algorithms_enabled(), "anomaly": torch.is_anomaly_enabled(),
-             "excepthook": sys.excepthook, "process group": torch.distributed.is_initialized()}
+             "excepthook": sys.excepthook, "process group": torch.distributed.is_initialized(),
+             "sdpa": torch.nn.functional.scaled_dot_product_attention, "dtensor handlers": _dtensor_handlers()}
     for name, module in list(sys.modules.items()):
         if isinstance(module, ConfigModule):
             values = module.get_config_copy()
             state[name] = {key: (entry.hide, values.get(key)) for key, entry in module._config.items()}
     return state
+
+
+def _dtensor_handlers() -> dict:
+    """DTensor's op handlers and torch's context-parallel options, which `--cp` changes while it runs."""
+    import dataclasses
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    return {**DTensor._op_dispatcher._custom_op_handlers, "options": dataclasses.astuple(cp._cp_options),
+            "dispatch mode": cp._dispatch_mode}
 
 
 def differences(before: dict, after: dict) -> list[str]:
@@ -86,6 +96,7 @@ def run_cli(argv):
 
 
 EXPERT_PARALLEL = os.path.join(os.path.dirname(__file__), "fixtures", "expert_parallel_moe.py")
+CONTEXT_PARALLEL = os.path.join(os.path.dirname(__file__), "fixtures", "context_parallel_lm.py")
 
 COMMANDS = {
     "tracer.analyze, every policy": lambda model, tmp: tracer.analyze(
@@ -97,6 +108,8 @@ COMMANDS = {
         run_cli(["check", model, "--baseline", str(tmp / "b.json")])),
     "--ep on a model that splits its experts over the ranks": lambda model, tmp: run_cli(
         [EXPERT_PARALLEL, "--seq", "16", "--ep", "2", "--quiet"]),
+    "--cp, attention ringed over the ranks": lambda model, tmp: run_cli(
+        [CONTEXT_PARALLEL, "--seq", "16", "--cp", "2", "--quiet"]),
     "the memory_budget marker": lambda model, tmp: check_budget_marker(
         (), dict(model=os.path.basename(model), peak="1GiB", seq=16), test_dir=os.path.dirname(model)),
 }

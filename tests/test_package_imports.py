@@ -122,7 +122,7 @@ CAPTURE_STAGES = (
                          "process_group"}),
     ("building the model on fake tensors", {"build", "lora", "quantized_base", "float8", "trainer_optimizer"}),
     ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
-                                 "dynamo_joint"}),
+                                 "dynamo_joint", "context_parallel"}),
     ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks", "triton_target",
                                                                   "eager_rerun", "policies"}),
     ("conversion to ops over storages", {"convert", "splice"}),

@@ -62,6 +62,7 @@ LEVERS: tuple[Lever, ...] = (
     _lever("ZeRO-2", shard="zero2", needs_world_size=True),
     _lever("FSDP", shard="fsdp", needs_world_size=True),
     _lever("pipeline 1F1B (a stage of --world-size)", "eager", pp=0, needs_world_size=True),
+    _lever("context parallel (a rank of --world-size)", cp=0, needs_world_size=True),
     _lever("full + 8-bit AdamW", "full", optimizer="adamw8bit"),
     _lever("full + pure bf16", "full", precision="bf16-pure"),
     _lever(f"full + LoRA r={LORA_RANK}", "full", lora_rank=LORA_RANK),
@@ -103,6 +104,8 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
     if "pp" in settings:             # as many stages as ranks; the accumulation lever's micro-batches where they
         settings["pp"] = world_size  # split the batch (one capture for both), else micro-batches of one
         settings["microbatches"] = ACCUMULATE_STEPS if base.batch % ACCUMULATE_STEPS == 0 else base.batch
+    if "cp" in settings:             # the sequence split over every rank, each ringing attention with the others
+        settings["cp"] = world_size
     if "quantized_base" in settings and not _installed("bitsandbytes", "peft"):
         return None, "needs bitsandbytes and peft (pip install bitsandbytes peft)"
     if "fp8" in settings and not _installed("torchao"):

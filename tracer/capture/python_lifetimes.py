@@ -248,14 +248,15 @@ class PythonLifetimes:
         does not make; that detach is answered with a new functional wrapper of the same value, made
         without dispatch, so the traced backward is the one eager's saved tensors give."""
         from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
         dispatch = FunctionalTensorMode.__torch_dispatch__
         lifetimes = self
 
         def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
             unpacked, lifetimes._unpacked = lifetimes._unpacked, None
             # a saved wrapper subclass (a DTensor) is detached by its own dispatch, on its inner tensors
-            if func is torch.ops.aten.detach.default and isinstance(unpacked, FunctionalTensor) and args \
-                    and args[0] is unpacked:
+            if func is torch.ops.aten.detach.default and unpacked is not None and args and args[0] is unpacked \
+                    and (isinstance(unpacked, FunctionalTensor) or not is_traceable_wrapper_subclass(unpacked)):
                 return FunctionalTensor(unpacked.elem, mode)
             return dispatch(mode, func, types, args, kwargs)
 

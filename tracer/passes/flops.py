@@ -349,7 +349,7 @@ flop_formula(
     "aten.round", "aten.trunc", "aten.nan_to_num", "aten.eq", "aten.ne", "aten.lt", "aten.le", "aten.gt",
     "aten.ge", "aten.logical_not", "aten.logical_and", "aten.logical_or", "aten.bitwise_not",
     "aten.bitwise_and", "aten.bitwise_or", "aten.isnan", "aten.isinf", "aten.tril", "aten.triu",
-    "aten.threshold_backward",
+    "aten.threshold_backward", "aten.log_sigmoid_forward",
 )(_per_output_element(1))
 
 flop_formula(
@@ -359,7 +359,7 @@ flop_formula(
 flop_formula(
     "aten.silu_backward", "aten.gelu_backward", "aten.sigmoid_backward", "aten.tanh_backward",
     "aten.leaky_relu_backward", "aten.hardtanh_backward", "aten.elu_backward", "aten.softplus_backward",
-    "aten.native_dropout", "aten.native_dropout_backward",
+    "aten.native_dropout", "aten.native_dropout_backward", "aten.log_sigmoid_backward",
 )(_per_output_element(2))
 
 flop_formula(
