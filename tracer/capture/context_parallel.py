@@ -88,8 +88,9 @@ def ring_attention(ranks: int, seq: int):
     handlers = dispatcher._custom_op_handlers
     try:
         with cpu_ring_kernels():
-            # the ring's backward is Python code inside the attention's autograd node (capture/joint.py)
-            dispatcher._custom_op_handlers = {op: _as_python_backward(handler) if _is_ring_op(op) else handler
+            # the ring is Python code: inside the attention's autograd node in backward, one op's handler in
+            # forward (capture/joint.py)
+            dispatcher._custom_op_handlers = {op: _as_python_code(handler) if _is_ring_op(op) else handler
                                               for op, handler in dispatcher._custom_op_handlers.items()}
             yield
     finally:
@@ -126,11 +127,15 @@ def _is_ring_op(op) -> bool:
     return op._schema.name.removesuffix("_backward") in _RING_OPS
 
 
-def _as_python_backward(handler):
+def _as_python_code(handler):
+    """The handler, as the joint trace sees Python code: in backward inside the attention's autograd node
+    (`python_backward_code`), in forward as one op's handler (`subclass_op_handler`)."""
     def handle(op_call, args, kwargs):
-        from tracer.capture.joint import python_backward_code
-        with python_backward_code():
-            return handler(op_call, args, kwargs)
+        from tracer.capture.joint import python_backward_code, subclass_op_handler
+        with python_backward_code(), subclass_op_handler(op_call) as outputs:
+            result = handler(op_call, args, kwargs)
+            outputs(result)
+            return result
     return handle
 
 

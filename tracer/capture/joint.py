@@ -349,6 +349,57 @@ class _CustomFunctionNodes:
 
 
 @contextlib.contextmanager
+def subclass_op_handler(op):
+    """Around a tensor subclass's Python handler of `op` in the forward (a DTensor's context-parallel ring):
+    the nodes the joint trace makes meanwhile get `meta[SUBCLASS_OP_KEY]` (the op's name), and the last
+    maker of each of the op's outputs `meta[SUBCLASS_OUTPUT_KEY]`: torch's selective checkpointing decides
+    on the op (its dispatch mode sees the subclass's op; the handler runs below it), so the policies decide
+    those nodes as the op (capture/policies.py). Yields `outputs(result)`, to be called with what the
+    handler returns. Nothing outside a trace or in backward."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    from torch.utils._pytree import tree_leaves
+
+    from tracer.capture.meta import SUBCLASS_OP_KEY, SUBCLASS_OUTPUT_KEY, target_name
+    from tracer.capture.storages import flat_tensors, storage_key
+    graph = getattr(getattr(get_proxy_mode(), "tracer", None), "graph", None)
+    if graph is None or torch._C._current_autograd_node() is not None:
+        yield lambda result: None
+        return
+    before = set(graph.nodes)
+    keys: set[int] = set()
+
+    def outputs(result):
+        for t in tree_leaves(result):
+            for inner in _inner_tensors(t):
+                keys.add(storage_key(inner))
+
+    yield outputs
+    makers: dict[int, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node in before:
+            continue
+        node.meta[SUBCLASS_OP_KEY] = target_name(op)
+        for value in flat_tensors(node.meta.get("val")):
+            if storage_key(value) in keys:
+                makers[storage_key(value)] = node
+    for node in makers.values():
+        node.meta[SUBCLASS_OUTPUT_KEY] = True
+
+
+def _inner_tensors(t) -> list:
+    """The fake tensors a traced tensor stands for: a functional tensor's, a wrapper subclass's inner ones."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if isinstance(t, FunctionalTensor):
+        return [torch._from_functional_tensor(t.elem)]
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [inner for name in names if isinstance(getattr(t, name), torch.Tensor)
+                for inner in _inner_tensors(getattr(t, name))]
+    return [t] if isinstance(t, torch.Tensor) else []
+
+
+@contextlib.contextmanager
 def python_backward_code():
     """Around Python code that a built-in autograd node's backward runs (a tensor subclass's handler of the
     node's backward op: a DTensor runs the context-parallel ring there): while the joint graph is traced,

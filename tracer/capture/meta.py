@@ -16,6 +16,9 @@ Keys on `node.meta` (or `node.meta["custom"]`, where torch.export carries user a
     TWIN_KEY             a region output's recomputed twin: the output's node name
     INPLACE_CALL_KEY     ("custom") the nodes of one in-place torch call
     FORMULA_WRITE_KEY    ("custom") an in-place aten op of a backward formula
+    SUBCLASS_OP_KEY      a forward node made inside a tensor subclass's handler of one op (the op's name):
+                         selective checkpointing sees that op, not the ops its handler runs
+    SUBCLASS_OUTPUT_KEY  of those, the node that makes one of the op's outputs (its last maker)
 
 Descriptors (`meta["desc"]` of the joint's placeholders and outputs, torch._functorch's AOT descriptors) are
 told apart by class name, as torch 2.13 names them; the predicates below are the only place that does.
@@ -36,6 +39,8 @@ MEMBER_KEY = "tracer_region_member"
 TWIN_KEY = "tracer_twin_of"
 INPLACE_CALL_KEY = "tracer_inplace_call"
 FORMULA_WRITE_KEY = "tracer_formula_write"
+SUBCLASS_OP_KEY = "tracer_subclass_op"
+SUBCLASS_OUTPUT_KEY = "tracer_subclass_op_output"
 
 # the names a module's call goes through, as a function (`functools.partial(layer.__call__, ...)`)
 MODULE_CALL_ENTRIES = ("forward", "__call__", "_call_impl", "_wrapped_call_impl")

@@ -31,7 +31,7 @@ import torch
 from tracer.capture.schedule import Schedule, fill_rng_wrapper_values, restore_rng_wrapper_meta
 from tracer.capture.eager_rerun import rerun_as_eager
 from tracer.capture.meta import BACKWARD_REGION_KEY, HELD_KEY, MEMBER_KEY, REGION_KEY, RERUN_KEY, TWIN_KEY, \
-    CHECKPOINT_KEY, MODULE_CALL_ENTRIES, is_forward_output, is_parameter_input, is_static_input, target_name, whole_desc
+    CHECKPOINT_KEY, SUBCLASS_OP_KEY, SUBCLASS_OUTPUT_KEY, MODULE_CALL_ENTRIES, is_forward_output, is_parameter_input, is_static_input, target_name, whole_desc
 from tracer.capture.joint import JointCapture
 from tracer.capture.source import module_from_stack
 from tracer.errors import ModelRunError, UsageError
@@ -268,9 +268,20 @@ def _region_deciders(spec: PolicySpec, fake_mode):
                 deciders[region] = _user_policy(spec.save_fn, fake_mode)
             else:
                 keep = save_predicate(spec)
-                deciders[region] = lambda n: _save_if(keep(target_name(n.target)))
+                deciders[region] = lambda n: _save_if(_saved_by(n, keep))
         return deciders[region](node)
     return decide
+
+
+def _saved_by(node, keep) -> bool:
+    """Whether the save predicate `keep` keeps `node`'s output. A node a tensor subclass's handler made
+    (meta.SUBCLASS_OP_KEY: a DTensor's context-parallel ring) is decided as the op the handler ran:
+    torch's selective checkpointing caches that op's outputs (the handler's last makers of them) and never
+    sees the ops inside it."""
+    op = node.meta.get(SUBCLASS_OP_KEY)
+    if op is None:
+        return keep(target_name(node.target))
+    return bool(node.meta.get(SUBCLASS_OUTPUT_KEY)) and keep(op)
 
 
 def _user_policy(policy_fn, fake_mode):
