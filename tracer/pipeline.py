@@ -160,8 +160,8 @@ class AnalysisOptions:
                                  hint=f"{flag} captures the rank its collectives make; drop " + ", ".join(combined))
             compiled = [p for p in self.policies if p.startswith("compiled")]
             if compiled:
-                raise UsageError(f"{flag} with --policy {compiled[0]} is not planned: Inductor does not lower "
-                                 f"collectives on a fake process group (their ProcessGroup argument)",
+                raise UsageError(f"{flag} with --policy {compiled[0]} is not planned: Inductor's lowering fails on "
+                                 f"the collectives of a fake process group",
                                  hint=f"{flag} takes --policy eager, selective or full")
         if self.cp > 1:
             from tracer.capture.context_parallel import local_seq
