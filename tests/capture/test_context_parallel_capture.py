@@ -10,7 +10,7 @@ import pytest
 
 import tracer
 from tracer.capture.context_parallel import load_balanced, local_seq
-from tracer.errors import UsageError
+from tracer.errors import ModelRunError, UsageError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "context_parallel_lm.py")
 HAND_WRITTEN_ATTENTION = '''
@@ -88,3 +88,37 @@ def test_hand_written_attention_is_refused_under_cp(tmp_path):
 def test_cp_with_what_it_does_not_model_is_refused(options):
     with pytest.raises(UsageError, match="--cp"):
         tracer.analyze(FIXTURE, **{"batch": 2, "seq": 64, "target": "cpu", "cp": 2, **options})
+
+
+@pytest.mark.parametrize("call,refusal", [
+    ("F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool).tril())",
+     "rings causal attention without a mask"),
+    ("F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)", "attention dropout inside the ring"),
+])
+def test_attention_the_ring_cannot_split_is_refused_in_one_line(tmp_path, call, refusal):
+    path = tmp_path / "unringable.py"
+    path.write_text(UNRINGABLE.replace("CALL", call))
+    with pytest.raises(ModelRunError, match=refusal):
+        tracer.analyze(str(path), batch=1, seq=16, target="cpu", cp=2)
+
+
+UNRINGABLE = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.head = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
+
+    def forward(self, tokens, targets):
+        b, s = tokens.shape
+        q, k, v = (t.view(b, s, 2, 16).transpose(1, 2) for t in self.qkv(self.emb(tokens)).chunk(3, dim=-1))
+        y = CALL
+        return F.cross_entropy(self.head(y.transpose(1, 2).reshape(b, s, 32)).flatten(0, 1), targets.flatten())
+
+def build_model():
+    return Net()
+
+def example_batch(batch, seq):
+    return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
+'''

@@ -84,6 +84,9 @@ def ring_attention(ranks: int, seq: int):
     cp._dispatch_mode = cp._DispatchMode.MONKEY_PATCH
     cp._cp_options.enable_load_balance = load_balanced(seq, ranks)
     cp._enable_context_parallel_dispatcher_impl(seq_dim=SEQ_DIM, mesh=mesh)
+    functional = torch.nn.functional
+    ringed = functional.scaled_dot_product_attention          # torch's replacement
+    functional.scaled_dot_product_attention = _without_mask(ringed)
     dispatcher = DTensor._op_dispatcher
     handlers = dispatcher._custom_op_handlers
     try:
@@ -95,8 +98,36 @@ def ring_attention(ranks: int, seq: int):
             yield
     finally:
         dispatcher._custom_op_handlers = handlers
+        functional.scaled_dot_product_attention = ringed     # torch restores the original from its own
         cp._disable_context_parallel_dispatcher_impl()
         cp._dispatch_mode, cp._cp_options.enable_load_balance = mode, balance
+
+
+MASK_REFUSAL = ("torch's context parallelism rings causal attention without a mask: this call passes attn_mask "
+                "(a padding or causal mask the ring cannot split); call F.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True) without attn_mask, or drop --cp")
+
+
+DROPOUT_REFUSAL = ("--cp: attention dropout inside the ring is not captured (CPU's attention kernels, which the "
+                   "capture also runs, have no ring with dropout); set the attention dropout to 0 (hf: models: "
+                   "--hf-config attn_pdrop=0 or attention_dropout=0), or drop --cp")
+
+
+def _without_mask(ringed):
+    """torch's ring attention, refusing in one line a call it cannot ring: one with an attention mask (torch's
+    handlers refuse the efficient and cuDNN kernels' bias; the CPU and math paths fail on mixed DTensor and
+    tensor arguments deep inside the kernel) or with dropout (CPU's flash kernel takes none, and the math
+    path it falls back to fails the same way)."""
+    import functools
+
+    @functools.wraps(ringed)
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        if attn_mask is not None:
+            raise NotImplementedError(MASK_REFUSAL)
+        if dropout_p:
+            raise NotImplementedError(DROPOUT_REFUSAL)
+        return ringed(query, key, value, None, dropout_p, *args, **kwargs)
+    return attention
 
 
 @contextlib.contextmanager
@@ -148,8 +179,7 @@ def _cpu_ring_handler(op_call, args, kwargs):
     mesh = op_info.compute_mesh
     bound = _bind(op_call, op_info.local_args, op_info.local_kwargs)
     if bound.get("attn_mask") is not None:
-        raise NotImplementedError("torch's context parallelism takes no attention mask (its ring runs is_causal "
-                                  "attention only); pass is_causal=True without attn_mask")
+        raise NotImplementedError(MASK_REFUSAL)
     common = {"is_causal": bound["is_causal"], "dropout_p": bound["dropout_p"], "scale": bound["scale"]}
     if op_call._schema.name.endswith(CPU_BACKWARD):
         local = cp._templated_ring_attention_backward(
