@@ -13,7 +13,8 @@ from tracer.capture.context_parallel import load_balanced, local_seq
 from tracer.errors import ModelRunError, UsageError
 
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "context_parallel_lm.py")
-HAND_WRITTEN_ATTENTION = '''
+# a model file whose attention is CALL on (batch, 2 heads, seq, 16) queries, keys and values
+ATTENTION_MODEL = '''
 import torch, torch.nn as nn, torch.nn.functional as F
 
 class Net(nn.Module):
@@ -22,9 +23,10 @@ class Net(nn.Module):
         self.emb, self.qkv, self.head = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
 
     def forward(self, tokens, targets):
-        q, k, v = self.qkv(self.emb(tokens)).chunk(3, dim=-1)
-        y = torch.softmax(q @ k.transpose(-1, -2) / 32 ** 0.5, dim=-1) @ v
-        return F.cross_entropy(self.head(y).flatten(0, 1), targets.flatten())
+        b, s = tokens.shape
+        q, k, v = (t.view(b, s, 2, 16).transpose(1, 2) for t in self.qkv(self.emb(tokens)).chunk(3, dim=-1))
+        y = CALL
+        return F.cross_entropy(self.head(y.transpose(1, 2).reshape(b, s, 32)).flatten(0, 1), targets.flatten())
 
 def build_model():
     return Net()
@@ -32,6 +34,7 @@ def build_model():
 def example_batch(batch, seq):
     return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
 '''
+HAND_WRITTEN = "torch.softmax(q @ k.transpose(-1, -2) / 16 ** 0.5, dim=-1) @ v"
 
 
 def _ops(result, name: str) -> list:
@@ -78,7 +81,7 @@ def test_the_local_length_and_load_balancing_follow_torchs_rules():
 
 def test_hand_written_attention_is_refused_under_cp(tmp_path):
     path = tmp_path / "hand_written.py"
-    path.write_text(HAND_WRITTEN_ATTENTION)
+    path.write_text(ATTENTION_MODEL.replace("CALL", HAND_WRITTEN))
     with pytest.raises(UsageError, match="ran no attention that torch's context parallelism splits"):
         tracer.analyze(str(path), batch=1, seq=16, target="cpu", cp=2)
 
@@ -97,28 +100,7 @@ def test_cp_with_what_it_does_not_model_is_refused(options):
 ])
 def test_attention_the_ring_cannot_split_is_refused_in_one_line(tmp_path, call, refusal):
     path = tmp_path / "unringable.py"
-    path.write_text(UNRINGABLE.replace("CALL", call))
+    path.write_text(ATTENTION_MODEL.replace("CALL", call))
     with pytest.raises(ModelRunError, match=refusal):
         tracer.analyze(str(path), batch=1, seq=16, target="cpu", cp=2)
 
-
-UNRINGABLE = '''
-import torch, torch.nn as nn, torch.nn.functional as F
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb, self.qkv, self.head = nn.Embedding(64, 32), nn.Linear(32, 96), nn.Linear(32, 64)
-
-    def forward(self, tokens, targets):
-        b, s = tokens.shape
-        q, k, v = (t.view(b, s, 2, 16).transpose(1, 2) for t in self.qkv(self.emb(tokens)).chunk(3, dim=-1))
-        y = CALL
-        return F.cross_entropy(self.head(y.transpose(1, 2).reshape(b, s, 32)).flatten(0, 1), targets.flatten())
-
-def build_model():
-    return Net()
-
-def example_batch(batch, seq):
-    return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
-'''
