@@ -53,7 +53,7 @@ from tracer.capture.python_lifetimes import observed_holds
 from tracer.capture.routing import RoutingError, parse_routing, routing_assumption
 from tracer.capture.offload import offload_step
 from tracer.capture.optimizer import OPTIMIZERS, record_optimizer_step, splice_optimizer_step
-from tracer.capture.context_parallel import no_ring_error, ring_attention
+from tracer.capture.context_parallel import load_balanced, no_ring_error, ring_attention
 from tracer.capture.process_group import collective_ops, no_collective_error, rank_zero_of
 from tracer.capture.quantized_base import QLORA_RANK
 from tracer.capture.storages import StorageTable, dtype_name, flat_tensors
@@ -136,33 +136,30 @@ def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOpti
             graphs = _requested_steps(source, requests, options, on_policy, on_stage)
     finally:
         restore_module_caches()        # the process's libraries keep no tensor of this capture
-    if options.cp > 1:
-        graphs = _context_parallel_noted(graphs, options, source.name)
-    if options.ep > 1:
-        collectives = tuple(dict.fromkeys(name for graph in graphs for name in collective_ops(graph)))
-        if not collectives:
-            raise no_collective_error(options.ep, source.name)
-        note = (f"--ep {options.ep}: built and stepped as rank 0 of {options.ep} ranks of a fake process group "
-                f"(nothing is sent); every rank is assumed to hold a batch of this shape and to route it as "
-                f"--moe-routing says; the step's collectives: {', '.join(collectives)}")
-        graphs = tuple(dataclasses.replace(graph, config=dataclasses.replace(
-            graph.config, notes=graph.config.notes + (note,))) for graph in graphs)
+    if options.ep > 1 or options.cp > 1:
+        note = _rank_note(graphs, options, source.name)
+        graphs = tuple(_with_notes(graph, (note,)) for graph in graphs)
     return graphs
 
 
-def _context_parallel_noted(graphs, options: CaptureOptions, model: str) -> tuple[StepGraph, ...]:
+def _rank_note(graphs, options: CaptureOptions, model: str) -> str:
+    """What --ep or --cp assumed, with the collectives the step ran. Raises UsageError when it ran none (the
+    model's experts, or its attention, were not split)."""
     collectives = tuple(dict.fromkeys(name for graph in graphs for name in collective_ops(graph)))
+    if options.ep > 1:
+        if not collectives:
+            raise no_collective_error(options.ep, model)
+        return (f"--ep {options.ep}: built and stepped as rank 0 of {options.ep} ranks of a fake process group "
+                f"(nothing is sent); every rank is assumed to hold a batch of this shape and to route it as "
+                f"--moe-routing says; the step's collectives: {', '.join(collectives)}")
     if not collectives:
         raise no_ring_error(options.cp, model)
-    from tracer.capture.context_parallel import load_balanced
     whole = options.seq * options.cp
     balance = ("head-tail load-balanced when attention is causal" if load_balanced(whole, options.cp)
                else f"not load-balanced: {whole} is not a multiple of {2 * options.cp}")
-    note = (f"--cp {options.cp}: built and stepped as rank 0 of {options.cp} ranks of a fake process group, its "
+    return (f"--cp {options.cp}: built and stepped as rank 0 of {options.cp} ranks of a fake process group, its "
             f"batch {options.seq} of the {whole} positions (--seq), attention as torch's context_parallel "
             f"rings it ({balance}); the step's collectives: {', '.join(collectives)}")
-    return tuple(dataclasses.replace(graph, config=dataclasses.replace(
-        graph.config, notes=graph.config.notes + (note,))) for graph in graphs)
 
 
 def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[StepGraph, ...]:

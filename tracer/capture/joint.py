@@ -360,7 +360,8 @@ def subclass_op_handler(op):
     from torch.utils._pytree import tree_leaves
 
     from tracer.capture.meta import SUBCLASS_OP_KEY, SUBCLASS_OUTPUT_KEY, target_name
-    from tracer.capture.storages import flat_tensors, storage_key
+    from tracer.capture.python_lifetimes import functional_storage_key
+    from tracer.capture.storages import flat_tensors, memory_parts, storage_key
     graph = getattr(getattr(get_proxy_mode(), "tracer", None), "graph", None)
     if graph is None or torch._C._current_autograd_node() is not None:
         yield lambda result: None
@@ -369,9 +370,9 @@ def subclass_op_handler(op):
     keys: set[int] = set()
 
     def outputs(result):
-        for t in tree_leaves(result):
-            for inner in _inner_tensors(t):
-                keys.add(storage_key(inner))
+        # a DTensor's local tensor is, in the trace, a functional tensor over the fake one the nodes' values hold
+        keys.update(functional_storage_key(part) for t in tree_leaves(result) if isinstance(t, torch.Tensor)
+                    for part in memory_parts(t))
 
     yield outputs
     makers: dict[int, torch.fx.Node] = {}
@@ -384,19 +385,6 @@ def subclass_op_handler(op):
                 makers[storage_key(value)] = node
     for node in makers.values():
         node.meta[SUBCLASS_OUTPUT_KEY] = True
-
-
-def _inner_tensors(t) -> list:
-    """The fake tensors a traced tensor stands for: a functional tensor's, a wrapper subclass's inner ones."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    if isinstance(t, FunctionalTensor):
-        return [torch._from_functional_tensor(t.elem)]
-    if is_traceable_wrapper_subclass(t):
-        names, _ = t.__tensor_flatten__()
-        return [inner for name in names if isinstance(getattr(t, name), torch.Tensor)
-                for inner in _inner_tensors(getattr(t, name))]
-    return [t] if isinstance(t, torch.Tensor) else []
 
 
 @contextlib.contextmanager

@@ -159,16 +159,16 @@ class PythonLifetimes:
         if graph is None or not self._open:           # AOT's metadata run of the forward: no graph is traced
             return
         self._graph = graph
-        if inplace and args and id(args[0]) in self._keys_of and _inner_key(args[0]) is not None:
+        if inplace and args and id(args[0]) in self._keys_of and functional_storage_key(args[0]) is not None:
             # the object now holds the write's result; the storage it had is let go here unless the write
             # went into it (capture/inplace.py: then both are one storage, and the later release counts)
             keys = self._keys_of[id(args[0])]
             self.deaths.append(PythonDeath(tuple(keys), _last_node(graph)))
-            keys[:] = [_inner_key(args[0])]
+            keys[:] = [functional_storage_key(args[0])]
         for t in tree_leaves(out):
             if id(t) in self._keys_of:
                 continue
-            key = _inner_key(t)
+            key = functional_storage_key(t)
             keys = [key] if key is not None else _subclass_inner_keys(t)
             if not keys:
                 continue
@@ -219,7 +219,7 @@ class PythonLifetimes:
 
     def _pack(self, t, offload: bool | None = None):
         holder = _SavedHolder(t, offloaded=offload is not None)
-        key = _inner_key(t)
+        key = functional_storage_key(t)
         if key is not None and self._open and self._current_graph() is not None:
             inner = torch._from_functional_tensor(t.elem)
             pack = SavedPack(storage_key=key, nbytes=inner.numel() * inner.element_size(),
@@ -334,7 +334,7 @@ class _SavedHolder:
             self.tensor = tensor if self.original else tensor.detach()
 
 
-def _inner_key(t) -> int | None:
+def functional_storage_key(t) -> int | None:
     """The storage key of the fake tensor a functional tensor wraps now (None: not a functional tensor)."""
     from torch._subclasses.functional_tensor import FunctionalTensor
     if not isinstance(t, FunctionalTensor):
@@ -349,7 +349,7 @@ def _subclass_inner_keys(t) -> list[int]:
     if not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
         return []
     names, _ = t.__tensor_flatten__()
-    keys = [_inner_key(getattr(t, name)) for name in names]
+    keys = [functional_storage_key(getattr(t, name)) for name in names]
     return [k for k in keys if k is not None]
 
 
