@@ -381,8 +381,8 @@ def _cached_capture(model, source, options: AnalysisOptions, capture: Callable, 
 
 def default_workers() -> int:
     """One capture process per CPU core this process may use."""
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from tracer.capture.triton_target import usable_cores
+    return usable_cores()
 
 
 def load_source(model, options: AnalysisOptions):
@@ -425,15 +425,17 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
 def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, indices: tuple, capture: Callable,
                     say) -> tuple:
     """`capture(source, indices)`'s graphs, the compiled policies' (Inductor's plan is most of a capture's
-    time) captured here while a spawned process captures the others, when there are both; the same graphs
-    (each capture is independent), made here when no process can start."""
+    time) captured here while a spawned process captures the others, when there are both and the capture
+    does not plan them in forked children itself (`compiled_planned_apart`); the same graphs (each capture
+    is independent), made here when no process can start."""
     from concurrent.futures.process import BrokenProcessPool
 
+    from tracer.capture import compiled_planned_apart
     from tracer.capture.model_input import running_user_code
 
     here = tuple(i for i in indices if specs[i].name == "compiled")
     apart = tuple(i for i in indices if i not in here)
-    if not apart or not here:
+    if not apart or not here or compiled_planned_apart(options.capture_options(), tuple(specs[i] for i in here)):
         with running_user_code(source.name):
             return capture(source, indices)
     say(f"capturing {', '.join(specs[i].label for i in apart)} in a second process ...")

@@ -40,6 +40,11 @@ class Policy:
     not_modelled: str
     compiled_blocks: bool = False     # block.compile() on every repeated block, the rest eager
 
+    @property
+    def compiled_any(self) -> bool:
+        """Inductor plans some of the step: the whole model's or every block's."""
+        return self.compiled or self.compiled_blocks
+
 
 _KERNEL_SCRATCH = "kernel scratch"
 _EAGER_CHECKPOINT = "checkpointing is simulated as eager non-reentrant torch.utils.checkpoint"

@@ -125,3 +125,34 @@ def test_checkpointed_random_ops_replay_from_the_generator_state(policy):
     assert any(op.target.endswith("_scaled_dot_product_efficient_attention.default") and op.recomputed
                for op in graph.ops)
     assert not [s for s in graph.storages if s.nbytes == torch.get_rng_state().numel()]
+
+
+@pytest.mark.parametrize("model,policy", [("gpt2-debug", "compiled"), ("gpt2-debug", "compiled+selective"),
+                                          (UNALIGNED_VOCAB, "compiled")])
+def test_the_forward_planned_beside_the_backward_is_the_plan_made_after_it(model, policy, monkeypatch):
+    """With two cores the planning child lowers the forward in a forked child of its own while it plans the
+    backward; the step is the one planned one graph after the other, to the last field."""
+    monkeypatch.setattr(triton_target, "usable_cores", lambda: 1)
+    one_after_the_other = _compiled(model, seq=128, policy=policy)
+    monkeypatch.setattr(triton_target, "usable_cores", lambda: 2)
+    side_by_side = _compiled(model, seq=128, policy=policy)
+    assert side_by_side.ops and side_by_side == one_after_the_other
+
+
+def test_the_other_policies_are_built_while_the_compiled_one_is_planned():
+    """capture_steps starts the compiled policy's planning child before it builds the other policies: each
+    policy's report equals the one captured alone."""
+    import tracer
+    from tracer.reports.json_report import policy_json
+    names = ("eager", "compiled", "selective")
+    together = tracer.analyze("gpt2-debug", seq=64, policies=names)
+    for name in names:
+        alone = tracer.analyze("gpt2-debug", seq=64, policies=(name,))
+        assert policy_json(together.policies[name], top=10) == policy_json(alone.policies[name], top=10), name
+
+
+def test_a_planning_child_whose_answer_is_not_wanted_is_reaped():
+    started = triton_target.start_forked(lambda: "x" * (1 << 20))       # more than a pipe holds
+    started.abandon()
+    with pytest.raises(OSError):
+        os.waitpid(started._pid, os.WNOHANG)

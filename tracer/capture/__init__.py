@@ -261,69 +261,110 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     cap.fallback_notes = tuple(f"{e} (the next capture path was used)" for e in failures
                                if not e.quiet)
     kept = kept or _default_loop_kept(source, options, cap.loss_position, cap.model)
+    planning: dict = {}
     try:
         _refuse_overwritten_saved_values(cap)
-        out, recordings, schedules = [], {}, {}
-        for request_options, spec in requests:
+        out, recordings, schedules = [None] * len(requests), {}, {}
+        # compiled policies for a CUDA target are planned in forked children, started first: the other
+        # policies are built here while they plan
+        for i, (request_options, spec) in enumerate(requests):
+            target = parse_target(request_options.target)
+            if target.is_cuda and spec.policy.compiled_any:
+                planning[i] = _compiled_for_cuda(cap, source, request_options, spec, target.gpu, kept)
+        for i, (request_options, spec) in enumerate(requests):
             if on_policy is not None:
                 on_policy(spec.label)
-            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
-            target = parse_target(request_options.target)
-            if target.is_cuda and (spec.policy.compiled or spec.policy.compiled_blocks):
-                out.append(_compiled_for_cuda(cap, source, request_options, spec, target.gpu, kept))
+            if i in planning:
                 continue
+            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
             if spec not in schedules:
                 schedules[spec] = policy_schedule(cap, spec)
-            out.append(_step_for_policy(cap, source, request_options, spec, schedules[spec],
-                                        recordings.setdefault(step_key, []), kept))
+            out[i] = _step_for_policy(cap, source, request_options, spec, schedules[spec],
+                                      recordings.setdefault(step_key, []), kept)
+        for i, finish in planning.items():
+            out[i] = finish()
         return tuple(out)
     finally:
+        for finish in planning.values():
+            finish.abandon()
         cap.exit_stack.close()
 
 
-def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, gpu, kept) -> StepGraph:
+def compiled_planned_apart(options: CaptureOptions, specs) -> bool:
+    """Whether `capture_steps` plans the compiled ones of `specs` in forked children while it builds the
+    others (a CUDA target's Triton plan, where it can be made here)."""
+    from tracer.capture.triton_target import triton_unavailable
+    return (parse_target(options.target).is_cuda and any(spec.policy.compiled_any for spec in specs)
+            and triton_unavailable() is None)
+
+
+class _PlannedStep:
+    """A compiled policy's StepGraph being planned (`_compiled_for_cuda`): `__call__` returns it, waiting
+    for the forked planner; `abandon()` stops a planner whose answer is no longer wanted."""
+
+    def __init__(self, finish, forked=None):
+        self._finish, self._forked = finish, forked
+
+    def __call__(self) -> StepGraph:
+        return self._finish()
+
+    def abandon(self) -> None:
+        if self._forked is not None:
+            self._forked.abandon()
+
+
+def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, gpu, kept) -> _PlannedStep:
     """A compiled policy for a CUDA target, planned by Inductor's Triton scheduling for `gpu` in a forked
-    child (capture/triton_target.py). pad_mm's decisions that Inductor times on the GPU are planned both
-    ways: the step is the padded plan, and a note gives the unpadded plan's own peaks. Without triton (or
-    a compiler) here, the C++ plan with a note saying so."""
+    child (capture/triton_target.py), started now and collected by calling the result. pad_mm's decisions
+    that Inductor times on the GPU are planned both ways: the step is the padded plan, and a note gives the
+    unpadded plan's own peaks. Without triton (or a compiler) here, the C++ plan with a note saying so."""
     from tracer.capture.inductor_plan import planned_peak_bytes
-    from tracer.capture.triton_target import (TRITON_REQUIREMENT, TritonPlanError, in_forked_process,
-                                              install_cuda_planning, retarget_to_cuda, triton_unavailable)
+    from tracer.capture.triton_target import (TRITON_REQUIREMENT, TritonPlanError, install_cuda_planning,
+                                              retarget_to_cuda, start_forked, triton_unavailable)
 
     unavailable = triton_unavailable()
     if unavailable is not None:
         graph = _step_for_policy(cap, source, options, spec, policy_schedule(cap, spec), [], kept)
-        return _with_notes(graph, (f"compiled plan: Inductor's C++ scheduling stands in for Triton's, which "
-                                   f"CUDA runs: {unavailable}; Triton fuses, splits reductions and reuses "
-                                   f"buffers by its own rules (install {TRITON_REQUIREMENT} for its plan)",))
+        graph = _with_notes(graph, (f"compiled plan: Inductor's C++ scheduling stands in for Triton's, which "
+                                    f"CUDA runs: {unavailable}; Triton fuses, splits reductions and reuses "
+                                    f"buffers by its own rules (install {TRITON_REQUIREMENT} for its plan)",))
+        return _PlannedStep(lambda: graph)
 
     def plan(pad: bool):
         def work():
             decisions = install_cuda_planning(gpu, pad_decision=pad)
             retarget_to_cuda(cap.joint, cap.fake_mode)
-            schedule = policy_schedule(cap, spec)
+            schedule = policy_schedule(cap, spec, plans_in_parallel=True)
             graph = _step_for_policy(cap, source, options, spec, schedule, [], kept)
             plans = [(schedule.forward_plan, schedule.backward_plan)] + [
                 (region.forward_plan, region.backward_plan) for region in schedule.regions]
             peaks = tuple(max((planned_peak_bytes(p[i]) for p in plans if p[i] is not None), default=0)
                           for i in (0, 1))
             return graph, tuple(decisions.timed_pad_mm), peaks
+        return start_forked(work)
+
+    def answer(forked):
         try:
-            return in_forked_process(work)
+            return forked.result()
         except TritonPlanError as exc:
             raise CaptureError(f"Inductor's Triton plan for {gpu.description} failed: {exc}",
                                hint="use --target cpu for the C++ plan, or report the model") from None
 
-    graph, timed, (forward_peak, backward_peak) = plan(True)
-    notes = (f"compiled plan: Inductor's Triton scheduling for the {gpu.description} ({gpu.sm_count} SMs, "
-             f"sm{gpu.sm[0]}{gpu.sm[1]}), planned without a GPU; no kernel compiled",)
-    if timed:
-        _, _, (forward_unpadded, backward_unpadded) = plan(False)
-        notes += (f"pad_mm: Inductor times {len(timed)} unaligned matmul(s) on the GPU to decide whether to pad "
-                  f"them; planned padded. Unpadded, the compiled graphs' own buffers peak at "
-                  f"{forward_unpadded:,} B (forward) and {backward_unpadded:,} B (backward) instead of "
-                  f"{forward_peak:,} B and {backward_peak:,} B",)
-    return _with_notes(graph, notes)
+    padded = plan(True)
+
+    def finish() -> StepGraph:
+        graph, timed, (forward_peak, backward_peak) = answer(padded)
+        notes = (f"compiled plan: Inductor's Triton scheduling for the {gpu.description} ({gpu.sm_count} SMs, "
+                 f"sm{gpu.sm[0]}{gpu.sm[1]}), planned without a GPU; no kernel compiled",)
+        if timed:
+            _, _, (forward_unpadded, backward_unpadded) = answer(plan(False))
+            notes += (f"pad_mm: Inductor times {len(timed)} unaligned matmul(s) on the GPU to decide whether to "
+                      f"pad them; planned padded. Unpadded, the compiled graphs' own buffers peak at "
+                      f"{forward_unpadded:,} B (forward) and {backward_unpadded:,} B (backward) instead of "
+                      f"{forward_peak:,} B and {backward_peak:,} B",)
+        return _with_notes(graph, notes)
+
+    return _PlannedStep(finish, padded)
 
 
 def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:

@@ -150,21 +150,67 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
     """Inductor's plan for one partitioned graph (edited in place by the post-grad passes); `donated`: the
     indices of the backward's inputs AOT autograd donates (`donated_inputs`); `is_inference`: a graph with
     no backward (a compiled call under no_grad), after `inference_graph_passes`."""
+    inputs = _example_inputs(gm)
+    _post_grad_passes(gm, fake_mode, donated, is_inference)
+    return _lowered_plan(gm, inputs, fake_mode, is_backward=is_backward, donated=donated, is_inference=is_inference)
+
+
+def plan_forward_and_backward(forward: fx.GraphModule, backward: fx.GraphModule, fake_mode, *,
+                              donated: list[int], start_apart=None) -> tuple[GraphPlan, GraphPlan]:
+    """`plan_graph` of a partition's forward and backward. `start_apart(work)`: starts `work()` in a forked
+    child and returns a handle whose `result()` waits for its value (triton_target.start_forked); when
+    given, the forward is lowered and planned there while this process plans the backward (the two plans
+    are independent: each is its own GraphLowering), and its plan comes back by node names, placed on this
+    process's copy of the forward (the same graph: the child is forked after the post-grad passes)."""
+    if start_apart is None:
+        return (plan_graph(forward, fake_mode, is_backward=False),
+                plan_graph(backward, fake_mode, is_backward=True, donated=donated))
+    inputs = _example_inputs(forward)
+    _post_grad_passes(forward, fake_mode, (), False)
+    apart = start_apart(lambda: _by_node_names(_lowered_plan(forward, inputs, fake_mode, is_backward=False)))
+    try:
+        backward_plan = plan_graph(backward, fake_mode, is_backward=True, donated=donated)
+    except BaseException:
+        apart.abandon()
+        raise
+    return _on_nodes(apart.result(), forward), backward_plan
+
+
+def _example_inputs(gm: fx.GraphModule) -> list:
+    return [p.meta.get("val") for p in gm.graph.find_nodes(op="placeholder")]
+
+
+@contextlib.contextmanager
+def _planning(fake_mode, donated):
     import types
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
-    from torch._inductor.compile_fx import _recursive_post_grad_passes
-    from torch._inductor.debug import DebugContext
     from torch._inductor.virtualized import V
 
-    inputs = [p.meta.get("val") for p in gm.graph.find_nodes(op="placeholder")]
     context = TracingContext(fake_mode)
     context.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated))   # what get_donated_idxs reads
     # scalar C++ kernels only (simdlen 1): vectorising changes a kernel's code, not which buffers the wrapper
-    # allocates, and halves the code generation time (same plans on every model of the benchmark)
+    # allocates, and halves the code generation time (same plans on every model of the benchmark). One
+    # compile thread: with more, Inductor starts a pool of compile worker processes (each imports torch) and,
+    # once it is up, sends every generated kernel there to be compiled, which a plan never needs.
     with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), \
-            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1}):
+            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1, "compile_threads": 1}):
+        yield
+
+
+def _post_grad_passes(gm: fx.GraphModule, fake_mode, donated, is_inference: bool) -> None:
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+    with _planning(fake_mode, donated):
         _recursive_post_grad_passes(gm, is_inference=is_inference)
+
+
+def _lowered_plan(gm: fx.GraphModule, inputs: list, fake_mode, *, is_backward: bool, donated: list[int] = (),
+                  is_inference: bool = False) -> GraphPlan:
+    """The plan of `gm` after its post-grad passes: lowering, scheduling and the wrapper's code generation."""
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.virtualized import V
+
+    with _planning(fake_mode, donated):
         graph = _StepRecordingLowering(gm, example_inputs=inputs, shape_env=fake_mode.shape_env,
                                        graph_id=int(is_backward), is_inference=is_inference, is_backward=is_backward)
         with V.set_graph_handler(graph), V.set_extern_kernel_nodes([]), V.set_debug_handler(DebugContext()), \
@@ -173,6 +219,33 @@ def plan_graph(gm: fx.GraphModule, fake_mode, *, is_backward: bool, donated: lis
             graph.codegen()
             plan = _read_plan(gm, graph)
     return dataclasses.replace(plan, scratch=_kernel_scratch(plan.order))
+
+
+@dataclasses.dataclass(frozen=True)
+class _NodeName:
+    """An fx node of a plan made in another process, by its name (`_by_node_names`)."""
+    name: str
+
+
+def _by_node_names(plan: GraphPlan) -> GraphPlan:
+    """`plan` without its graph, every fx node replaced by its `_NodeName`: plain data to send back."""
+    return _nodes_mapped(plan, None, lambda v: _NodeName(v.name) if isinstance(v, fx.Node) else v)
+
+
+def _on_nodes(plan: GraphPlan, gm: fx.GraphModule) -> GraphPlan:
+    """A `_by_node_names` plan placed on `gm`'s nodes of those names."""
+    nodes = {node.name: node for node in gm.graph.nodes}
+    return _nodes_mapped(plan, gm, lambda v: nodes[v.name] if isinstance(v, _NodeName) else v)
+
+
+def _nodes_mapped(plan: GraphPlan, gm, node) -> GraphPlan:
+    """`plan` on `gm` with `node(value)` in place of every node it names."""
+    return dataclasses.replace(
+        plan, gm=gm, order=tuple(map(node, plan.order)),
+        step_of={node(n): step for n, step in plan.step_of.items()},
+        storage_of={node(n): tuple(map(node, keys)) for n, keys in plan.storage_of.items()},
+        input_release_step={node(n): step for n, step in plan.input_release_step.items()},
+        scratch={node(n): sizes for n, sizes in plan.scratch.items()})
 
 
 def _kernel_scratch(order) -> dict:

@@ -56,10 +56,12 @@ def find_blocks(joint: torch.fx.GraphModule, pattern: str | None) -> list[str]:
     return list(seen)
 
 
-def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
+def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: bool = False) -> Schedule:
     """Partition for the policy. Regions the user's forward already checkpoints are checkpointed in every
     policy (as torch.compile and eager both honour them), with the user's own selective policy function
-    where one was given; `full`/`selective` then tag their own blocks."""
+    where one was given; `full`/`selective` then tag their own blocks. `plans_in_parallel`: a compiled
+    policy's forward is planned in a forked child while this process plans its backward, when this process
+    may use more than one core (for a process that may fork: a planning child of its own)."""
     user_calls = cap.seen.checkpoint_calls
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
@@ -98,7 +100,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
     partition, budget = default_partition, spec.memory_budget
     config = {} if budget is None else {"activation_memory_budget": budget}
     if policy.compiled:
-        return _inductor_schedule(cap, joint, num_fwd, static, config, notes)
+        return _inductor_schedule(cap, joint, num_fwd, static, config, notes, plans_in_parallel)
     # lazy graph modules: the partitions are read, never run, so their Python code is never generated
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
@@ -128,10 +130,11 @@ def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> f
 
 
 def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,
-                       notes: tuple[str, ...]) -> Schedule:
+                       notes: tuple[str, ...], plans_in_parallel: bool = False) -> Schedule:
     """torch.compile's step: Inductor's decompositions and partition, then each graph's kernels and buffer
     plan as Inductor lowers, fuses, orders and plans it (tracer.capture.inductor_plan)."""
-    from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_graph
+    from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_forward_and_backward
+    from tracer.capture.triton_target import start_forked, usable_cores
 
     with torch._functorch.config.patch(**config):
         forward, backward = inductor_partition(joint, cap.fake_mode, num_fwd_outputs=num_fwd, static_inputs=static)
@@ -139,8 +142,9 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
     for graph in (forward, backward):
         fill_rng_wrapper_values(graph, cap.fake_mode)     # recomputed random ops (checkpointed blocks)
     donated = donated_inputs(forward, backward, num_fwd)
-    forward_plan = plan_graph(forward, cap.fake_mode, is_backward=False)
-    backward_plan = plan_graph(backward, cap.fake_mode, is_backward=True, donated=donated)
+    start_apart = start_forked if plans_in_parallel and usable_cores() > 1 else None
+    forward_plan, backward_plan = plan_forward_and_backward(forward, backward, cap.fake_mode, donated=donated,
+                                                            start_apart=start_apart)
     if forward_plan.scratch or backward_plan.scratch:
         notes += (f"CPU flash-attention scratch sized for this process's {torch.get_num_threads()} intra-op "
                   "threads (torch.get_num_threads(); it grows with the training run's thread count)",)

@@ -375,6 +375,46 @@ def in_forked_process(work):
     """`work()` run in a forked child of this process; its return value (picklable) comes back, and so does
     an exception it raises. The child shares nothing with this process afterwards, so patches it applies
     stay there. Raises TritonPlanError when the child dies without an answer."""
+    return start_forked(work).result()
+
+
+class ForkedWork:
+    """A forked child running `work()` (`start_forked`); `result()` waits for it and returns its value or
+    raises its exception (TritonPlanError when the child died without an answer)."""
+
+    def __init__(self, pid: int, read_end: int):
+        self._pid, self._read_end = pid, read_end
+        self._answer = None
+
+    def result(self):
+        if self._answer is None:
+            with os.fdopen(self._read_end, "rb") as pipe:
+                payload = pipe.read()
+            _, status = os.waitpid(self._pid, 0)
+            if not payload:
+                raise TritonPlanError(f"the planning process ended without an answer (wait status {status})")
+            self._answer = pickle.loads(payload)
+        kind, value = self._answer
+        if kind == "error":
+            raise value
+        return value
+
+    def abandon(self) -> None:
+        """Stops waiting for an answer not read yet: the child's write fails and it exits; it is reaped."""
+        if self._answer is None:
+            self._answer = ("error", TritonPlanError("abandoned"))
+            os.close(self._read_end)
+            os.waitpid(self._pid, 0)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def start_forked(work) -> ForkedWork:
+    """`work()` started in a forked child of this process, which goes on at once (the caller's own work
+    runs beside the child's); see `in_forked_process`."""
     sys.stdout.flush()
     sys.stderr.flush()
     read_end, write_end = os.pipe()
@@ -395,15 +435,7 @@ def in_forked_process(work):
         finally:
             os._exit(code)
     os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        payload = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    if not payload:
-        raise TritonPlanError(f"the planning process ended without an answer (wait status {status})")
-    kind, value = pickle.loads(payload)
-    if kind == "error":
-        raise value
-    return value
+    return ForkedWork(pid, read_end)
 
 
 def _one_intra_op_thread() -> None:
