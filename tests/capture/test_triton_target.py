@@ -128,6 +128,7 @@ def test_checkpointed_random_ops_replay_from_the_generator_state(policy):
 
 
 @pytest.mark.parametrize("model,policy", [("gpt2-debug", "compiled"), ("gpt2-debug", "compiled+selective"),
+                                          ("gpt2-debug", "compiled-blocks+full"),
                                           (UNALIGNED_VOCAB, "compiled")])
 def test_the_forward_planned_beside_the_backward_is_the_plan_made_after_it(model, policy, monkeypatch):
     """With two cores the planning child lowers the forward in a forked child of its own while it plans the
@@ -136,7 +137,13 @@ def test_the_forward_planned_beside_the_backward_is_the_plan_made_after_it(model
     one_after_the_other = _compiled(model, seq=128, policy=policy)
     monkeypatch.setattr(triton_target, "usable_cores", lambda: 2)
     side_by_side = _compiled(model, seq=128, policy=policy)
-    assert side_by_side.ops and side_by_side == one_after_the_other
+    assert side_by_side.ops and _numbered_alike(side_by_side) == _numbered_alike(one_after_the_other)
+
+
+def _numbered_alike(graph):
+    """`graph` without its autograd node ids, which a process numbers on from one capture to the next."""
+    import dataclasses
+    return dataclasses.replace(graph, ops=tuple(dataclasses.replace(op, autograd_node=None) for op in graph.ops))
 
 
 def test_the_other_policies_are_built_while_the_compiled_one_is_planned():

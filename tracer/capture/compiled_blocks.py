@@ -149,10 +149,12 @@ def region_joint(joint: fx.GraphModule, forward_nodes: list, backward_nodes: lis
                        tuple(forward_outputs), tuple(backward_outputs), tuple(static))
 
 
-def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tuple[CompiledRegion, ...]:
-    """Every block's region, partitioned and planned as block.compile() has Inductor compile it."""
+def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode, *,
+                     start_apart=None) -> tuple[CompiledRegion, ...]:
+    """Every block's region, partitioned and planned as block.compile() has Inductor compile it
+    (`start_apart`: as inductor_plan.plan_forward_and_backward takes it)."""
     from tracer.capture.schedule import fill_rng_wrapper_values
-    from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_graph
+    from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_forward_and_backward
 
     regions = []
     compiled: dict[tuple, tuple] = {}          # structure -> (forward, backward, their plans)
@@ -169,8 +171,8 @@ def compiled_regions(joint: fx.GraphModule, blocks: list[str], fake_mode) -> tup
             for graph in (forward, backward):
                 fill_rng_wrapper_values(graph, fake_mode)
             donated = donated_inputs(forward, backward, num_forward_outputs)
-            compiled[key] = (forward, backward, plan_graph(forward, fake_mode, is_backward=False),
-                             plan_graph(backward, fake_mode, is_backward=True, donated=donated), block)
+            compiled[key] = (forward, backward, *plan_forward_and_backward(
+                forward, backward, fake_mode, donated=donated, start_apart=start_apart), block)
         forward, backward, forward_plan, backward_plan, graph_block = compiled[key]
         regions.append(CompiledRegion(
             block=block, graph_block=graph_block, forward_nodes=frozenset(forward_nodes), backward_nodes=frozenset(backward_nodes),

@@ -66,8 +66,9 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
+    start_apart = _planning_child_starter(plans_in_parallel)
     if spec.policy.compiled_blocks:
-        return _compiled_blocks_schedule(cap, spec)
+        return _compiled_blocks_schedule(cap, spec, start_apart)
     from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -100,7 +101,7 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     partition, budget = default_partition, spec.memory_budget
     config = {} if budget is None else {"activation_memory_budget": budget}
     if policy.compiled:
-        return _inductor_schedule(cap, joint, num_fwd, static, config, notes, plans_in_parallel)
+        return _inductor_schedule(cap, joint, num_fwd, static, config, notes, start_apart)
     # lazy graph modules: the partitions are read, never run, so their Python code is never generated
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
@@ -130,11 +131,10 @@ def _parameter_placeholders(joint: torch.fx.GraphModule, cap: JointCapture) -> f
 
 
 def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int], config: dict,
-                       notes: tuple[str, ...], plans_in_parallel: bool = False) -> Schedule:
+                       notes: tuple[str, ...], start_apart=None) -> Schedule:
     """torch.compile's step: Inductor's decompositions and partition, then each graph's kernels and buffer
     plan as Inductor lowers, fuses, orders and plans it (tracer.capture.inductor_plan)."""
     from tracer.capture.inductor_plan import donated_inputs, inductor_partition, plan_forward_and_backward
-    from tracer.capture.triton_target import start_forked, usable_cores
 
     with torch._functorch.config.patch(**config):
         forward, backward = inductor_partition(joint, cap.fake_mode, num_fwd_outputs=num_fwd, static_inputs=static)
@@ -142,7 +142,6 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
     for graph in (forward, backward):
         fill_rng_wrapper_values(graph, cap.fake_mode)     # recomputed random ops (checkpointed blocks)
     donated = donated_inputs(forward, backward, num_fwd)
-    start_apart = start_forked if plans_in_parallel and usable_cores() > 1 else None
     forward_plan, backward_plan = plan_forward_and_backward(forward, backward, cap.fake_mode, donated=donated,
                                                             start_apart=start_apart)
     if forward_plan.scratch or backward_plan.scratch:
@@ -152,7 +151,14 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
                     compiled=True, notes=notes, forward_plan=forward_plan, backward_plan=backward_plan)
 
 
-def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
+def _planning_child_starter(plans_in_parallel: bool):
+    """How a compiled graph pair's forward is planned beside its backward (`plan_forward_and_backward`):
+    in a forked child, when asked and this process may use more than one core; else None."""
+    from tracer.capture.triton_target import start_forked, usable_cores
+    return start_forked if plans_in_parallel and usable_cores() > 1 else None
+
+
+def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec, start_apart=None) -> Schedule:
     """block.compile() on every block: the joint as eager runs it, with each block's nodes replaced by its own
     compiled forward and backward (tracer.capture.compiled_blocks). Checkpointing inside a block (the
     policy's own, as torchtitan wraps each block before compiling it, or the model's checkpoint calls made
@@ -176,7 +182,7 @@ def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec) -> Schedule:
                      _region_deciders(spec, cap.fake_mode), whole_regions=True)
         if spec.policy.checkpoint == "selective":
             notes += (f"save policy: {save_policy_label(spec)}",)
-    regions = compiled_regions(joint, blocks, cap.fake_mode)
+    regions = compiled_regions(joint, blocks, cap.fake_mode, start_apart=start_apart)
     return Schedule(joint=joint, regions=regions,
                     notes=(f"compiled blocks: {', '.join(r.block for r in regions)}",) + notes)
 
