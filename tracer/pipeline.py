@@ -13,6 +13,7 @@ this tool. `target="cpu"` predicts a CPU step (and is what the exactness tests a
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
@@ -350,7 +351,8 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`.
     `workers` > 1 (the CLI passes one per CPU core): a deep model named by a string has its two cut
     captures made at once, one in a spawned process, and a model captured in full has its policies other
-    than compiled captured there; the answer is the same."""
+    than compiled captured there unless the capture plans the compiled ones in forked children itself (a
+    CUDA target's Triton plan); the answer is the same."""
     source = load_source(model, options)
 
     def capture():
@@ -451,14 +453,26 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     return tuple(graphs[i] for i in indices)
 
 
+@contextlib.contextmanager
 def capture_processes(count: int):
-    """A pool of `count` spawned processes that print what this one prints: a spawned process starts with
-    logging's and warnings' defaults, and takes this process's (the CLI quiets libraries' logging and
-    Python warnings unless --verbose, cli/entry.py)."""
+    """A pool of `count` spawned processes that print what this one prints (a spawned process starts with
+    logging's and warnings' defaults, and takes this process's: the CLI quiets libraries' logging and
+    Python warnings unless --verbose, cli/entry.py), entered as a context. The pool's processes and this
+    one share the cores while it is open (triton_target.cores_shared_by)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    return ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=_print_as_parent,
-                               initargs=(_output_state(),))
+
+    from tracer.capture.triton_target import cores_shared_by
+    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=_as_sibling,
+                             initargs=(_output_state(), count + 1)) as pool, cores_shared_by(count + 1):
+        yield pool
+
+
+def _as_sibling(state: tuple[int, int | None, bool], processes: int) -> None:
+    """A pool process's start: it prints as its parent does and shares the cores with `processes` - 1 others."""
+    from tracer.capture.triton_target import share_cores
+    _print_as_parent(state)
+    share_cores(processes)
 
 
 def _output_state() -> tuple[int, int | None, bool]:

@@ -11,6 +11,11 @@ order and buffer planning, run on the captured joint under fake tensors, without
     C++ (or Triton) kernel is compiled. Returns a `GraphPlan`: the graph's fx nodes in the order of the
     kernels that compute them, and one `PlannedStorage` per allocation with the kernel step that allocates
     it and the step after which the wrapper drops its last reference.
+  * `plan_forward_and_backward(forward, backward, ...)`: both graphs' plans; given a way to start work in a
+    forked child, the forward is lowered there (after its post-grad passes here) while this process plans
+    the backward, and its plan comes back by node names. Each graph has its own GraphLowering, so the plans
+    are those made one after the other. Inductor is given one compile thread: with more it starts a pool
+    of compile worker processes and sends them every kernel it generates, which a plan never runs.
 
 The scheduler is the one of the graph's device: Inductor's CPU (C++) backend for CPU values, and its Triton
 backend for a CUDA target, whose joint tracer.capture.triton_target retargets to fake cuda values in a

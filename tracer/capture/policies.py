@@ -60,8 +60,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     """Partition for the policy. Regions the user's forward already checkpoints are checkpointed in every
     policy (as torch.compile and eager both honour them), with the user's own selective policy function
     where one was given; `full`/`selective` then tag their own blocks. `plans_in_parallel`: a compiled
-    policy's forward is planned in a forked child while this process plans its backward, when this process
-    may use more than one core (for a process that may fork: a planning child of its own)."""
+    policy's forward is planned in a forked child while this process plans its backward, when this process's
+    planning may keep more than one core busy (for a process that may fork: a planning child of its own)."""
     user_calls = cap.seen.checkpoint_calls
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
@@ -153,9 +153,9 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
 
 def _planning_child_starter(plans_in_parallel: bool):
     """How a compiled graph pair's forward is planned beside its backward (`plan_forward_and_backward`):
-    in a forked child, when asked and this process may use more than one core; else None."""
-    from tracer.capture.triton_target import start_forked, usable_cores
-    return start_forked if plans_in_parallel and usable_cores() > 1 else None
+    in a forked child, when asked and this process's planning may keep more than one core busy; else None."""
+    from tracer.capture.triton_target import planning_cores, start_forked
+    return start_forked if plans_in_parallel and planning_cores() > 1 else None
 
 
 def _compiled_blocks_schedule(cap: JointCapture, spec: PolicySpec, start_apart=None) -> Schedule:

@@ -25,8 +25,13 @@ on the CPU build once five things a CPU build lacks are supplied; nothing is com
      is left, the decision is given (`pad_decision`) and recorded, and the caller plans both answers.
 
 The patches change process-wide state, so a plan runs in a forked child of the capturing process
-(`in_forked_process`): the child inherits the captured joint, retargets it to fake cuda tensors
-(`retarget_to_cuda`), plans and converts it, and sends the finished (plain, picklable) result back.
+(`start_forked`, `in_forked_process`): the child inherits the captured joint, retargets it to fake cuda
+tensors (`retarget_to_cuda`), plans and converts it, and sends the finished (plain, picklable) result back.
+The capturing process starts that child before it builds the step's other policies, which it builds while
+the child plans; and with more than one usable core the child lowers the partition's forward in a forked
+child of its own while it plans the backward (inductor_plan.plan_forward_and_backward). A forked child
+shares nothing afterwards and computes what the one process would: the steps are the same to the last field
+(tests/capture/test_triton_target.py).
 
 Not modelled here: decisions under `max_autotune` (Triton templates), `benchmark_fusion` and
 `benchmark_epilogue_fusion` (off by default), CUDA graphs. `triton_unavailable()` says why a plan cannot be
@@ -35,6 +40,7 @@ backend and says so in the report.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -410,6 +416,31 @@ class ForkedWork:
 def usable_cores() -> int:
     """The CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_CAPTURE_PROCESSES = [1]      # capture processes of this command running at once, this one included
+
+
+@contextlib.contextmanager
+def cores_shared_by(processes: int):
+    """While it is entered, this process is one of `processes` capture processes sharing the cores
+    (tracer.pipeline.capture_processes): `planning_cores` divides them."""
+    _CAPTURE_PROCESSES.append(processes)
+    try:
+        yield
+    finally:
+        _CAPTURE_PROCESSES.pop()
+
+
+def share_cores(processes: int) -> None:
+    """This process is, for its life, one of `processes` capture processes sharing the cores."""
+    _CAPTURE_PROCESSES[0] = processes
+
+
+def planning_cores() -> int:
+    """The cores this process's own planning may keep busy: its usable cores, shared by the command's
+    capture processes (a process forked to plan beside another only slows both when none is left)."""
+    return max(1, usable_cores() // _CAPTURE_PROCESSES[-1])
 
 
 def start_forked(work) -> ForkedWork:
