@@ -226,6 +226,19 @@ def test_a_pool_that_cannot_start_captures_the_check_here(monkeypatch):
     assert report_json(analysis) == report_json(tracer.analyze(LLAMA12, **keywords))
 
 
+def test_the_processes_of_a_capture_pool_share_the_cores():
+    """A capture process beside others plans each compiled graph pair in one process: a forked planner
+    beside it would only take a core another capture process is using."""
+    from tracer.capture.triton_target import planning_cores, usable_cores
+    from tracer.pipeline import capture_processes
+    shared = max(1, usable_cores() // 2)
+    assert planning_cores() == usable_cores()
+    with capture_processes(1) as pool:
+        assert pool.submit(planning_cores).result() == shared
+        assert planning_cores() == shared
+    assert planning_cores() == usable_cores()
+
+
 @pytest.mark.slow
 def test_a_shallow_models_compiled_policy_is_captured_beside_the_others():
     """workers=2 on a model captured in full: the compiled policy here, the others in a spawned process;

@@ -47,6 +47,7 @@ import hashlib
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -406,10 +407,14 @@ class ForkedWork:
         return value
 
     def abandon(self) -> None:
-        """Stops waiting for an answer not read yet: the child's write fails and it exits; it is reaped."""
+        """Stops a child whose answer was not read (the caller failed meanwhile): it is killed and reaped."""
         if self._answer is None:
             self._answer = ("error", TritonPlanError("abandoned"))
             os.close(self._read_end)
+            try:
+                os.kill(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             os.waitpid(self._pid, 0)
 
 
