@@ -265,12 +265,15 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
     try:
         _refuse_overwritten_saved_values(cap)
         out, recordings, schedules = [None] * len(requests), {}, {}
-        # compiled policies for a CUDA target are planned in forked children, started first: the other
-        # policies are built here while they plan
+        # compiled policies for a CUDA target are planned in forked children, one at a time (a memory budget
+        # sweep asks for many), the first started before the other policies are built here
         for i, (request_options, spec) in enumerate(requests):
             target = parse_target(request_options.target)
             if target.is_cuda and spec.policy.compiled_any:
                 planning[i] = _compiled_for_cuda(cap, source, request_options, spec, target.gpu, kept)
+        queue = list(planning.values())
+        if queue:
+            queue[0].start()
         for i, (request_options, spec) in enumerate(requests):
             if on_policy is not None:
                 on_policy(spec.label)
@@ -281,8 +284,8 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
                 schedules[spec] = policy_schedule(cap, spec)
             out[i] = _step_for_policy(cap, source, request_options, spec, schedules[spec],
                                       recordings.setdefault(step_key, []), kept)
-        for i, finish in planning.items():
-            out[i] = finish()
+        for i, planned in planning.items():
+            out[i] = planned()
         return tuple(out)
     finally:
         for finish in planning.values():
@@ -299,14 +302,23 @@ def compiled_planned_apart(options: CaptureOptions, specs) -> bool:
 
 
 class _PlannedStep:
-    """A compiled policy's StepGraph being planned (`_compiled_for_cuda`): `__call__` returns it, waiting
-    for the forked planner; `abandon()` stops a planner whose answer is no longer wanted."""
+    """A compiled policy's StepGraph planned in a forked child (`_compiled_for_cuda`): `start()` forks the
+    planner, `__call__` starts it if need be and returns the step, waiting for it; `abandon()` stops a
+    planner whose answer is no longer wanted."""
 
-    def __init__(self, finish, forked=None):
-        self._finish, self._forked = finish, forked
+    def __init__(self, start=None, finish=None, graph: StepGraph | None = None):
+        self._start, self._finish, self._graph = start, finish, graph
+        self._forked = None
+
+    def start(self) -> None:
+        if self._forked is None and self._start is not None:
+            self._forked = self._start()
 
     def __call__(self) -> StepGraph:
-        return self._finish()
+        if self._graph is None:
+            self.start()
+            self._graph = self._finish(self._forked)
+        return self._graph
 
     def abandon(self) -> None:
         if self._forked is not None:
@@ -315,9 +327,10 @@ class _PlannedStep:
 
 def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, gpu, kept) -> _PlannedStep:
     """A compiled policy for a CUDA target, planned by Inductor's Triton scheduling for `gpu` in a forked
-    child (capture/triton_target.py), started now and collected by calling the result. pad_mm's decisions
-    that Inductor times on the GPU are planned both ways: the step is the padded plan, and a note gives the
-    unpadded plan's own peaks. Without triton (or a compiler) here, the C++ plan with a note saying so."""
+    child (capture/triton_target.py), started by the result's `start()` and collected by calling it.
+    pad_mm's decisions that Inductor times on the GPU are planned both ways: the step is the padded plan,
+    and a note gives the unpadded plan's own peaks. Without triton (or a compiler) here, the C++ plan with a
+    note saying so."""
     from tracer.capture.inductor_plan import planned_peak_bytes
     from tracer.capture.triton_target import (TRITON_REQUIREMENT, TritonPlanError, install_cuda_planning,
                                               retarget_to_cuda, start_forked, triton_unavailable)
@@ -325,10 +338,10 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
     unavailable = triton_unavailable()
     if unavailable is not None:
         graph = _step_for_policy(cap, source, options, spec, policy_schedule(cap, spec), [], kept)
-        graph = _with_notes(graph, (f"compiled plan: Inductor's C++ scheduling stands in for Triton's, which "
-                                    f"CUDA runs: {unavailable}; Triton fuses, splits reductions and reuses "
-                                    f"buffers by its own rules (install {TRITON_REQUIREMENT} for its plan)",))
-        return _PlannedStep(lambda: graph)
+        return _PlannedStep(graph=_with_notes(graph, (
+            f"compiled plan: Inductor's C++ scheduling stands in for Triton's, which CUDA runs: {unavailable}; "
+            f"Triton fuses, splits reductions and reuses buffers by its own rules (install {TRITON_REQUIREMENT} "
+            "for its plan)",)))
 
     def plan(pad: bool):
         def work():
@@ -350,9 +363,7 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
             raise CaptureError(f"Inductor's Triton plan for {gpu.description} failed: {exc}",
                                hint="use --target cpu for the C++ plan, or report the model") from None
 
-    padded = plan(True)
-
-    def finish() -> StepGraph:
+    def finish(padded) -> StepGraph:
         graph, timed, (forward_peak, backward_peak) = answer(padded)
         notes = (f"compiled plan: Inductor's Triton scheduling for the {gpu.description} ({gpu.sm_count} SMs, "
                  f"sm{gpu.sm[0]}{gpu.sm[1]}), planned without a GPU; no kernel compiled",)
@@ -364,7 +375,7 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
                       f"{forward_peak:,} B and {backward_peak:,} B",)
         return _with_notes(graph, notes)
 
-    return _PlannedStep(finish, padded)
+    return _PlannedStep(start=lambda: plan(True), finish=finish)
 
 
 def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:
