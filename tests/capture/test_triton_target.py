@@ -166,3 +166,33 @@ def test_a_planning_child_whose_answer_is_not_wanted_is_stopped_and_reaped():
     assert time.monotonic() - began < 10
     with pytest.raises(ChildProcessError):
         os.waitpid(started._pid, os.WNOHANG)
+
+
+def test_a_memory_budget_sweep_plans_one_compiled_policy_at_a_time(monkeypatch):
+    """Each budget of a sweep is a compiled policy of its own; their planning processes run one after
+    another, not all at once (each holds a copy of the capture and Inductor's state)."""
+    import tracer
+    running, most = [0], [0]
+    start = triton_target.start_forked
+
+    class Counted:
+        def __init__(self, forked):
+            self.forked = forked
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+
+        def result(self):
+            try:
+                return self.forked.result()
+            finally:
+                running[0] -= 1
+
+        def abandon(self):
+            self.forked.abandon()
+
+    from tracer.pipeline import AnalysisOptions, run_analysis
+    monkeypatch.setattr(triton_target, "start_forked", lambda work: Counted(start(work)))
+    options = AnalysisOptions(seq=32, policies=("eager", "compiled"), memory_budgets=(None, 0.5, 0.0))
+    analysis = run_analysis("gpt2-debug", options)
+    assert len([name for name in analysis.policies if name.startswith("compiled")]) == 3
+    assert most == [1]
