@@ -130,13 +130,25 @@ def test_checkpointed_random_ops_replay_from_the_generator_state(policy):
 @pytest.mark.parametrize("model,policy", [("gpt2-debug", "compiled"), ("gpt2-debug", "compiled+selective"),
                                           ("gpt2-debug", "compiled-blocks+full"),
                                           (UNALIGNED_VOCAB, "compiled")])
-def test_the_forward_planned_beside_the_backward_is_the_plan_made_after_it(model, policy, monkeypatch):
+def test_the_forward_planned_beside_the_backward_is_the_plan_made_after_it(model, policy, monkeypatch, tmp_path):
     """With two cores the planning child lowers the forward in a forked child of its own while it plans the
     backward; the step is the one planned one graph after the other, to the last field."""
+    starts = tmp_path / "starts"               # one line per forked child, written by whichever process forks
+    start = triton_target.start_forked
+
+    def counted(work):
+        with open(starts, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return start(work)
+
+    monkeypatch.setattr(triton_target, "start_forked", counted)
     monkeypatch.setattr(triton_target, "usable_cores", lambda: 1)
     one_after_the_other = _compiled(model, seq=128, policy=policy)
+    forks_alone = len(starts.read_text().split())
+    starts.unlink()
     monkeypatch.setattr(triton_target, "usable_cores", lambda: 2)
     side_by_side = _compiled(model, seq=128, policy=policy)
+    assert len(starts.read_text().split()) > forks_alone       # each planning child forked its forward's
     assert side_by_side.ops and _numbered_alike(side_by_side) == _numbered_alike(one_after_the_other)
 
 

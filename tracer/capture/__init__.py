@@ -268,12 +268,11 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         # compiled policies for a CUDA target are planned in forked children, one at a time (a memory budget
         # sweep asks for many), the first started before the other policies are built here
         for i, (request_options, spec) in enumerate(requests):
-            target = parse_target(request_options.target)
-            if target.is_cuda and spec.policy.compiled_any:
-                planning[i] = _compiled_for_cuda(cap, source, request_options, spec, target.gpu, kept)
-        queue = list(planning.values())
-        if queue:
-            queue[0].start()
+            if _planned_for_cuda(request_options, spec):
+                planning[i] = _compiled_for_cuda(cap, source, request_options, spec,
+                                                 parse_target(request_options.target).gpu, kept)
+        for planned in list(planning.values())[:1]:
+            planned.start()
         for i, (request_options, spec) in enumerate(requests):
             if on_policy is not None:
                 on_policy(spec.label)
@@ -297,8 +296,12 @@ def compiled_planned_apart(options: CaptureOptions, specs) -> bool:
     """Whether `capture_steps` plans the compiled ones of `specs` in forked children while it builds the
     others (a CUDA target's Triton plan, where it can be made here)."""
     from tracer.capture.triton_target import triton_unavailable
-    return (parse_target(options.target).is_cuda and any(spec.policy.compiled_any for spec in specs)
-            and triton_unavailable() is None)
+    return any(_planned_for_cuda(options, spec) for spec in specs) and triton_unavailable() is None
+
+
+def _planned_for_cuda(options: CaptureOptions, spec: PolicySpec) -> bool:
+    """A compiled policy for a CUDA target: its step comes from `_compiled_for_cuda`."""
+    return parse_target(options.target).is_cuda and spec.policy.compiled_any
 
 
 class _PlannedStep:

@@ -66,9 +66,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
-    start_apart = _planning_child_starter(plans_in_parallel)
     if spec.policy.compiled_blocks:
-        return _compiled_blocks_schedule(cap, spec, start_apart)
+        return _compiled_blocks_schedule(cap, spec, _planning_child_starter(plans_in_parallel))
     from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -101,7 +100,8 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     partition, budget = default_partition, spec.memory_budget
     config = {} if budget is None else {"activation_memory_budget": budget}
     if policy.compiled:
-        return _inductor_schedule(cap, joint, num_fwd, static, config, notes, start_apart)
+        return _inductor_schedule(cap, joint, num_fwd, static, config, notes,
+                                  _planning_child_starter(plans_in_parallel))
     # lazy graph modules: the partitions are read, never run, so their Python code is never generated
     with torch.no_grad(), tracing(TracingContext(cap.fake_mode)), torch._functorch.config.patch(**config), \
             _use_lazy_graph_module(True):
