@@ -36,10 +36,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """`python -m tracer` and the `tracer` script: run `main`, then end the process with its exit code. A
-    thread the model's code started and left running (not a daemon) would keep the interpreter alive after
-    the report; the process then ends without waiting for it, its output flushed first."""
+    """`python -m tracer` and the `tracer` script: run `main`, then end the process with its exit code,
+    without the interpreter's final collection (`tracer.pipeline.end_without_collecting`). A thread the
+    model's code started and left running (not a daemon) would keep the interpreter alive after the
+    report; the process then ends without waiting for it, its output flushed first."""
     code = main()
+    from tracer.pipeline import end_without_collecting
+    end_without_collecting()
     import threading
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         for stream in (sys.stdout, sys.stderr):
