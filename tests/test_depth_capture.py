@@ -175,7 +175,7 @@ def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ
         source = load_source(LLAMA12, options)
         blocks = find_block_list(source, precision="fp32", seq=16)
         base = capture_graphs(cut_source(source, BASE_DEPTH, {}), dataclasses.replace(options, full_capture=True))
-        return CutSteps(blocks, tuple(base.values()), None, checked_on="elsewhere")
+        return CutSteps(blocks, tuple(base.values()), None, checked_on="a 6-block capture of elsewhere")
 
     differ = check_synthesis(cut_base(checkpoint_every=2), analyze=None, count=1)
     assert differ.graphs == (None,) and differ.note.startswith(

@@ -214,3 +214,79 @@ def test_a_failed_baseline_check_captures_every_group_as_the_full_capture_does(m
     captured = run_levers(DEEP, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
     assert [dataclasses.replace(r, options=None) for r in failed.rows] == \
         [dataclasses.replace(r, options=None) for r in captured.rows]
+
+
+SHALLOW = os.path.join(os.path.dirname(__file__), "fixtures", "llama8_debug.py")   # 8 blocks: one capture in full
+
+
+def _without_options(table) -> list:
+    """The rows' numbers (their options differ in `full_capture` alone)."""
+    return [dataclasses.replace(row, options=None) for row in table.rows]
+
+
+def _cut_depths_recorded(monkeypatch) -> list:
+    """(precision, batch, LoRA rank, policy, depth) of every cut capture `run_levers` makes from now on."""
+    import tracer.levers
+
+    depths = []
+    honest = tracer.levers.capture_cut_variants
+
+    def recording(source, variants, depth, **keywords):
+        depths.extend((v.precision, v.batch, v.lora_rank or 0, v.policies[0], depth) for v in variants)
+        return honest(source, variants, depth, **keywords)
+
+    monkeypatch.setattr(tracer.levers, "capture_cut_variants", recording)
+    return depths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_shallow_models_uniform_groups_are_cut_and_checked_on_the_baselines_full_capture(monkeypatch, workers):
+    """A model of 8 blocks is captured in full (cutting it to 4 and 6 blocks would cost as much), but the
+    groups that change every block alike are captured cut to 4 blocks only: the baseline's step cut to 4
+    blocks, under each policy those groups use, is synthesized to 8 and compared op for op with the
+    baseline's full capture. Every row equals its full capture, in one process or with worker processes."""
+    from tracer.depth_capture import BASE_DEPTH
+
+    depths = _cut_depths_recorded(monkeypatch)
+    synthesized = run_levers(SHALLOW, BASE, levers=UNIFORM, workers=workers)
+    if workers == 1:                          # (a worker process's cut captures are not seen from here)
+        assert sorted(depths) == sorted([
+            ("fp32", 4, 0, "eager", BASE_DEPTH), ("fp32", 4, 0, "full", BASE_DEPTH),        # the baseline's check
+            ("bf16-pure", 4, 0, "eager", BASE_DEPTH), ("bf16-pure", 4, 0, "full", BASE_DEPTH),
+            ("fp32", 1, 0, "eager", BASE_DEPTH), ("fp32", 4, 16, "eager", BASE_DEPTH)])
+    captured = run_levers(SHALLOW, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
+    assert _without_options(synthesized) == _without_options(captured)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [SHALLOW, DEEP])
+def test_a_check_that_fails_under_one_policy_recaptures_only_the_groups_that_use_it(monkeypatch, model):
+    """The baseline's check is read per policy: when the synthesis under full checkpointing differs from
+    its capture, the groups with a fully checkpointed row are captured again (in full, or with a check of
+    their own), while the groups that only run eager keep their synthesized rows. Every row equals its
+    full capture."""
+    import tracer.depth_capture
+    import tracer.levers
+
+    honest_difference = tracer.depth_capture.first_difference
+
+    def full_differs(synthesized, captured):
+        return "forced to differ" if synthesized.graph.config.policy == "full" else \
+            honest_difference(synthesized, captured)
+
+    again = []
+    honest_rows = tracer.levers._group_rows
+
+    def recording(model, base, job, on_progress=None, cut=None):
+        if cut is None:                       # captured without the cut captures made for it
+            again.append(tuple(name for _, name, _ in job))
+        return honest_rows(model, base, job, on_progress, cut)
+
+    monkeypatch.setattr(tracer.depth_capture, "first_difference", full_differs)
+    monkeypatch.setattr(tracer.levers, "_group_rows", recording)
+    checked = run_levers(model, BASE, levers=UNIFORM)
+    baseline_again = [("baseline", "full checkpointing")] if model == DEEP else []   # its rows came from its cuts
+    assert sorted(again) == sorted(baseline_again + [("pure bf16", "full + pure bf16")])
+    captured = run_levers(model, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
+    assert _without_options(checked) == _without_options(captured)

@@ -64,7 +64,8 @@ class CutSteps:
     """The step graphs of a model cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks (one per captured graph),
     or the TracerError that stopped the first capture that failed (then `base` or `check` is None).
     `checked_on`: `check` is None because the synthesis of this model was checked on another capture of it
-    (named here: a variant of the same model, tracer/levers.py), so only `base` was captured."""
+    (named here: "a 6-block capture of" a variant of the same model, tracer/levers.py), so only `base` was
+    captured."""
     blocks: BlockList
     base: tuple[StepGraph, ...] | None
     check: tuple[StepGraph, ...] | None
@@ -109,10 +110,11 @@ def _block_list(model) -> tuple[str, object]:
     return best
 
 
-def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
+def find_block_list(source, *, precision: str, seq: int, deeper_than: int = BASE_DEPTH + CHECK_DEPTH
+                    ) -> BlockList | None:
     """The block list to synthesize `source`'s depth from, or None (no repeated block list, or at most
-    `BASE_DEPTH + CHECK_DEPTH` blocks: the two cut captures would cost as much as the full one): found by
-    building the model cut to `BASE_DEPTH` under fake tensors."""
+    `deeper_than` blocks: by default `BASE_DEPTH + CHECK_DEPTH`, where the two cut captures would cost as
+    much as the full one): found by building the model cut to `BASE_DEPTH` under fake tensors."""
     from tracer.capture.build import probe_build
     from tracer.passes.depth import DepthError
 
@@ -122,7 +124,7 @@ def find_block_list(source, *, precision: str, seq: int) -> BlockList | None:
     except (TracerError, DepthError):
         return None                                 # no block list: the full capture says what is wrong
     depth, path = seen.get("depth", 0), seen.get("path", "")
-    return BlockList(path, depth) if depth > BASE_DEPTH + CHECK_DEPTH else None
+    return BlockList(path, depth) if depth > deeper_than else None
 
 
 def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[StepGraph, ...]],
@@ -245,7 +247,7 @@ def _synthesized_unchecked(cut: CutSteps, count: int) -> DeepCapture:
 
     depth, path = cut.blocks.depth, cut.blocks.path
     note = (f"depth: captured {BASE_DEPTH} of {depth} blocks of {path}, the {depth}-block step is synthesized; "
-            f"the synthesis was checked op for op against a {CHECK_DEPTH}-block capture of {cut.checked_on}")
+            f"the synthesis was checked op for op against {cut.checked_on}")
     graphs, differences = [], []
     for graph in cut.base[:count]:
         try:

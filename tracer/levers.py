@@ -187,9 +187,12 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
         return _group_results(model, base, jobs, pool, on_progress)
 
 
-# capture options a lever changes identically in every block of the model (the dtype, the micro-batch, an
-# adapter on every matching module): the depth synthesis checked on the baseline's capture holds for them
-_UNIFORM_FIELDS = frozenset(("precision", "batch", "lora_rank", "lora_targets"))
+# capture options a lever changes identically in every block of the model (the dtype; the micro-batch or the
+# sequence a rank holds; an adapter, a 4-bit or a float8 form of every matching linear layer; saved tensors
+# held on the host; attention's sequence split over ranks): the depth synthesis checked on the baseline's
+# capture holds for them under the same policy
+_UNIFORM_FIELDS = frozenset(("precision", "batch", "seq", "lora_rank", "lora_targets", "quantized_base", "fp8",
+                             "offload", "cp"))
 
 
 def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) -> list[dict]:
@@ -198,10 +201,13 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
 
     joints = [joint_key(job[0][2].capture_options()) for job in jobs]       # what decides each group's capture
     reuses = [j > 0 and _differs_only_in(joints[j], joints[0], _UNIFORM_FIELDS) for j in range(len(jobs))]
-    checked_on = f"the same model under the {jobs[0][0][1]!r} lever" if jobs else None
     order = [0] + sorted(range(1, len(jobs)), key=lambda j: -len(_variants(jobs[j])))   # the most captures first
     source = load_source(model, base)
     pending, blocks_by = {}, {}
+    shallow = _shallow_blocks(source, jobs, reuses)
+    checked_on = (f"the full capture of the same model under the {jobs[0][0][1]!r} lever" if shallow is not None
+                  else f"a {CHECK_DEPTH}-block capture of the same model under the {jobs[0][0][1]!r} lever" if jobs
+                  else None)
     for j in order:
         variants = tuple(_variants(jobs[j]).values())
         # the block list a group's capture_deep would find: the model's modules, which its dtype does not change
@@ -210,7 +216,10 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         if probe not in blocks_by:
             blocks_by[probe] = block_list(source, variants[0])
         blocks = blocks_by[probe]
-        if blocks is None:
+        if blocks is None and shallow is not None and (j == 0 or reuses[j]):
+            pending[j] = (shallow, pool.submit(_rows_and_graphs, model, base, jobs[j]) if j == 0 else
+                          pool.submit(_synthesized_rows, model, base, jobs[j], shallow, checked_on))
+        elif blocks is None:
             pending[j] = (None, pool.submit(_group_rows, model, base, jobs[j]))
         elif reuses[j]:                 # its rows made where it is captured, on the check's verdict to come
             pending[j] = (blocks, pool.submit(_synthesized_rows, model, base, jobs[j], blocks, checked_on))
@@ -220,10 +229,10 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
             pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
                                    for depth in (CHECK_DEPTH, BASE_DEPTH)})
     out: dict[int, dict] = {}
-    checked = False
+    checked: frozenset = frozenset()
     for j in order:
         try:
-            rows, checked = _rows_of_group(j, jobs, pending[j], reuses[j], checked, source, base, say, on_progress)
+            rows, checked = _rows_of_group(j, jobs, pending[j], reuses, checked, source, base, say, on_progress)
         except TracerError as exc:
             if j == 0:
                 raise                   # the baseline: without it no row means anything
@@ -234,21 +243,42 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     return [out[j] for j in range(len(jobs))]
 
 
-def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: bool, checked: bool, source, base: AnalysisOptions,
-                   say, on_progress) -> tuple[dict, bool]:
+def _shallow_blocks(source, jobs: list, reuses: list):
+    """The block list of a model too shallow to be cut for one capture (at most `BASE_DEPTH + CHECK_DEPTH`
+    blocks) that the levers' uniform groups are cut on all the same: each of them is captured at
+    `BASE_DEPTH` blocks only, checked on the baseline's full capture (`_checked_on_full`). None: no such
+    group, no repeated block list deeper than `BASE_DEPTH`, or a model deep enough for `block_list`."""
+    if not any(reuses):
+        return None
+    options = jobs[0][0][2]
+    if options.full_capture:
+        return None
+    blocks = block_list(source, options, deeper_than=BASE_DEPTH)
+    return blocks if blocks is not None and blocks.depth <= BASE_DEPTH + CHECK_DEPTH else None
+
+
+def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: frozenset, source,
+                   base: AnalysisOptions, say, on_progress) -> tuple[dict, frozenset]:
     """Group `j`'s rows from what `_group_results` started for it (`pending`: its block list and futures),
-    and whether the baseline's depth check has passed (group 0 decides it; later groups read it)."""
+    and the policies whose depth synthesis the baseline's check has passed (group 0 decides them; later
+    groups read them)."""
     blocks, futures = pending
     if blocks is None:
         return futures.result(), checked
-    if reuses:
-        # made before the verdict: kept when the baseline's check passed, else captured with a check of its own
-        return (futures.result() if checked else _group_rows(source, base, jobs[j], on_progress)), checked
+    if reuses[j]:
+        # made before the verdict: kept when the baseline's check passed under every policy of the group, else
+        # captured with a check of its own
+        policies = {_step_key(options)[1] for _, _, options in jobs[j]}
+        return (futures.result() if policies <= checked else _group_rows(source, base, jobs[j], on_progress)), checked
+    if j == 0 and blocks.depth <= BASE_DEPTH + CHECK_DEPTH:
+        say(f"capturing {source.name} cut to {BASE_DEPTH} blocks to check the synthesis of its {blocks.depth} on "
+            "its full capture ...")
+        return _checked_on_full(source, jobs, reuses, blocks, futures)
     if j == 0:
         say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its {blocks.depth} ...")
-        rows = _checked_rows(source, base, jobs[j], futures)
+        rows, checked = _checked_rows(source, base, jobs[j], futures)
         # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
-        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress)), rows is not None
+        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress)), checked
     say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
     return _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures)), checked
 
@@ -272,22 +302,62 @@ def _unchecked_rows(model, base: AnalysisOptions, job: tuple, blocks) -> tuple:
     return rows, dataclasses.replace(prepared, full=())
 
 
-def _checked_rows(source, base: AnalysisOptions, job: tuple, unchecked) -> dict[int, LeverRow] | None:
+def _checked_rows(source, base: AnalysisOptions, job: tuple, unchecked) -> tuple[dict | None, frozenset]:
     """`unchecked`'s rows (the Future of `_unchecked_rows`) when the group's `CHECK_DEPTH`-block capture,
-    made here, equals its synthesis op for op for every variant; None when it differs, is refused or a
-    capture fails (the caller then captures the group as `capture_deep` does, with its note)."""
+    made here, equals its synthesis op for op for every variant, else None (the caller then captures the
+    group as `capture_deep` does, with its note); and the policies of the variants whose synthesis equals
+    its capture (empty when a capture fails)."""
     from tracer.depth_capture import synthesis_differences
     from tracer.errors import TracerError
 
-    options = tuple(_variants(job).values())
+    variants = _variants(job)
+    options = tuple(variants.values())
     try:
         check = _capture_cut(source, base, options, CHECK_DEPTH)
         rows, prepared = unchecked.result()
     except TracerError:
-        return None
-    if rows is None or synthesis_differences(prepared, check, lambda i, graph: analyze_one(graph, options[i])):
-        return None
-    return rows
+        return None, frozenset()
+    differences = synthesis_differences(prepared, check, lambda i, graph: analyze_one(graph, options[i]))
+    policies = [key[1] for key in variants]
+    passed = frozenset(policies) - {policies[i] for i in differences}
+    return (rows if rows is not None and not differences else None), passed
+
+
+def _rows_and_graphs(model, base: AnalysisOptions, job: tuple) -> tuple[dict, dict]:
+    """A worker's job for the baseline's group of a model captured in full: its rows, and its step graph per
+    step key (for `_checked_on_full`)."""
+    graphs = _group_graphs(load_source(model, base), job)
+    return {i: _row(name, options, "", graphs) for i, name, options in job}, graphs
+
+
+def _checked_on_full(source, jobs: list, reuses: list, blocks, baseline) -> tuple[dict, frozenset]:
+    """The baseline group's rows (`baseline`: the Future of `_rows_and_graphs`) and the policies under which
+    its step synthesized from the model cut to `BASE_DEPTH` blocks, captured here, equals its full capture op
+    for op: one variant per policy the uniform groups use, the baseline's first under that policy."""
+    from tracer.depth_capture import first_difference
+    from tracer.passes.depth import DepthError
+    from tracer.passes.depth_graph import synthesize_depth
+
+    wanted = {_step_key(options)[1] for j in range(len(jobs)) if reuses[j] for _, _, options in jobs[j]}
+    checks: dict = {}
+    for key, options in _variants(jobs[0]).items():
+        if key[1] in wanted:
+            checks.setdefault(key[1], (key, options))
+    cut: tuple = ()
+    try:
+        cut = capture_cut_variants(source, tuple(options for _, options in checks.values()), BASE_DEPTH)
+    except TracerError:
+        pass
+    rows, graphs = baseline.result()
+    passed = set()
+    for (policy, (key, options)), graph in zip(checks.items(), cut):
+        try:
+            synthesized = synthesize_depth(graph, blocks.depth)
+        except DepthError:
+            continue
+        if first_difference(analyze_one(synthesized, options), analyze_one(graphs[key], options)) is None:
+            passed.add(policy)
+    return rows, frozenset(passed)
 
 
 def _synthesized_rows(model, base: AnalysisOptions, job: tuple, blocks, checked_on: str) -> dict[int, LeverRow]:
@@ -359,11 +429,15 @@ def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=
     """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
     together (`cut`: its cut captures, when already made), each row analysed with its own options (only
     the rows travel back from a worker)."""
-    source = load_source(model, base)
-    variants = _variants(job)
-    graphs = dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
-                                                 cut=cut)))
+    graphs = _group_graphs(load_source(model, base), job, on_progress, cut)
     return {i: _row(name, options, "", graphs) for i, name, options in job}
+
+
+def _group_graphs(source, job: tuple, on_progress=None, cut=None) -> dict:
+    """Step key -> the step graph of each distinct variant of a capture group, from one joint capture."""
+    variants = _variants(job)
+    return dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
+                                               cut=cut)))
 
 
 def _step_key(options: AnalysisOptions) -> tuple:

@@ -586,9 +586,9 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
     return _capture_by_depth(source, variants, _variant_capture(source, variants, say), say, cut=cut)
 
 
-def block_list(source, options: AnalysisOptions):
+def block_list(source, options: AnalysisOptions, **deeper_than):
     """The block list `capture_graphs` and `capture_variants` synthesize the depth of (tracer/depth_capture.py),
-    or None: captured in full."""
+    or None: captured in full. `deeper_than=N`: any repeated block list of more than N blocks."""
     from tracer.capture.context_parallel import ring_attention
     from tracer.capture.model_input import running_user_code
     from tracer.capture.process_group import rank_zero_of
@@ -599,7 +599,7 @@ def block_list(source, options: AnalysisOptions):
     # the model is built as a rank builds it
     with running_user_code(source.name), rank_zero_of(max(options.ep, options.cp)), \
             ring_attention(options.cp, options.seq):
-        return find_block_list(source, precision=options.precision, seq=options.capture_seq)
+        return find_block_list(source, precision=options.precision, seq=options.capture_seq, **deeper_than)
 
 
 def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: int, *,
