@@ -225,14 +225,14 @@ def _without_options(table) -> list:
 
 
 def _cut_depths_recorded(monkeypatch) -> list:
-    """(precision, batch, LoRA rank, policy, depth) of every cut capture `run_levers` makes from now on."""
+    """(variant options, depth) of every cut capture `run_levers` makes from now on in this process."""
     import tracer.levers
 
     depths = []
     honest = tracer.levers.capture_cut_variants
 
     def recording(source, variants, depth, **keywords):
-        depths.extend((v.precision, v.batch, v.lora_rank or 0, v.policies[0], depth) for v in variants)
+        depths.extend((v, depth) for v in variants)
         return honest(source, variants, depth, **keywords)
 
     monkeypatch.setattr(tracer.levers, "capture_cut_variants", recording)
@@ -251,7 +251,7 @@ def test_a_shallow_models_uniform_groups_are_cut_and_checked_on_the_baselines_fu
     depths = _cut_depths_recorded(monkeypatch)
     synthesized = run_levers(SHALLOW, BASE, levers=UNIFORM, workers=workers)
     if workers == 1:                          # (a worker process's cut captures are not seen from here)
-        assert sorted(depths) == sorted([
+        assert sorted((v.precision, v.batch, v.lora_rank or 0, v.policies[0], depth) for v, depth in depths) == sorted([
             ("fp32", 4, 0, "eager", BASE_DEPTH), ("fp32", 4, 0, "full", BASE_DEPTH),        # the baseline's check
             ("bf16-pure", 4, 0, "eager", BASE_DEPTH), ("bf16-pure", 4, 0, "full", BASE_DEPTH),
             ("fp32", 1, 0, "eager", BASE_DEPTH), ("fp32", 4, 16, "eager", BASE_DEPTH)])
@@ -290,3 +290,27 @@ def test_a_check_that_fails_under_one_policy_recaptures_only_the_groups_that_use
     assert sorted(again) == sorted(baseline_again + [("pure bf16", "full + pure bf16")])
     captured = run_levers(model, dataclasses.replace(BASE, full_capture=True), levers=UNIFORM)
     assert _without_options(checked) == _without_options(captured)
+
+
+LIBRARY_UNIFORM = tuple(lever for lever in LEVERS if lever.name in (
+    "baseline", "FP8 (torchao, tensorwise)", "QLoRA: 4-bit base + LoRA r=16", "offload activations (save_on_cpu)",
+    "context parallel (a rank of --world-size)"))
+
+
+@pytest.mark.slow
+def test_float8_a_4bit_base_offloaded_activations_and_context_parallelism_change_every_block_alike(monkeypatch):
+    """torchao's float8 linears, bitsandbytes' 4-bit base under LoRA, save_on_cpu and attention's ring over
+    the ranks each change every block the same way: their groups are cut to 4 blocks with the baseline's
+    check, and every row equals its full capture."""
+    from tracer.depth_capture import BASE_DEPTH
+
+    for library in ("torchao", "bitsandbytes", "peft"):
+        pytest.importorskip(library)
+    depths = _cut_depths_recorded(monkeypatch)
+    synthesized = run_levers(SHALLOW, BASE, world_size=2, levers=LIBRARY_UNIFORM)
+    assert all(row.options is not None for row in synthesized.rows), [row.reason for row in synthesized.rows]
+    cut = {(v.fp8, v.quantized_base, v.offload, v.cp) for v, depth in depths if depth == BASE_DEPTH}
+    assert cut == {(None, None, None, 1), ("tensorwise", None, None, 1), (None, "4bit", None, 1),
+                   (None, None, "activations", 1), (None, None, None, 2)}
+    captured = run_levers(SHALLOW, dataclasses.replace(BASE, full_capture=True), world_size=2, levers=LIBRARY_UNIFORM)
+    assert _without_options(synthesized) == _without_options(captured)
