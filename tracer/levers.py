@@ -8,8 +8,10 @@ setting of it (policies, optimizers, accumulation's steps and offload are schedu
 sharding and the device view are passes over it; the CLI spreads these captures over one process per
 CPU core: a deep model's baseline group cut to 4 blocks, synthesized and its rows analysed in a worker while
 the calling process captures it cut to 6 blocks and checks the synthesis; a group that changes every block
-alike, pure bf16, the micro-batch, LoRA, is cut to 4 blocks only and synthesized on the baseline group's
-6-block check, noted) and returns one `LeverRow` per lever;
+alike (`_UNIFORM_FIELDS`: pure bf16, the micro-batch, LoRA, a 4-bit base, FP8, offloaded activations,
+context parallelism) is cut to 4 blocks only and synthesized on the baseline group's check under the same
+policies, noted; a model of 5 to 10 blocks, captured in full by one command, has its uniform groups cut the
+same way, checked on the baseline's full capture) and returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -172,8 +174,10 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
     group that differs from it only in what every block's code sees the same way (`_UNIFORM_FIELDS`) is
     captured at `BASE_DEPTH` alone, synthesized and analysed in its worker. Rows made before the verdict are
     kept on it; a failed check captures the group again here as `capture_deep` does (its note says why),
-    and the uniform groups with a check of their own. Any other group: both depths in workers, checked and
-    synthesized here."""
+    and the uniform groups that use a policy whose check failed with a check of their own. Any other group:
+    both depths in workers, checked and synthesized here. A model too shallow to cut for one capture
+    (`_shallow_blocks`): the baseline group captured in full in a worker, the uniform groups at
+    `BASE_DEPTH`, and the check here on the baseline's full capture (`_checked_on_full`)."""
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
@@ -276,9 +280,10 @@ def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: fr
         return _checked_on_full(source, jobs, reuses, blocks, futures)
     if j == 0:
         say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its {blocks.depth} ...")
-        rows, checked = _checked_rows(source, base, jobs[j], futures)
-        # a check that fails or cannot run: the group captured again here, its verdict and note as capture_deep's
-        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress)), checked
+        rows, checked, cut = _checked_rows(source, base, jobs[j], blocks, futures)
+        # a check that fails or cannot run: the group made here from its cut captures (or captured again when
+        # one failed), its verdict and note as capture_deep's
+        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress, cut=cut)), checked
     say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
     return _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures)), checked
 
@@ -287,26 +292,27 @@ def _unchecked_rows(model, base: AnalysisOptions, job: tuple, blocks) -> tuple:
     """A worker's job for the baseline's group: its captures cut to `BASE_DEPTH` blocks, the synthesized side
     of their depth check (`prepare_synthesis`, without the full-depth graphs) and, where every synthesis
     succeeds, its rows from the full-depth synthesis, made before the check's verdict: (rows or None,
-    prepared). A TracerError is raised."""
+    prepared, the cut captures). A TracerError is raised."""
     from tracer.depth_capture import prepare_synthesis
 
     source = load_source(model, base)
     variants = _variants(job)
     options = tuple(variants.values())
-    prepared = prepare_synthesis(_capture_cut(source, base, options, BASE_DEPTH),
-                                 lambda i, graph: analyze_one(graph, options[i]), blocks.depth)
+    cut = _capture_cut(source, base, options, BASE_DEPTH)
+    prepared = prepare_synthesis(cut, lambda i, graph: analyze_one(graph, options[i]), blocks.depth)
     rows = None
     if not any(prepared.refused):
         graph_of = dict(zip(variants, prepared.full))
         rows = {i: _row(name, row_options, "", graph_of) for i, name, row_options in job}
-    return rows, dataclasses.replace(prepared, full=())
+    return rows, dataclasses.replace(prepared, full=()), cut
 
 
-def _checked_rows(source, base: AnalysisOptions, job: tuple, unchecked) -> tuple[dict | None, frozenset]:
+def _checked_rows(source, base: AnalysisOptions, job: tuple, blocks, unchecked
+                  ) -> tuple[dict | None, frozenset, CutSteps | None]:
     """`unchecked`'s rows (the Future of `_unchecked_rows`) when the group's `CHECK_DEPTH`-block capture,
-    made here, equals its synthesis op for op for every variant, else None (the caller then captures the
-    group as `capture_deep` does, with its note); and the policies of the variants whose synthesis equals
-    its capture (empty when a capture fails)."""
+    made here, equals its synthesis op for op for every variant, else None; the policies of the variants
+    whose synthesis equals its capture (empty when a capture fails); and both cut captures, from which the
+    caller makes the group as `capture_deep` does when the rows are None (its note says why)."""
     from tracer.depth_capture import synthesis_differences
     from tracer.errors import TracerError
 
@@ -314,13 +320,13 @@ def _checked_rows(source, base: AnalysisOptions, job: tuple, unchecked) -> tuple
     options = tuple(variants.values())
     try:
         check = _capture_cut(source, base, options, CHECK_DEPTH)
-        rows, prepared = unchecked.result()
+        rows, prepared, cut = unchecked.result()
     except TracerError:
-        return None, frozenset()
+        return None, frozenset(), None
     differences = synthesis_differences(prepared, check, lambda i, graph: analyze_one(graph, options[i]))
     policies = [key[1] for key in variants]
     passed = frozenset(policies) - {policies[i] for i in differences}
-    return (rows if rows is not None and not differences else None), passed
+    return (rows if rows is not None and not differences else None), passed, CutSteps(blocks, cut, check)
 
 
 def _rows_and_graphs(model, base: AnalysisOptions, job: tuple) -> tuple[dict, dict]:
