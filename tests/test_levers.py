@@ -278,10 +278,10 @@ def test_a_check_that_fails_under_one_policy_recaptures_only_the_groups_that_use
     again = []
     honest_rows = tracer.levers._group_rows
 
-    def recording(model, base, job, on_progress=None, cut=None):
+    def recording(model, base, job, on_progress=None, cut=None, **keywords):
         if cut is None:                       # captured without the cut captures made for it
             again.append(tuple(name for _, name, _ in job))
-        return honest_rows(model, base, job, on_progress, cut)
+        return honest_rows(model, base, job, on_progress, cut, **keywords)
 
     monkeypatch.setattr(tracer.depth_capture, "first_difference", full_differs)
     monkeypatch.setattr(tracer.levers, "_group_rows", recording)
@@ -313,3 +313,24 @@ def test_float8_a_4bit_base_offloaded_activations_and_context_parallelism_change
                    (None, None, "activations", 1), (None, None, None, 2)}
     captured = run_levers(SHALLOW, dataclasses.replace(BASE, full_capture=True), world_size=2, levers=LIBRARY_UNIFORM)
     assert _without_options(synthesized) == _without_options(captured)
+
+
+@pytest.mark.slow
+def test_the_baselines_cut_in_larger_units_runs_beside_a_worker_and_equals_one_process():
+    """When the baseline's check asks for units of 2 blocks (a compiled plan handing buffers on), its
+    deeper cut is captured in this process and the shallower in a worker: the same steps as one process
+    makes one after the other."""
+    from tracer.depth_capture import cut_depths, find_block_list, first_difference
+    from tracer.levers import _cut_again_beside, _variants
+    from tracer.pipeline import analyze_one, capture_cut_variants, capture_processes, load_source
+
+    job = tuple((i, lever.name, lever_options(lever, BASE)[0]) for i, lever in enumerate(UNIFORM[:2]))
+    source = load_source(DEEP, BASE)
+    blocks = find_block_list(source, precision="fp32", seq=BASE.seq)
+    variants = tuple(_variants(job).values())
+    with capture_processes(1) as pool:
+        cut = _cut_again_beside(pool, DEEP, BASE, job, source.name, lambda message: None)(blocks, (1,), 2)
+    assert cut.error is None and cut.group == 2
+    for depth, graphs in zip(cut_depths(blocks.depth, 2), (cut.base, cut.check)):
+        (alone,) = capture_cut_variants(source, variants[1:], depth)
+        assert first_difference(analyze_one(graphs[0], variants[1]), analyze_one(alone, variants[1])) is None

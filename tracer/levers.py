@@ -236,7 +236,8 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     checked: frozenset = frozenset()
     for j in order:
         try:
-            rows, checked = _rows_of_group(j, jobs, pending[j], reuses, checked, source, base, say, on_progress)
+            rows, checked = _rows_of_group(j, jobs, pending[j], reuses, checked, source, base, say, on_progress,
+                                           cut_again=_cut_again_beside(pool, model, base, jobs[j], source.name, say))
         except TracerError as exc:
             if j == 0:
                 raise                   # the baseline: without it no row means anything
@@ -262,10 +263,11 @@ def _shallow_blocks(source, jobs: list, reuses: list):
 
 
 def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: frozenset, source,
-                   base: AnalysisOptions, say, on_progress) -> tuple[dict, frozenset]:
+                   base: AnalysisOptions, say, on_progress, cut_again=None) -> tuple[dict, frozenset]:
     """Group `j`'s rows from what `_group_results` started for it (`pending`: its block list and futures),
     and the policies whose depth synthesis the baseline's check has passed (group 0 decides them; later
-    groups read them)."""
+    groups read them). `cut_again`: how the baseline's group is cut in larger units when its check asks
+    for that (`_cut_again_beside`)."""
     blocks, futures = pending
     if blocks is None:
         return futures.result(), checked
@@ -283,7 +285,8 @@ def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: fr
         rows, checked, cut = _checked_rows(source, base, jobs[j], blocks, futures)
         # a check that fails or cannot run: the group made here from its cut captures (or captured again when
         # one failed), its verdict and note as capture_deep's
-        return (rows if rows is not None else _group_rows(source, base, jobs[j], on_progress, cut=cut)), checked
+        return (rows if rows is not None else
+                _group_rows(source, base, jobs[j], on_progress, cut=cut, cut_again=cut_again)), checked
     say(f"checking and synthesizing {len(jobs[j])} levers at {blocks.depth} blocks ...")
     return _group_rows(source, base, jobs[j], on_progress, cut=_cut_steps(blocks, futures)), checked
 
@@ -431,19 +434,47 @@ def _variants(job: tuple) -> dict:
     return variants
 
 
-def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None) -> dict[int, LeverRow]:
+def _group_rows(model, base: AnalysisOptions, job: tuple, on_progress=None, cut=None,
+                cut_again=None) -> dict[int, LeverRow]:
     """The rows of one capture group (row index, lever name, options): its distinct step graphs captured
-    together (`cut`: its cut captures, when already made), each row analysed with its own options (only
-    the rows travel back from a worker)."""
-    graphs = _group_graphs(load_source(model, base), job, on_progress, cut)
+    together (`cut`: its cut captures, when already made; `cut_again`: as `capture_variants`), each row
+    analysed with its own options (only the rows travel back from a worker)."""
+    graphs = _group_graphs(load_source(model, base), job, on_progress, cut, cut_again)
     return {i: _row(name, options, "", graphs) for i, name, options in job}
 
 
-def _group_graphs(source, job: tuple, on_progress=None, cut=None) -> dict:
+def _group_graphs(source, job: tuple, on_progress=None, cut=None, cut_again=None) -> dict:
     """Step key -> the step graph of each distinct variant of a capture group, from one joint capture."""
     variants = _variants(job)
     return dict(zip(variants, capture_variants(source, tuple(variants.values()), on_progress=on_progress,
-                                               cut=cut)))
+                                               cut=cut, cut_again=cut_again)))
+
+
+def _cut_again_beside(pool, model, base: AnalysisOptions, job: tuple, name: str, say) -> Callable:
+    """`capture_variants`' `cut_again` for a group: the variants at `indices` cut in units of `group` blocks,
+    the shallower cut in a worker of `pool` (once one is free) while this process captures the deeper one:
+    the `CutSteps` of `capture_cut`, whose first TracerError (the shallower capture's first) is kept."""
+    from tracer.depth_capture import cut_depths
+
+    variants = tuple(_variants(job).values())
+
+    def cut_again(blocks, indices: tuple, group: int) -> CutSteps:
+        chosen = tuple(variants[i] for i in indices)
+        base_depth, check_depth = cut_depths(blocks.depth, group)
+        say(f"capturing {name} cut to {check_depth} and (in a worker process) {base_depth} of its {blocks.depth} "
+            "blocks under fake tensors ...")
+        shallower = pool.submit(_capture_cut, model, base, chosen, base_depth)
+        try:
+            deeper, deeper_error = _capture_cut(model, base, chosen, check_depth), None
+        except TracerError as exc:
+            deeper, deeper_error = None, exc
+        try:
+            cut = shallower.result()
+        except TracerError as exc:
+            return CutSteps(blocks, None, None, exc, group=group)
+        return CutSteps(blocks, cut, deeper, deeper_error, group=group)
+
+    return cut_again
 
 
 def _step_key(options: AnalysisOptions) -> tuple:

@@ -577,13 +577,15 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
-                     on_progress: Callable[[str], None] | None = None, cut=None) -> tuple:
+                     on_progress: Callable[[str], None] | None = None, cut=None, cut_again=None) -> tuple:
     """The StepGraph of each variant's first policy, from one joint capture: the variants may differ only in
     their policies and in how the step around forward and backward runs (capture.STEP_FIELDS). `cut`: the
     variants' captures of the model cut to a few blocks (`block_list`, then `capture_cut_variants` per
-    depth, as `tracer.depth_capture.CutSteps`), when already made."""
+    depth, as `tracer.depth_capture.CutSteps`), when already made; `cut_again(blocks, indices, group)`: how
+    the cuts in larger units are made (`_capture_by_depth`), when not one after the other here."""
     say = on_progress or (lambda message: None)
-    return _capture_by_depth(source, variants, _variant_capture(source, variants, say), say, cut=cut)
+    return _capture_by_depth(source, variants, _variant_capture(source, variants, say), say, cut=cut,
+                             cut_again=cut_again)
 
 
 def block_list(source, options: AnalysisOptions, **deeper_than):
