@@ -248,3 +248,58 @@ def test_a_shallow_models_compiled_policy_is_captured_beside_the_others():
     for label in one.policies:
         assert first_difference(two.policies[label], one.policies[label]) is None, label
     assert report_json(two) == report_json(one)
+
+
+@pytest.mark.slow
+def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_check_in_units_of_one(tmp_path):
+    """Beside eager, in two processes: the compiled policy's 4-block step already hands buffers on across 2
+    blocks, so its 6-block capture is skipped and it is cut again in units of 2 (the 6-block step's buffers
+    reach 3 blocks, which asked for units of 3 before). Every number of both policies equals the full
+    capture's."""
+    from tracer.depth_capture import find_block_list, handed_on
+    from tracer.pipeline import AnalysisOptions, _checks_that_wait, capture_cut_variants, load_source
+
+    path = _deep_llama(tmp_path, 64)
+    options = AnalysisOptions(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
+    source = load_source(path, options)
+    specs = options.policy_specs()
+    assert _checks_that_wait(options, specs, (0, 1)) == (1,)
+    assert _checks_that_wait(dataclasses.replace(options, policies=("compiled",)), specs[1:], (0,)) == ()
+    compiled = dataclasses.replace(options, policies=("compiled",))
+    base = capture_cut_variants(source, (options, compiled), 4)
+    blocks = find_block_list(source, precision="fp32", seq=16)
+    assert list(handed_on(base, [0, 1], blocks.depth)) == [1]           # eager hands nothing on
+
+    keywords = dict(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
+    synthesized = tracer.analyze(path, workers=2, **keywords)
+    captured = tracer.analyze(path, full_capture=True, **keywords)
+    for label in captured.policies:
+        assert first_difference(synthesized.policies[label], captured.policies[label]) is None, label
+    (note,) = [n for n in synthesized.policies["compiled"].graph.config.notes if n.startswith("depth:")]
+    assert note.startswith("depth: captured 8 and 12 of 64 blocks of blocks")        # (its 6-block step: units of 3)
+
+
+def test_a_retry_whose_check_asks_for_larger_units_cuts_again(monkeypatch):
+    """A cut in units of 2 whose check differs and shows buffers reaching 3 blocks is cut again in units
+    of 3; the graphs that check synthesizes replace the missing ones."""
+    import tracer.depth_capture
+    from tracer.depth_capture import BlockList, DeepCapture, Retry
+    from tracer.pipeline import _retried
+
+    blocks = BlockList("blocks", 64)
+    cuts = []
+
+    def cut_again(cut_blocks, indices, group):
+        cuts.append((indices, group))
+        return group
+
+    def check_synthesis(cut, analyze, count):
+        if cut == 2:
+            return DeepCapture((None,) * count, "units of 2 differ", retry=Retry(blocks, 3))
+        return DeepCapture(("synthesized",) * count, None)
+
+    monkeypatch.setattr(tracer.depth_capture, "check_synthesis", check_synthesis)
+    deep = DeepCapture(("eager", None), "compiled: not checked in units of 1 block", retry=Retry(blocks, 2))
+    again = _retried(None, deep, (1,), None, None, None, cut_again=cut_again)
+    assert cuts == [((1,), 2), ((1,), 3)]
+    assert again.graphs == ("eager", "synthesized") and again.note is None

@@ -170,14 +170,21 @@ class PreparedSynthesis:
 
 
 def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepGraph], object],
-                      depth: int, group: int = 1) -> PreparedSynthesis:
-    """The synthesized side of the check of `base` and its synthesis at `depth` blocks."""
+                      depth: int, group: int = 1, deferred: dict[int, int] | None = None) -> PreparedSynthesis:
+    """The synthesized side of the check of `base` and its synthesis at `depth` blocks. `deferred`: graph
+    index -> the blocks it hands buffers on across (`handed_on`), refused here for that reason."""
     from tracer.passes.depth import DepthError
     from tracer.passes.depth_graph import synthesize_depth
 
-    check_depth = cut_depths(depth, group)[1]
+    base_depth, check_depth = cut_depths(depth, group)
     checks, fulls, refused = [], [], []
     for i, graph in enumerate(base):
+        if i in (deferred or {}):
+            checks.append(None)
+            fulls.append(None)
+            refused.append(f"{graph.config.policy}: not checked in units of {group} block{'s' if group > 1 else ''}: "
+                           f"its {base_depth}-block step hands buffers on across {deferred[i]} blocks")
+            continue
         try:
             checks.append(analyze(i, synthesize_depth(graph, check_depth, group)))
             fulls.append(synthesize_depth(graph, depth, group))
@@ -216,14 +223,33 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
 
 
 def _retry(cut: CutSteps, differences: dict[int, str]) -> Retry | None:
-    """A `Retry` in units of the longest reach of a differing graph's check capture, where that is more
-    blocks than this cut's units and two cuts in those units capture at most half the model's depth."""
+    """A `Retry` in units of the longest reach of a differing graph's check capture (its base capture's where
+    it has none: deferred, `handed_on`), where that is more blocks than this cut's units and two cuts in
+    those units capture at most half the model's depth."""
     from tracer.passes.depth_graph import block_reach
 
-    reach = max((block_reach(cut.check[i]) for i in differences), default=0)
-    if reach <= cut.group or 2 * sum(cut_depths(cut.blocks.depth, reach)) > cut.blocks.depth:
+    reach = max((block_reach(cut.check[i] if cut.check[i] is not None else cut.base[i]) for i in differences),
+                default=0)
+    if reach <= cut.group or not _cut_again_pays(cut.blocks.depth, reach):
         return None
     return Retry(cut.blocks, reach)
+
+
+def _cut_again_pays(depth: int, group: int) -> bool:
+    """Two cuts in units of `group` blocks capture at most half of `depth` blocks."""
+    return 2 * sum(cut_depths(depth, group)) <= depth
+
+
+def handed_on(base: tuple[StepGraph, ...], candidates, depth: int) -> dict[int, int]:
+    """Index -> reach, for the graphs at `candidates` whose step cut to `BASE_DEPTH` blocks already hands
+    buffers on across reach > 1 blocks (depth_graph.block_reach: compiled code giving a block's weight
+    gradient a buffer later blocks used) where a cut in units of reach pays: their check in units of one
+    block is skipped and they are cut again in those units (`_retry`). The reach a deeper capture shows can
+    only be larger; a check in too small units fails and asks for larger ones (tracer.pipeline._retried)."""
+    from tracer.passes.depth_graph import block_reach
+
+    reaches = {j: block_reach(base[j]) for j in candidates}
+    return {j: reach for j, reach in reaches.items() if reach > 1 and _cut_again_pays(depth, reach)}
 
 
 def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, ...],
@@ -232,6 +258,9 @@ def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, .
     refused or differs from its capture in `check`; empty when every synthesis is checked."""
     differences = {}
     for i, captured in enumerate(check):
+        if captured is None:                  # deferred (`handed_on`): its refusal names the policy
+            differences[i] = prepared.refused[i]
+            continue
         difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))
         if difference:
             differences[i] = f"{captured.config.policy}: {difference}"

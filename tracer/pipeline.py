@@ -539,30 +539,42 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     """The two cut captures of `capture_cut` (tracer/depth_capture.py) of the policy specs at `indices`
     (None: all) in units of `group` blocks, the deeper one in a spawned process (which loads the model by its
     name) while this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut`
-    keeps it."""
+    keeps it. In units of one block, the deeper capture of a compiled policy planned for a CUDA target waits
+    for its shallower one beside other policies: where that hands buffers on across r > 1 blocks
+    (`handed_on`), the policy is not checked in units of one block (its synthesis is refused with that
+    reason) and the caller cuts it again in units of r."""
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
-    from tracer.depth_capture import CutSteps, cut_depths, cut_source, prepare_synthesis
+    from tracer.depth_capture import CutSteps, cut_depths, cut_source, handed_on, prepare_synthesis
     from tracer.errors import TracerError
 
+    specs = options.policy_specs(model_save_policy=source.save_policy)
     if indices is None:
-        indices = tuple(range(len(options.policy_specs(model_save_policy=source.save_policy))))
+        indices = tuple(range(len(specs)))
     base_depth, check_depth = cut_depths(blocks.depth, group)
     say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
         f"{blocks.depth} blocks under fake tensors ...")
+    waiting = _checks_that_wait(options, specs, indices) if group == 1 else ()
     with capture_processes(1) as pool:
-        check = pool.submit(_capture_in_worker, model, options, indices, check_depth)
+        checks = {(): pool.submit(_capture_in_worker, model, options,
+                                  tuple(i for i in indices if i not in waiting), check_depth)}
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, base_depth, {}), indices)
         except TracerError as exc:
-            check.cancel()
+            checks[()].cancel()
             return CutSteps(blocks, None, None, exc, group=group)
+        deferred = handed_on(base, [j for j, i in enumerate(indices) if i in waiting], blocks.depth)
+        late = tuple(i for j, i in enumerate(indices) if i in waiting and j not in deferred)
+        if late:
+            checks[late] = pool.submit(_capture_in_worker, model, options, late, check_depth)
         # the synthesized side of the check needs only `base`: made while the other process captures
-        prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group)
+        prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group,
+                                     deferred=deferred)
         try:
-            return CutSteps(blocks, base, check.result(), prepared=prepared, group=group)
+            return CutSteps(blocks, base, _checks_in_order(indices, checks, waiting, late), prepared=prepared,
+                            group=group)
         except TracerError as exc:
             return CutSteps(blocks, base, None, exc, group=group)
         except BrokenProcessPool:
@@ -574,6 +586,24 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
                             group=group)
     except TracerError as exc:
         return CutSteps(blocks, base, None, exc, group=group)
+
+
+def _checks_that_wait(options: AnalysisOptions, specs: tuple, indices: tuple) -> tuple:
+    """The indices whose deeper cut capture waits for their shallower one: the compiled policies planned for
+    a CUDA target (Inductor's Triton plan hands buffers on across blocks), when other policies keep the
+    second process busy meanwhile."""
+    from tracer.capture import compiled_planned_apart
+
+    waiting = tuple(i for i in indices if compiled_planned_apart(options.capture_options(), (specs[i],)))
+    return waiting if len(waiting) < len(indices) else ()
+
+
+def _checks_in_order(indices: tuple, checks: dict, waiting: tuple, late: tuple) -> tuple:
+    """The deeper cut's graphs in the order of `indices` from the Futures in `checks` (keyed by the waiting
+    indices each captured; () for the others), None for a waiting index not captured (deferred)."""
+    first = iter(checks[()].result())
+    later = dict(zip(late, checks[late].result())) if late else {}
+    return tuple(later.get(i) if i in waiting else next(first) for i in indices)
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
@@ -665,21 +695,26 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
 
 def _retried(source, deep, missing: tuple, captured: Callable, analyze: Callable, say, cut_again=None):
     """`deep` with its `missing` graphs synthesized from a second cut in units of `deep.retry.group` blocks
-    where that is checked exact; the note says why the others are still captured in full."""
+    where that is checked exact (and from a third in larger units where that check asks for it); the note
+    says why the others are still captured in full."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_cut, check_synthesis
 
-    if cut_again is not None:
-        cut = cut_again(deep.retry.blocks, missing, deep.retry.group)
-    else:
-        with running_user_code(source.name):
-            cut = capture_cut(source, deep.retry.blocks, lambda src: captured(src, missing), say,
-                              group=deep.retry.group)
-    again = check_synthesis(cut, lambda j, graph: analyze(missing[j], graph), count=len(missing))
-    graphs = list(deep.graphs)
-    for j, i in enumerate(missing):
-        graphs[i] = again.graphs[j]
-    return DeepCapture(tuple(graphs), again.note and f"{deep.note}; {again.note}")
+    while deep.retry is not None and missing:
+        if cut_again is not None:
+            cut = cut_again(deep.retry.blocks, missing, deep.retry.group)
+        else:
+            with running_user_code(source.name):
+                cut = capture_cut(source, deep.retry.blocks, lambda src, indices=missing: captured(src, indices),
+                                  say, group=deep.retry.group)
+        again = check_synthesis(cut, lambda j, graph, indices=missing: analyze(indices[j], graph),
+                                count=len(missing))
+        graphs = list(deep.graphs)
+        for j, i in enumerate(missing):
+            graphs[i] = again.graphs[j]
+        deep = DeepCapture(tuple(graphs), again.note and f"{deep.note}; {again.note}", retry=again.retry)
+        missing = tuple(i for i in missing if graphs[i] is None)
+    return deep
 
 
 def analyze_one(graph, options: AnalysisOptions):
