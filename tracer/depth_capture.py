@@ -13,8 +13,10 @@ Where the check fails and the `CHECK_DEPTH`-block capture hands a buffer on acro
 (compiled code: Inductor's plan gives a block's weight gradient a buffer later blocks used in backward;
 depth_graph.block_reach), the result carries a `Retry`: the caller cuts again in units of r blocks
 (`cut_depths(depth, r)`: `BASE_DEPTH` and `CHECK_DEPTH` units) and checks that synthesis the same way, when
-those two cuts capture at most half the model's depth. Otherwise the caller captures in full, with the
-returned note saying why (which op or number broke the synthesis). Models with at most
+those two cuts capture at most half the model's depth (where the `BASE_DEPTH`-block step already hands
+buffers on, `handed_on`, the caller may skip the check in units of one block for it and cut again at once;
+a check in units of r that asks for larger units still is cut again in those). Otherwise the caller
+captures in full, with the returned note saying why (which op or number broke the synthesis). Models with at most
 `BASE_DEPTH + CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are captured in full without a
 note. Not covered by the check: a difference that only appears beyond the check's depth (the blocks are
 identical modules, so the step of each is the same program).
@@ -244,8 +246,9 @@ def handed_on(base: tuple[StepGraph, ...], candidates, depth: int) -> dict[int, 
     """Index -> reach, for the graphs at `candidates` whose step cut to `BASE_DEPTH` blocks already hands
     buffers on across reach > 1 blocks (depth_graph.block_reach: compiled code giving a block's weight
     gradient a buffer later blocks used) where a cut in units of reach pays: their check in units of one
-    block is skipped and they are cut again in those units (`_retry`). The reach a deeper capture shows can
-    only be larger; a check in too small units fails and asks for larger ones (tracer.pipeline._retried)."""
+    block is skipped and they are cut again in those units (`_retry`). A deeper capture can show a longer
+    reach (llama-88m's compiled plan: 2 blocks at 4, 3 at 6); a check in too small units then fails and
+    asks for larger ones (tracer.pipeline._retried)."""
     from tracer.passes.depth_graph import block_reach
 
     reaches = {j: block_reach(base[j]) for j in candidates}
