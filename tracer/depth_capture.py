@@ -112,8 +112,7 @@ def _block_list(model) -> tuple[str, object]:
     return best
 
 
-def find_block_list(source, *, precision: str, seq: int, deeper_than: int = BASE_DEPTH + CHECK_DEPTH
-                    ) -> BlockList | None:
+def find_block_list(source, *, precision: str, seq: int, deeper_than: int | None = None) -> BlockList | None:
     """The block list to synthesize `source`'s depth from, or None (no repeated block list, or at most
     `deeper_than` blocks: by default `BASE_DEPTH + CHECK_DEPTH`, where the two cut captures would cost as
     much as the full one): found by building the model cut to `BASE_DEPTH` under fake tensors."""
@@ -126,7 +125,8 @@ def find_block_list(source, *, precision: str, seq: int, deeper_than: int = BASE
     except (TracerError, DepthError):
         return None                                 # no block list: the full capture says what is wrong
     depth, path = seen.get("depth", 0), seen.get("path", "")
-    return BlockList(path, depth) if depth > deeper_than else None
+    return BlockList(path, depth) if depth > (BASE_DEPTH + CHECK_DEPTH if deeper_than is None else deeper_than) \
+        else None
 
 
 def capture_cut(source, blocks: BlockList, capture: Callable[[object], tuple[StepGraph, ...]],

@@ -237,7 +237,8 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     for j in order:
         try:
             rows, checked = _rows_of_group(j, jobs, pending[j], reuses, checked, source, base, say, on_progress,
-                                           cut_again=_cut_again_beside(pool, model, base, jobs[j], source.name, say))
+                                           cut_again=_cut_again_beside(pool, model, base, jobs[j], source.name, say)
+                                           if j == 0 else None)
         except TracerError as exc:
             if j == 0:
                 raise                   # the baseline: without it no row means anything

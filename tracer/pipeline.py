@@ -618,9 +618,10 @@ def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
                              cut_again=cut_again)
 
 
-def block_list(source, options: AnalysisOptions, **deeper_than):
+def block_list(source, options: AnalysisOptions, *, deeper_than: int | None = None):
     """The block list `capture_graphs` and `capture_variants` synthesize the depth of (tracer/depth_capture.py),
-    or None: captured in full. `deeper_than=N`: any repeated block list of more than N blocks."""
+    or None: captured in full. `deeper_than`: any repeated block list of more blocks than that (None: the
+    depth that pays for two cut captures)."""
     from tracer.capture.context_parallel import ring_attention
     from tracer.capture.model_input import running_user_code
     from tracer.capture.process_group import rank_zero_of
@@ -631,7 +632,7 @@ def block_list(source, options: AnalysisOptions, **deeper_than):
     # the model is built as a rank builds it
     with running_user_code(source.name), rank_zero_of(max(options.ep, options.cp)), \
             ring_attention(options.cp, options.seq):
-        return find_block_list(source, precision=options.precision, seq=options.capture_seq, **deeper_than)
+        return find_block_list(source, precision=options.precision, seq=options.capture_seq, deeper_than=deeper_than)
 
 
 def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: int, *,

@@ -9,47 +9,28 @@ import textwrap
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODEL = textwrap.dedent('''
-    import atexit
-    import gc
-    import os
+MLP_LM = os.path.join(ROOT, "tests", "fixtures", "mlp_lm.py")
 
-    import torch
-    from torch import nn
+# appended to a model file: at the process's exit, it writes how many objects the collector has set aside
+EXIT_HANDLER = textwrap.dedent('''
+
+    import atexit as _atexit
+    import gc as _gc
+    import os as _os
 
 
     def _say_how_the_process_ends():
-        with open(os.environ["END_REPORT"], "w") as out:
-            out.write(f"frozen={gc.get_freeze_count()}")
+        with open(_os.environ["END_REPORT"], "w") as out:
+            out.write(f"frozen={_gc.get_freeze_count()}")
 
 
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(64, 16)
-            self.head = nn.Linear(16, 64)
-
-        def forward(self, idx, targets):
-            return nn.functional.cross_entropy(self.head(self.embed(idx)).flatten(0, 1), targets.flatten())
-
-
-    def build_model():
-        return Net()
-
-
-    def example_batch(batch, seq):
-        return torch.randint(0, 64, (batch, seq)), torch.randint(0, 64, (batch, seq))
+    _atexit.register(_say_how_the_process_ends)
 ''')
 
 
-def _handler_registered_at_import(model_source: str) -> str:
-    """The model file registers its exit handler when the tracer imports it."""
-    return model_source + "\natexit.register(_say_how_the_process_ends)\n"
-
-
 def test_the_command_ends_without_collecting_and_the_models_exit_handlers_run(tmp_path):
-    path = tmp_path / "net.py"
-    path.write_text(_handler_registered_at_import(MODEL))
+    path = tmp_path / "mlp_lm_with_exit_handler.py"
+    path.write_text(open(MLP_LM).read() + EXIT_HANDLER)
     report = tmp_path / "end.txt"
     proc = subprocess.run([sys.executable, "-m", "tracer", str(path), "--seq", "8", "--batch", "2", "--no-cache"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
