@@ -1,6 +1,7 @@
 """tracer runs inside other people's processes (a notebook, the pytest marker in a user's test session):
 every command's pipeline leaves the process's global torch and Python state as it found it, even when the
 model file itself seeds the RNG, changes the default dtype or sets a torch config at import."""
+import gc
 import os
 import random
 import sys
@@ -56,7 +57,8 @@ def process_state() -> dict:
              "threads": torch.get_num_threads(), "matmul precision": torch.get_float32_matmul_precision(),
              "deterministic": torch.are_deterministic_algorithms_enabled(), "anomaly": torch.is_anomaly_enabled(),
              "excepthook": sys.excepthook, "process group": torch.distributed.is_initialized(),
-             "sdpa": torch.nn.functional.scaled_dot_product_attention, "dtensor handlers": _dtensor_handlers()}
+             "sdpa": torch.nn.functional.scaled_dot_product_attention, "dtensor handlers": _dtensor_handlers(),
+             "garbage collector thresholds": gc.get_threshold()}
     for name, module in list(sys.modules.items()):
         if isinstance(module, ConfigModule):
             values = module.get_config_copy()

@@ -29,7 +29,7 @@ from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
 from tracer.errors import TracerError, UsageError
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.pipeline import (AnalysisOptions, analyze_captured, analyze_one, block_list, capture_cut_variants,
-                             capture_variants, load_source)
+                             capture_variants, load_source, spaced_collections)
 
 ACCUMULATE_STEPS = 4
 LORA_RANK = 16
@@ -143,6 +143,7 @@ def _check_world_size(world_size) -> None:
         raise UsageError(f"--world-size {world_size!r} is not valid", hint="a positive integer")
 
 
+@spaced_collections()
 def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, levers: tuple[Lever, ...] = LEVERS,
                on_progress: Callable[[str], None] | None = None, workers: int = 1) -> LeverTable:
     """One row per lever. Levers that change only the policy or the step around forward and backward
@@ -508,6 +509,7 @@ class LeverFit:
     reason: str = ""
 
 
+@spaced_collections()
 def fit_levers(model: str, budget, base: AnalysisOptions, *, world_size: int | None = None,
                levers: tuple[Lever, ...] = LEVERS, on_progress: Callable[[str], None] | None = None) -> list[LeverFit]:
     """`--fit SIZE --levers`: the largest batch at --seq whose peak fits, per lever (accumulation: the

@@ -25,7 +25,8 @@ VERBOSE_HINT = "rerun with --verbose for the traceback"
 
 
 def run_entry_point(body: Callable[[], int], *, prog: str, verbose: bool) -> int:
-    with _library_warnings_quiet(verbose):
+    from tracer.pipeline import spaced_collections
+    with _library_warnings_quiet(verbose), spaced_collections():
         return _run(body, prog=prog, verbose=verbose)
 
 
