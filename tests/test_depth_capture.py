@@ -251,11 +251,12 @@ def test_a_shallow_models_compiled_policy_is_captured_beside_the_others():
 
 
 @pytest.mark.slow
-def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_check_in_units_of_one(tmp_path):
+def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_check_in_units_of_one(tmp_path,
+                                                                                                  monkeypatch):
     """Beside eager, in two processes: the compiled policy's 4-block step already hands buffers on across 2
     blocks, so its 6-block capture is skipped and it is cut again in units of 2 (the 6-block step's buffers
     reach 3 blocks, which asked for units of 3 before). Every number of both policies equals the full
-    capture's."""
+    capture's, and the eager policy is analysed while the compiled one's deeper cut is captured."""
     from tracer.depth_capture import find_block_list, handed_on
     from tracer.pipeline import AnalysisOptions, _checks_that_wait, capture_cut_variants, load_source
 
@@ -270,6 +271,15 @@ def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_che
     blocks = find_block_list(source, precision="fp32", seq=16)
     assert list(handed_on(base, [0, 1], blocks.depth)) == [1]           # eager hands nothing on
 
+    import tracer.pipeline
+    analysed_early = []
+    analyze_early = tracer.pipeline._analyze_early
+
+    def spy(early, label, graph, options):
+        analysed_early.append(label)
+        analyze_early(early, label, graph, options)
+
+    monkeypatch.setattr(tracer.pipeline, "_analyze_early", spy)
     keywords = dict(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
     synthesized = tracer.analyze(path, workers=2, **keywords)
     captured = tracer.analyze(path, full_capture=True, **keywords)
@@ -277,6 +287,8 @@ def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_che
         assert first_difference(synthesized.policies[label], captured.policies[label]) is None, label
     (note,) = [n for n in synthesized.policies["compiled"].graph.config.notes if n.startswith("depth:")]
     assert note.startswith("depth: captured 8 and 12 of 64 blocks of blocks")        # (its 6-block step: units of 3)
+    # eager, final before the cut in units of 2, was analysed while the 12-block capture ran elsewhere
+    assert analysed_early == ["eager"]
 
 
 def test_a_retry_whose_check_asks_for_larger_units_cuts_again(monkeypatch):
@@ -303,3 +315,33 @@ def test_a_retry_whose_check_asks_for_larger_units_cuts_again(monkeypatch):
     again = _retried(None, deep, (1,), None, None, None, cut_again=cut_again)
     assert cuts == [((1,), 2), ((1,), 3)]
     assert again.graphs == ("eager", "synthesized") and again.note is None
+
+
+def test_a_retry_hands_each_final_graph_on_once_while_the_deeper_cut_is_made(monkeypatch):
+    """`meanwhile(i, graph)` is called from inside `cut_again` (where this process would wait for the
+    other), once per graph that is final by then: the first cut's eager graph during the first retry, and
+    a graph the first retry made final during the second."""
+    import tracer.depth_capture
+    from tracer.depth_capture import BlockList, DeepCapture, Retry
+    from tracer.pipeline import _retried
+
+    blocks = BlockList("blocks", 64)
+    handed, during = [], []
+
+    def cut_again(cut_blocks, indices, group, meanwhile=None):
+        before = len(handed)
+        meanwhile()
+        during.append((group, handed[before:]))
+        return group
+
+    def check_synthesis(cut, analyze, count):
+        if cut == 2:            # the first of the two missing graphs checks in units of 2, the other asks for 3
+            return DeepCapture(("selective", None), "units of 2 differ", retry=Retry(blocks, 3))
+        return DeepCapture(("compiled",), None)
+
+    monkeypatch.setattr(tracer.depth_capture, "check_synthesis", check_synthesis)
+    deep = DeepCapture(("eager", None, None), "not checked in units of 1 block", retry=Retry(blocks, 2))
+    again = _retried(None, deep, (1, 2), None, None, None, cut_again=cut_again,
+                     meanwhile=lambda i, graph: handed.append((i, graph)))
+    assert again.graphs == ("eager", "selective", "compiled")
+    assert during == [(2, [(0, "eager")]), (3, [(1, "selective")])]

@@ -384,13 +384,28 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
     than compiled captured there unless the capture plans the compiled ones in forked children itself (a
     CUDA target's Triton plan); the answer is the same."""
     source = load_source(model, options)
+    early: dict = {}
 
     def capture():
         return capture_graphs(source, options, on_progress=on_progress,
-                              model=model if isinstance(model, str) and workers > 1 else None)
+                              model=model if isinstance(model, str) and workers > 1 else None,
+                              meanwhile=lambda label, graph: _analyze_early(early, label, graph, options))
 
-    return analyze_captured(_cached_capture(model, source, options, capture, on_progress), options,
-                            on_progress=on_progress)
+    graphs = _cached_capture(model, source, options, capture, on_progress)
+    return analyze_captured(graphs, options, on_progress=on_progress,
+                            analysed={label: result for label, (graph, result) in early.items()
+                                      if graphs.get(label) is graph})
+
+
+def _analyze_early(early: dict, label: str, graph, options: AnalysisOptions) -> None:
+    """Records in `early` the analysis of a policy's final graph, made while another process captures (a
+    deeper cut of the policies still missing): `analyze_captured` then does not repeat it. An analysis that
+    raises is left to `analyze_captured`, which raises the same error at its usual place."""
+    from tracer.passes.analysis import analyze_step
+    try:
+        early[label] = (graph, analyze_step(graph, label, **_analysis_setups(options)))
+    except Exception:          # noqa: BLE001 - made again, and raised, after the capture
+        pass
 
 
 def _cached_capture(model, source, options: AnalysisOptions, capture: Callable, on_progress) -> dict:
@@ -431,11 +446,13 @@ def load_source(model, options: AnalysisOptions):
 
 
 def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[str], None] | None = None,
-                   model: str | None = None) -> dict:
+                   model: str | None = None, meanwhile: Callable | None = None) -> dict:
     """One StepGraph per policy spec of `options`, from one capture (`capture_steps`); a deep model's
     synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`. `model`: the
     string `source` was loaded from, given when a spawned process may make the `CHECK_DEPTH`-block
-    capture while this one makes the `BASE_DEPTH` one (`_cut_in_two_processes`)."""
+    capture while this one makes the `BASE_DEPTH` one (`_cut_in_two_processes`). `meanwhile(label, graph)`
+    is called with each policy's final graph while this process waits for a spawned one to capture the
+    policies still missing (`_retried`)."""
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
     capture = _policies_capture(options, specs, say)
@@ -446,11 +463,12 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
             cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
     capture_full = None if model is None else (lambda indices: _compiled_apart(model, source, options, specs, indices,
                                                                               capture, say))
-    cut_again = None if model is None else (lambda blocks, indices, group: _cut_in_two_processes(
-        model, source, options, blocks, capture, say, indices=indices, group=group))
+    cut_again = None if model is None else (lambda blocks, indices, group, meanwhile=None: _cut_in_two_processes(
+        model, source, options, blocks, capture, say, indices=indices, group=group, meanwhile=meanwhile))
     graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut,
                                has_blocks=cut is not None or not probed, capture_full=capture_full,
-                               cut_again=cut_again)
+                               cut_again=cut_again,
+                               meanwhile=meanwhile and (lambda i, graph: meanwhile(specs[i].label, graph)))
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
 
 
@@ -567,14 +585,15 @@ def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
 
 
 def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say, *,
-                          indices: tuple | None = None, group: int = 1):
+                          indices: tuple | None = None, group: int = 1, meanwhile: Callable[[], None] | None = None):
     """The two cut captures of `capture_cut` (tracer/depth_capture.py) of the policy specs at `indices`
     (None: all) in units of `group` blocks, the deeper one in a spawned process (which loads the model by its
     name) while this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut`
     keeps it. In units of one block, the deeper capture of a compiled policy planned for a CUDA target waits
     for its shallower one beside other policies: where that hands buffers on across r > 1 blocks
     (`handed_on`), the policy is not checked in units of one block (its synthesis is refused with that
-    reason) and the caller cuts it again in units of r."""
+    reason) and the caller cuts it again in units of r. `meanwhile()` runs here once this process has made
+    its cut and prepared its synthesis, before it waits for the other."""
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
@@ -604,6 +623,8 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
         # the synthesized side of the check needs only `base`: made while the other process captures
         prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group,
                                      deferred=deferred)
+        if meanwhile is not None:
+            meanwhile()
         try:
             return CutSteps(blocks, base, _checks_in_order(indices, checks, waiting, late), prepared=prepared,
                             group=group)
@@ -691,14 +712,14 @@ def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Call
 
 def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Callable, say, cut=None,
                       has_blocks: bool = True, capture_full: Callable | None = None,
-                      cut_again: Callable | None = None) -> tuple:
+                      cut_again: Callable | None = None, meanwhile: Callable | None = None) -> tuple:
     """`capture(source, indices)`'s graphs (one per entry of `options`, analysed with it) at the model's
     depth: synthesized from the model cut to a few blocks where that is checked exact
     (tracer/depth_capture.py; `cut`: those cut captures, when already made), the others captured in full,
     with a note when the synthesis was refused. `has_blocks` False: the model has no block list to cut (already
     looked for). `capture_full(indices)`: how the full capture is made, when not by `capture(source, indices)`;
     `cut_again(blocks, indices, group)`: how the cuts in units of `group` blocks are made (a `CutSteps`), when
-    not by `capture` here, one after the other."""
+    not by `capture` here, one after the other; `meanwhile(i, graph)`: see `_retried`."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_deep, with_note
 
@@ -717,7 +738,7 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
                                 precision=first.precision, seq=first.seq, say=say, cut=cut)
     missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
     if deep.retry is not None and missing:
-        deep = _retried(source, deep, missing, captured, analyze, say, cut_again)
+        deep = _retried(source, deep, missing, captured, analyze, say, cut_again, meanwhile)
         missing = tuple(i for i, graph in enumerate(deep.graphs) if graph is None)
     if not missing:
         return deep.graphs
@@ -726,16 +747,28 @@ def _capture_by_depth(source, options: tuple[AnalysisOptions, ...], capture: Cal
     return tuple(graph if graph is not None else with_note(full[i], deep.note) for i, graph in enumerate(deep.graphs))
 
 
-def _retried(source, deep, missing: tuple, captured: Callable, analyze: Callable, say, cut_again=None):
+def _retried(source, deep, missing: tuple, captured: Callable, analyze: Callable, say, cut_again=None,
+             meanwhile=None):
     """`deep` with its `missing` graphs synthesized from a second cut in units of `deep.retry.group` blocks
     where that is checked exact (and from a third in larger units where that check asks for it); the note
-    says why the others are still captured in full."""
+    says why the others are still captured in full. `meanwhile(i, graph)` is called once with each graph
+    already final, from `cut_again` while another process makes the deeper cut (the time this process
+    would otherwise wait)."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import DeepCapture, capture_cut, check_synthesis
 
+    handed = set()
+
+    def hand_on_final():
+        for i, graph in enumerate(deep.graphs):
+            if graph is not None and i not in handed:
+                handed.add(i)
+                meanwhile(i, graph)
+
     while deep.retry is not None and missing:
         if cut_again is not None:
-            cut = cut_again(deep.retry.blocks, missing, deep.retry.group)
+            cut = cut_again(deep.retry.blocks, missing, deep.retry.group,
+                            **({"meanwhile": hand_on_final} if meanwhile is not None else {}))
         else:
             with running_user_code(source.name):
                 cut = capture_cut(source, deep.retry.blocks, lambda src, indices=missing: captured(src, indices),
@@ -761,16 +794,21 @@ def analyze_one(graph, options: AnalysisOptions):
 
 
 def analyze_captured(graphs: dict, options: AnalysisOptions, *,
-                     on_progress: Callable[[str], None] | None = None):
+                     on_progress: Callable[[str], None] | None = None, analysed: dict | None = None):
     """The passes over captured graphs, with the device view, sharding and tensor parallelism of `options`
-    (none of which changes the capture)."""
+    (none of which changes the capture). `analysed`: label -> the analysis of that label's graph already
+    made with `options` (`_analyze_early`)."""
     from tracer.passes.analysis import analyze_graphs
 
     (on_progress or (lambda message: None))("analysing ...")
-    return analyze_graphs(graphs, device=options.device_setup(), sharding=options.sharding_setup(),
-                          settings=options.settings(), tensor_parallel=options.tensor_parallel_setup(),
-                          pipeline=options.pipeline_setup(),
-                          options=options.plain())
+    return analyze_graphs(graphs, settings=options.settings(), options=options.plain(), analysed=analysed,
+                          **_analysis_setups(options))
+
+
+def _analysis_setups(options: AnalysisOptions) -> dict:
+    """The device, sharding, tensor-parallel and pipeline setups every policy of `options` is analysed with."""
+    return dict(device=options.device_setup(), sharding=options.sharding_setup(),
+                tensor_parallel=options.tensor_parallel_setup(), pipeline=options.pipeline_setup())
 
 
 def _positive_int(value) -> bool:

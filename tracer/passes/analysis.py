@@ -79,23 +79,37 @@ def analyze_graph(graph: StepGraph) -> Analysis:
 def analyze_graphs(graphs: dict[str, StepGraph], device: DeviceSetup | None = None, *,
                    sharding: ShardingSetup | None = None, settings: dict | None = None,
                    tensor_parallel: "TensorParallelSetup | None" = None, options: dict | None = None,
-                   pipeline: "PipelineSetup | None" = None) -> Analysis:
-    """One PolicyAnalysis per graph; with `device`, each carries its device view (passes/device.py); with
-    `sharding`, its per-rank memory and (with `device`) rank 0's device view, which alone is checked
-    against the device's memory. With `tensor_parallel`, every graph is first replaced by the step of one
-    tensor-parallel rank (passes/tensor_parallel.py), so everything above describes that rank; with
-    `pipeline`, by the step of the pipeline stage with the largest peak (passes/pipeline_parallel.py)."""
-    if tensor_parallel is not None:
-        graphs = {label: tensor_parallel_graph(graph, tensor_parallel) for label, graph in graphs.items()}
-    if pipeline is not None:
-        graphs = {label: busiest_stage_graph(graph, pipeline) for label, graph in graphs.items()}
-    policies = {label: analyze_policy(graph, label) for label, graph in graphs.items()}
-    if device is not None:
-        whole = device if sharding is None else dataclasses.replace(device, capacity_bytes=None)
-        policies = {label: with_device_view(result, whole) for label, result in policies.items()}
-    if sharding is not None:
-        policies = {label: with_sharding(result, sharding, device) for label, result in policies.items()}
+                   pipeline: "PipelineSetup | None" = None, analysed: dict | None = None) -> Analysis:
+    """One PolicyAnalysis per graph (`analyze_step`); `analysed`: label -> the PolicyAnalysis already made
+    by `analyze_step` of that label's graph with these same arguments (its work is not repeated)."""
+    made = analysed or {}
+    policies = {label: made[label] if label in made else
+                analyze_step(graph, label, device, sharding=sharding, tensor_parallel=tensor_parallel,
+                             pipeline=pipeline)
+                for label, graph in graphs.items()}
     return Analysis(policies=policies, settings=dict(settings or {}), options=dict(options or {}))
+
+
+def analyze_step(graph: StepGraph, label: str, device: DeviceSetup | None = None, *,
+                 sharding: "ShardingSetup | None" = None, tensor_parallel: "TensorParallelSetup | None" = None,
+                 pipeline: "PipelineSetup | None" = None) -> PolicyAnalysis:
+    """The PolicyAnalysis of one policy's graph; with `device`, it carries its device view (passes/device.py);
+    with `sharding`, its per-rank memory and (with `device`) rank 0's device view, which alone is checked
+    against the device's memory. With `tensor_parallel`, the graph is first replaced by the step of one
+    tensor-parallel rank (passes/tensor_parallel.py), so everything above describes that rank; with
+    `pipeline`, by the step of the pipeline stage with the largest peak (passes/pipeline_parallel.py).
+    Policies do not depend on each other: each is analysed alone."""
+    if tensor_parallel is not None:
+        graph = tensor_parallel_graph(graph, tensor_parallel)
+    if pipeline is not None:
+        graph = busiest_stage_graph(graph, pipeline)
+    result = analyze_policy(graph, label)
+    if device is not None:
+        result = with_device_view(result, device if sharding is None else
+                                  dataclasses.replace(device, capacity_bytes=None))
+    if sharding is not None:
+        result = with_sharding(result, sharding, device)
+    return result
 
 
 @dataclasses.dataclass(frozen=True)
