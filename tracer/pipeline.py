@@ -350,7 +350,7 @@ class AnalysisOptions:
 # capture allocates millions of small objects (fx nodes, fake tensors, StepGraph records) that stay alive
 # until the report, so collecting every 700 finds little garbage, and every tenth collection of the middle
 # generation walks the whole heap. Measured on llama-88m's first command: 0.7 s of 6.3 s in the collector
-# with the default, 0.3 s with this; llama-70b `--policy all`: 14 CPU s over its processes, under 5 s.
+# with the default, 0.3 s with this; llama-70b `--policy all`: 14.6 CPU s over its processes, 4.1 s.
 YOUNG_OBJECTS_PER_COLLECTION = 50_000
 
 
