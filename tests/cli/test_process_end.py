@@ -86,9 +86,7 @@ THRESHOLD_RECORDER = textwrap.dedent('''
 
 @pytest.mark.parametrize("entry", ["tracer.analyze", "the CLI"])
 def test_the_tracer_collects_garbage_seldom_while_it_works_and_restores_the_callers_setting(
-        entry, tmp_path, thresholds_kept, capsys):
-    import importlib.util
-
+        entry, tmp_path, thresholds_kept):
     import tracer
     from tracer.cli import main
     from tracer.pipeline import YOUNG_OBJECTS_PER_COLLECTION
