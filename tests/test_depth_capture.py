@@ -188,7 +188,7 @@ def test_a_synthesis_checked_on_another_capture_still_refuses_blocks_that_differ
 
 
 def test_two_processes_give_the_answer_of_one():
-    """workers=2: the CHECK_DEPTH-block capture runs in a spawned process while this one captures
+    """workers=2: the CHECK_DEPTH-block capture runs in a forked child while this one captures
     BASE_DEPTH blocks and prepares the synthesis; the analysis is that of the one-process run."""
     keywords = dict(batch=1, seq=16, policies=("eager", "full"), target="cpu")
     one, two = tracer.analyze(LLAMA12, **keywords), tracer.analyze(LLAMA12, workers=2, **keywords)
@@ -198,11 +198,87 @@ def test_two_processes_give_the_answer_of_one():
     assert report_json(two) == report_json(one)
 
 
+def test_a_platform_without_fork_captures_the_check_in_a_spawned_process(monkeypatch):
+    """Without fork(), the CHECK_DEPTH-block capture runs in a spawned process that loads the model by its
+    name, with the same answer."""
+    from tracer.capture import triton_target
+    monkeypatch.setattr(triton_target, "forking_available", lambda: False)
+    keywords = dict(batch=1, seq=16, policies=("eager",), target="cpu")
+    two = tracer.analyze(LLAMA12, workers=2, **keywords)
+    assert NOTE in two.graph.config.notes
+    assert report_json(two) == report_json(tracer.analyze(LLAMA12, **keywords))
+
+
+def test_a_forked_check_that_dies_is_captured_here(monkeypatch):
+    """A forked child that ends without an answer (killed, out of memory): the check's capture is made in
+    this process, with the same answer."""
+    from tracer.capture import triton_target
+    start = triton_target.start_forked
+
+    def dying(work):
+        def die():
+            os._exit(1)
+        return start(die)
+
+    monkeypatch.setattr(triton_target, "start_forked", dying)
+    keywords = dict(batch=1, seq=16, policies=("eager",), target="cpu")
+    analysis = tracer.analyze(LLAMA12, workers=2, **keywords)
+    assert NOTE in analysis.graph.config.notes
+    assert report_json(analysis) == report_json(tracer.analyze(LLAMA12, **keywords))
+
+
+def test_a_model_of_8_to_10_blocks_is_cut_when_its_deeper_cut_runs_beside(tmp_path, monkeypatch):
+    """With a second core and no compiled policy, a model of 9 blocks (captured in full by one process:
+    4 + 6 blocks one after the other cost more) is cut to 4 and 6 blocks, the 6 in a forked child at once,
+    and reports as its full capture."""
+    from tracer.capture import triton_target
+    monkeypatch.setattr(triton_target, "usable_cores", lambda: 2)
+    path = _deep_llama(tmp_path, 9)
+    keywords = dict(batch=1, seq=16, policies=("eager", "full"), target="cpu")
+    synthesized = tracer.analyze(path, workers=2, **keywords)
+    assert ("depth: captured 4 and 6 of 9 blocks of blocks; the 6-block step synthesized from 4 equals its capture "
+            "op for op, the 9-block step is synthesized") in synthesized.graph.config.notes
+    _assert_same_reports(synthesized, tracer.analyze(path, **keywords))
+
+
+@pytest.mark.parametrize("cores, policies, layers", [(1, ("eager",), 9), (2, ("eager", "compiled"), 9),
+                                                     (2, ("eager",), 7)],
+                         ids=["one core", "a compiled policy", "7 blocks"])
+def test_a_shallow_model_is_captured_in_full_where_cutting_it_would_not_pay(tmp_path, monkeypatch, cores, policies,
+                                                                           layers):
+    """One core (the two cuts would run one after the other), a compiled policy (Inductor plans the whole
+    model: its full capture is made anyway) or 7 blocks (its deeper cut costs about its depth): in full."""
+    from tracer.capture import triton_target
+    from tracer.pipeline import AnalysisOptions, _cut_beside_deeper_than, block_list, load_source
+
+    monkeypatch.setattr(triton_target, "usable_cores", lambda: cores)
+    path = _deep_llama(tmp_path, layers)
+    options = AnalysisOptions(batch=1, seq=16, policies=policies, target="cpu")
+    deeper_than = _cut_beside_deeper_than(options.policy_specs())
+    assert block_list(load_source(path, options), options, deeper_than=deeper_than) is None
+
+
+def test_a_forked_child_models_its_parents_threads():
+    """The child runs its few real ops on one thread, and sizes per-thread kernel scratch for the parent's
+    count (`intra_op_threads`), as the parent's own capture would."""
+    import torch
+    from tracer.capture.triton_target import in_forked_process, intra_op_threads
+
+    def seen():
+        return torch.get_num_threads(), intra_op_threads()
+
+    assert in_forked_process(seen) == (1, torch.get_num_threads())
+    assert intra_op_threads() == torch.get_num_threads()
+
+
 def test_a_pool_that_cannot_start_captures_the_check_here(monkeypatch):
-    """A script without `if __name__ == "__main__":` cannot spawn: the check's capture is made in this
-    process, with the same answer."""
+    """A script without `if __name__ == "__main__":` cannot spawn (where the check would run in a spawned
+    process: no fork): the check's capture is made in this process, with the same answer."""
     import concurrent.futures
     from concurrent.futures.process import BrokenProcessPool
+
+    from tracer.capture import triton_target
+    monkeypatch.setattr(triton_target, "forking_available", lambda: False)
 
     class Broken:
         def __init__(self, *args, **kwargs):

@@ -14,7 +14,8 @@ the default GPU (h100): each policy then carries `.device` (requested, allocated
 sizes what mixture-of-experts routing decides at run time (tracer/capture/routing.py). Every keyword is a field of `tracer.pipeline.AnalysisOptions`,
 except `zero_grad` ("none": set_to_none=True, or "zeros"; spelled as `--zero-grad`), the field zero_grad_set_to_none,
 and `workers`: with 2 or more (the CLI passes one per CPU core), a deep model's two cut captures run at once,
-one in a spawned process (the answer is the same).
+the deeper in a forked child (a spawned process where there is no fork), and a model of 8 to 10 blocks is cut
+too when a second core is free and no policy is compiled (the answer is the same).
 """
 from __future__ import annotations
 

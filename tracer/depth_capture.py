@@ -3,7 +3,8 @@ checked against a capture.
 
 `capture_deep(source, capture, check, options)`: when the model's repeated block list (planning.py's
 `cut_source`) has more than `BASE_DEPTH + CHECK_DEPTH` blocks (fewer are captured in full at less
-cost), the step is captured with the list cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
+cost, unless the two cuts are captured at once in two processes: then a model of more than
+`CUT_BESIDE_DEEPER_THAN` blocks costs its deeper cut, and is cut: tracer/pipeline.py), the step is captured with the list cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
 (tracer/passes/depth_graph.py: two copies of a middle block, so a copy next to a copy is exercised) and
 analysed with the caller's options (liveness, saved tensors, attribution, the device view, sharding); only
 if that analysis equals the captured one op for op (`first_difference`) is the full-depth step
@@ -35,6 +36,9 @@ from tracer.stepgraph import StepGraph
 
 BASE_DEPTH = 4                 # captured and synthesized from: two middle blocks to align
 CHECK_DEPTH = 6                # captured and compared with its synthesis: two copies
+# with the two cuts captured at once in two processes (tracer/pipeline.py), a model of more blocks than this
+# costs its deeper cut, not its depth
+CUT_BESIDE_DEEPER_THAN = CHECK_DEPTH + 1
 _CHECKED = re.compile(r"depth: captured \d+ and \d+ of ")     # the note of a checked synthesis begins so
 
 

@@ -380,9 +380,10 @@ def run_analysis(model, options: AnalysisOptions, *, on_progress: Callable[[str]
                  workers: int = 1):
     """`model`: a zoo name, `hf:<type>`, a model file path, or a `ModelSource`. Returns an `Analysis`.
     `workers` > 1 (the CLI passes one per CPU core): a deep model named by a string has its two cut
-    captures made at once, one in a spawned process, and a model captured in full has its policies other
-    than compiled captured there unless the capture plans the compiled ones in forked children itself (a
-    CUDA target's Triton plan); the answer is the same."""
+    captures made at once, the deeper in a forked child (`_processes_beside`; a model of 8 to 10 blocks
+    too where that pays, `_cut_beside_deeper_than`), and a model captured in full has its policies other
+    than compiled captured in a spawned process unless the capture plans the compiled ones in forked
+    children itself (a CUDA target's Triton plan); the answer is the same."""
     source = load_source(model, options)
     early: dict = {}
 
@@ -449,16 +450,17 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
                    model: str | None = None, meanwhile: Callable | None = None) -> dict:
     """One StepGraph per policy spec of `options`, from one capture (`capture_steps`); a deep model's
     synthesized from a few of its blocks (tracer/depth_capture.py) unless `full_capture`. `model`: the
-    string `source` was loaded from, given when a spawned process may make the `CHECK_DEPTH`-block
-    capture while this one makes the `BASE_DEPTH` one (`_cut_in_two_processes`). `meanwhile(label, graph)`
-    is called with each policy's final graph while this process waits for a spawned one to capture the
-    policies still missing (`_retried`)."""
+    string `source` was loaded from, given when a second process may make the `CHECK_DEPTH`-block
+    capture while this one makes the `BASE_DEPTH` one (`_cut_in_two_processes`; then a model of 8 to 10
+    blocks is cut too where `_cut_beside_deeper_than` says it pays). `meanwhile(label, graph)` is called
+    with each policy's final graph while this process waits for another to capture the policies still
+    missing (`_retried`)."""
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
     capture = _policies_capture(options, specs, say)
     cut, probed = None, False
     if model is not None and not options.full_capture:
-        blocks, probed = block_list(source, options), True
+        blocks, probed = block_list(source, options, deeper_than=_cut_beside_deeper_than(specs)), True
         if blocks is not None:
             cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
     capture_full = None if model is None else (lambda indices: _compiled_apart(model, source, options, specs, indices,
@@ -470,6 +472,20 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
                                cut_again=cut_again,
                                meanwhile=meanwhile and (lambda i, graph: meanwhile(specs[i].label, graph)))
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
+
+
+def _cut_beside_deeper_than(specs: tuple) -> int | None:
+    """The depth above which `capture_graphs` cuts a model, its deeper cut in a forked child at once
+    (`_processes_beside`): `CUT_BESIDE_DEEPER_THAN` blocks where a second core is free for it and no
+    policy is compiled (Inductor plans a whole model of so few blocks: it needs the full capture anyway,
+    which is the other policies' too); else None (`block_list`'s depth that pays for two cuts made one
+    after the other)."""
+    from tracer.capture.triton_target import forking_available, planning_cores
+    from tracer.depth_capture import CUT_BESIDE_DEEPER_THAN
+
+    if forking_available() and planning_cores() > 1 and not any(spec.policy.compiled_any for spec in specs):
+        return CUT_BESIDE_DEEPER_THAN
+    return None
 
 
 def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, indices: tuple, capture: Callable,
@@ -558,13 +574,63 @@ def _print_as_parent(state: tuple[int, int | None, bool]) -> None:
         warnings.simplefilter("ignore")
 
 
+@contextlib.contextmanager
+def _processes_beside(model: str, source, options: AnalysisOptions):
+    """Where `_cut_in_two_processes` makes its deeper cut, as `pool.submit(indices, depth)` -> a handle with
+    `result()` and `cancel()`: a forked child of this process per capture, which inherits the loaded model
+    (no import of torch, no second load of the model: on llama-70b that start took longer than the
+    shallower cut made here), or where this platform cannot fork, a spawned process that loads `model` by
+    its name. Either shares the cores with this one while it runs (`cores_shared_by`); a forked child
+    whose answer is not read (this process failed meanwhile) is stopped on the way out."""
+    from tracer.capture.triton_target import cores_shared_by, forking_available, start_forked
+
+    if not forking_available():
+        with capture_processes(1) as pool:
+            yield _Submitting(lambda indices, depth: pool.submit(_capture_in_worker, model, options, indices, depth))
+        return
+    started = []
+
+    def fork(indices, depth):
+        started.append(start_forked(lambda: _capture_source(source, options, indices, depth)))
+        return _ForkedCapture(started[-1])
+
+    try:
+        with cores_shared_by(2):
+            yield _Submitting(fork)
+    finally:
+        for work in started:
+            work.abandon()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submitting:
+    submit: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class _ForkedCapture:
+    """A forked capture (`_processes_beside`) answering as a Future does."""
+    work: object
+
+    def result(self):
+        return self.work.result()
+
+    def cancel(self) -> None:
+        self.work.abandon()
+
+
 def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
     """A spawned process's job (`capture_processes`): the graphs of `model`'s policy specs at `indices` (None:
     all), of the model cut to `depth` blocks (None: in full)."""
+    return _capture_source(load_source(model, options), options, indices, depth)
+
+
+def _capture_source(source, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
+    """The graphs of `source`'s policy specs at `indices` (None: all), of the model cut to `depth` blocks
+    (None: in full), captured without progress lines (another process reports)."""
     from tracer.capture.model_input import running_user_code
     from tracer.depth_capture import cut_source
 
-    source = load_source(model, options)
     specs = options.policy_specs(model_save_policy=source.save_policy)
     src = source if depth is None else cut_source(source, depth, {})
     with running_user_code(source.name):
@@ -587,16 +653,17 @@ def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
 def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say, *,
                           indices: tuple | None = None, group: int = 1, meanwhile: Callable[[], None] | None = None):
     """The two cut captures of `capture_cut` (tracer/depth_capture.py) of the policy specs at `indices`
-    (None: all) in units of `group` blocks, the deeper one in a spawned process (which loads the model by its
-    name) while this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut`
-    keeps it. In units of one block, the deeper capture of a compiled policy planned for a CUDA target waits
-    for its shallower one beside other policies: where that hands buffers on across r > 1 blocks
-    (`handed_on`), the policy is not checked in units of one block (its synthesis is refused with that
-    reason) and the caller cuts it again in units of r. `meanwhile()` runs here once this process has made
-    its cut and prepared its synthesis, before it waits for the other."""
+    (None: all) in units of `group` blocks, the deeper one in a second process (`_processes_beside`) while
+    this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut` keeps it.
+    In units of one block, the deeper capture of a compiled policy planned for a CUDA target waits for its
+    shallower one beside other policies: where that hands buffers on across r > 1 blocks (`handed_on`), the
+    policy is not checked in units of one block (its synthesis is refused with that reason) and the caller
+    cuts it again in units of r. `meanwhile()` runs here once this process has made its cut and prepared its
+    synthesis, before it waits for the other."""
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
+    from tracer.capture.triton_target import TritonPlanError
     from tracer.depth_capture import CutSteps, cut_depths, cut_source, handed_on, prepare_synthesis
     from tracer.errors import TracerError
 
@@ -607,9 +674,8 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
         f"{blocks.depth} blocks under fake tensors ...")
     waiting = _checks_that_wait(options, specs, indices) if group == 1 else ()
-    with capture_processes(1) as pool:
-        checks = {(): pool.submit(_capture_in_worker, model, options,
-                                  tuple(i for i in indices if i not in waiting), check_depth)}
+    with _processes_beside(model, source, options) as pool:
+        checks = {(): pool.submit(tuple(i for i in indices if i not in waiting), check_depth)}
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, base_depth, {}), indices)
@@ -619,7 +685,7 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
         deferred = handed_on(base, [j for j, i in enumerate(indices) if i in waiting], blocks.depth)
         late = tuple(i for j, i in enumerate(indices) if i in waiting and j not in deferred)
         if late:
-            checks[late] = pool.submit(_capture_in_worker, model, options, late, check_depth)
+            checks[late] = pool.submit(late, check_depth)
         # the synthesized side of the check needs only `base`: made while the other process captures
         prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group,
                                      deferred=deferred)
@@ -630,8 +696,8 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
                             group=group)
         except TracerError as exc:
             return CutSteps(blocks, base, None, exc, group=group)
-        except BrokenProcessPool:
-            pass              # no process could start (a script without `if __name__ == "__main__":`)
+        except (BrokenProcessPool, TritonPlanError):
+            pass              # no process could start (a script without `if __name__ == "__main__":`), or it died
     say(f"capturing {source.name} cut to {check_depth} blocks in this process ...")
     try:
         with running_user_code(source.name):

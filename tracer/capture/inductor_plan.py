@@ -255,9 +255,10 @@ def _nodes_mapped(plan: GraphPlan, gm, node) -> GraphPlan:
 
 def _kernel_scratch(order) -> dict:
     """fx node -> the scratch its extern kernel allocates while it runs (tracer.capture.kernel_scratch), on
-    this process's intra-op thread count."""
+    the run's intra-op thread count (a forked planning child's parent's)."""
     from tracer.capture.kernel_scratch import scratch_allocations
-    threads = torch.get_num_threads()
+    from tracer.capture.triton_target import intra_op_threads
+    threads = intra_op_threads()
     scratch = {node: scratch_allocations(node, threads) for node in order}
     return {node: sizes for node, sizes in scratch.items() if sizes}
 

@@ -398,9 +398,8 @@ class ForkedWork:
             with os.fdopen(self._read_end, "rb") as pipe:
                 payload = pipe.read()
             _, status = os.waitpid(self._pid, 0)
-            if not payload:
-                raise TritonPlanError(f"the planning process ended without an answer (wait status {status})")
-            self._answer = pickle.loads(payload)
+            self._answer = pickle.loads(payload) if payload else (
+                "error", TritonPlanError(f"the forked process ended without an answer (wait status {status})"))
         kind, value = self._answer
         if kind == "error":
             raise value
@@ -448,11 +447,17 @@ def planning_cores() -> int:
     return max(1, usable_cores() // _CAPTURE_PROCESSES[-1])
 
 
+def forking_available() -> bool:
+    """Whether work can run in a forked child of this process (`start_forked`)."""
+    return hasattr(os, "fork")
+
+
 def start_forked(work) -> ForkedWork:
     """`work()` started in a forked child of this process, which goes on at once (the caller's own work
     runs beside the child's); see `in_forked_process`."""
     sys.stdout.flush()
     sys.stderr.flush()
+    threads = intra_op_threads()
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:                                         # the child
@@ -460,7 +465,7 @@ def start_forked(work) -> ForkedWork:
         code = 0
         try:
             try:
-                _one_intra_op_thread()
+                _one_intra_op_thread(threads)
                 payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as exc:                 # noqa: BLE001 - everything goes back to the parent
                 payload = _pickled_error(exc)
@@ -474,11 +479,22 @@ def start_forked(work) -> ForkedWork:
     return ForkedWork(pid, read_end)
 
 
-def _one_intra_op_thread() -> None:
+_RUN_THREADS: list[int] = []      # in a forked child: its parent's intra-op thread count
+
+
+def intra_op_threads() -> int:
+    """The intra-op thread count a step of this run uses (what sizes per-thread kernel scratch): this
+    process's `torch.get_num_threads()`, or in a forked child its parent's (the child itself runs on one)."""
+    import torch
+    return _RUN_THREADS[-1] if _RUN_THREADS else torch.get_num_threads()
+
+
+def _one_intra_op_thread(run_threads: int) -> None:
     """The parent's OpenMP worker threads do not exist in a forked child, and a real CPU op that opens a
     parallel region there waits for them forever (libgomp): the child runs its few real ops (constant
-    folding, example values) on one thread."""
+    folding, example values) on one thread, and models the parent's `run_threads` (`intra_op_threads`)."""
     import torch
+    _RUN_THREADS[:] = [run_threads]
     torch.set_num_threads(1)
 
 

@@ -128,7 +128,8 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
                 "call the model's own gradient_checkpointing_enable (transformers' models), with use_reentrant "
                 "as given, as Trainer(gradient_checkpointing=True) does (default off)"),
     ModelOption("full_capture", False, None,
-                "capture every block of a deep model; by default a model with more than 6 identical blocks is "
+                "capture every block of a deep model; by default a model with more than 10 identical blocks "
+                "(more than 7 when a second core captures the 6 at once and no policy is compiled) is "
                 "captured cut to 4 and 6 blocks and the full depth is synthesized from 4, after checking that "
                 "the 6 synthesized equal the 6 captured op for op (else captured in full, with a note)"),
 )
