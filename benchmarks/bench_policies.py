@@ -9,7 +9,7 @@ before the first import of the model to the answer:
                 backward, AdamW foreach step, zero_grad) after an untracked warm-up step, all under
                 FakeTensorMode; `step s` is the tracked step alone, the wall column includes building the
                 model and the warm-up
-  tracer eager  tracer.analyze(policies=("eager",))
+  tracer eager  tracer.analyze(policies=("eager",)) with the CLI's workers (the README's first command)
   tracer rerun  the same, run a second time with the capture cache on (tracer/capture_cache.py): the
                 second run's wall time (issue 34's goal: under 3 s)
   tracer all    tracer.analyze(policies=("eager", "compiled", "selective", "full")) with the CLI's workers
@@ -43,7 +43,8 @@ extra = {}
 POLICIES = ("eager", "compiled", "selective", "full")
 if mode == "tracer-eager":
     import tracer
-    extra["peak_bytes"] = tracer.analyze(model, batch=batch, seq=seq).policies["eager"].peak_bytes
+    from tracer.pipeline import default_workers
+    extra["peak_bytes"] = tracer.analyze(model, batch=batch, seq=seq, workers=default_workers()).policies["eager"].peak_bytes
 elif mode == "tracer-all":
     import tracer
     from tracer.pipeline import default_workers
