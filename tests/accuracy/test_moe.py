@@ -160,3 +160,19 @@ def test_a_router_with_no_router_module_is_made_to_route_balanced_at_its_argmax(
     as_weights_route = _measure(source, 2, 16)
     assert (as_weights_route.saved_bytes, as_weights_route.phase_peaks) != \
         (predicted.saved.total_bytes, {p: predicted.phases[p].peak_bytes for p in as_weights_route.phase_peaks})
+
+
+def test_a_compiled_policy_for_a_cuda_target_plans_the_routed_sizes_on_the_device_and_names_the_graph_break():
+    """Inductor's Triton plan runs the joint again on fake CUDA tensors: the data-dependent op's result,
+    sized by the routing, is on the device of its input (it was a CPU tensor, which Inductor's index_add
+    decomposition refused), and the note says where torch.compile breaks the graph by default."""
+    source = load_model_source(MOE)
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=16, target="cuda"),
+                           (PolicySpec(name="compiled"), PolicySpec(name="eager")))
+    compiled, eager = analyze_graphs(graphs).policies["compiled"], analyze_graphs(graphs).policies["eager"]
+    assert 0 < compiled.peak_bytes
+    assert compiled.saved.total_bytes != eager.saved.total_bytes     # Inductor's partition, not eager's saves
+    breaks = ("aten.nonzero at moe_router.py:43 has a data-dependent output size: torch.compile breaks the graph "
+              "there unless torch._dynamo.config.capture_dynamic_output_shape_ops is set")
+    assert any(note.startswith(breaks) for note in graphs["compiled"].config.notes)
+    assert not any(note.startswith(breaks) for note in graphs["eager"].config.notes)

@@ -176,10 +176,18 @@ def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[St
                       + "/".join(dict.fromkeys(routing.grouped_mm_lines.values()))
                       + " inputs was not checked on a GPU (transformers calls it on compute capability 8.0+)",)
         shapes = seq_free_input_shapes(source, options.batch, options.seq)
-        if not notes and shapes is None:
+        breaks = routing.graph_break_note()
+        if not notes and shapes is None and breaks is None:
             return graphs
         return tuple(dataclasses.replace(graph, config=dataclasses.replace(
-                     graph.config, notes=graph.config.notes + notes, input_shapes=shapes)) for graph in graphs)
+                     graph.config, notes=graph.config.notes + notes + _compiled_only(breaks, spec), input_shapes=shapes))
+                     for graph, (_, spec) in zip(graphs, requests))
+
+
+def _compiled_only(note: str | None, spec) -> tuple[str, ...]:
+    """`note` for a policy Inductor plans the whole step of (not the compiled blocks' own: a graph break
+    inside a block is in their not-modelled list)."""
+    return (note,) if note is not None and spec.policy.compiled else ()
 
 
 def seq_free_input_shapes(source: ModelSource, batch: int, seq: int) -> str | None:

@@ -175,6 +175,18 @@ class RoutingShadows:
                          "runs it (its fake kernel takes only bf16); its sizes do not depend on routing")
         return tuple(notes)
 
+    def graph_break_note(self) -> str | None:
+        """For a compiled policy: the ops with a data-dependent output size, where torch.compile breaks the
+        graph by default, which the plan of the step as one graph does not model; None when there is none.
+        (A value read into Python is not named: code written for torch.compile, transformers' among it, skips
+        such reads while Dynamo traces it, and the capture runs the eager branch.)"""
+        if not self.answered:
+            return None
+        places = ", ".join(f"{op} at {line}" for op, line in self.answered)
+        return (f"{_clip(places)} has a data-dependent output size: torch.compile breaks the graph there "
+                "unless torch._dynamo.config.capture_dynamic_output_shape_ops is set; the step is planned as one "
+                "graph, as with it set (the graphs a break makes are not modelled)")
+
     # ---- dispatch -------------------------------------------------------------------------------------
     def dispatch(self, mode, original, func, types, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
@@ -327,7 +339,8 @@ class RoutingShadows:
         if func is aten._local_scalar_dense.default:
             self.scalar_reads[line] = self.scalar_reads.get(line, 0) | origin
             return real
-        fakes = tree_map_only(torch.Tensor, lambda r: _fake_like(mode, r), real)
+        device = next((a.device for a in flat if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        fakes = tree_map_only(torch.Tensor, lambda r: _fake_like(mode, r, device), real)
         self._pair(fakes, real, origin)
         shapes = [tuple(r.shape) for r in tree_flatten(real)[0] if isinstance(r, torch.Tensor)]
         key = (_op_name(func), line)
@@ -497,10 +510,12 @@ def _is_constant(t: torch.Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu" and t.numel() <= _FACTORY_LIMIT
 
 
-def _fake_like(mode, real: torch.Tensor):
+def _fake_like(mode, real: torch.Tensor, device: torch.device):
+    """A fake tensor shaped as the real result, on the device of the op's inputs (a data-dependent op's
+    result is where its input is: the capture's CPU, or CUDA in a compiled plan for a CUDA target)."""
     with _no_python_dispatch():
         meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
-    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, torch.device("cpu"))
+    return mode.fake_tensor_converter.from_meta_and_device(mode, meta, device)
 
 
 def _no_python_dispatch():
