@@ -176,3 +176,18 @@ def test_a_compiled_policy_for_a_cuda_target_plans_the_routed_sizes_on_the_devic
               "there unless torch._dynamo.config.capture_dynamic_output_shape_ops is set")
     assert any(note.startswith(breaks) for note in graphs["compiled"].config.notes)
     assert not any(note.startswith(breaks) for note in graphs["eager"].config.notes)
+
+
+def test_a_compiled_policy_whose_inductor_passes_ask_a_routed_size_again_is_refused_in_one_line():
+    """transformers' Mixtral with its per-expert loop: Inductor's post-grad passes recompute the fake value of
+    a rewritten `nonzero` node from graph values no routing assumption follows; the capture stops with the op
+    and what to do, not with a line-less routing error."""
+    pytest.importorskip("transformers")
+    from tracer.capture.routing import RoutingError
+    source = load_model_source("hf:mixtral", hf_config=HF_MOE + HF_EXPERTS["hf:mixtral"]
+                               + ("experts_implementation=eager",))
+    with pytest.raises(RoutingError) as refused:
+        capture_steps(source, CaptureOptions(batch=2, seq=16, target="cuda"), (PolicySpec(name="compiled"),))
+    assert str(refused.value).startswith("aten.nonzero has a data-dependent output size that Inductor's passes ask "
+                                         "for again while planning a compiled policy")
+    assert "experts_implementation=grouped_mm" in refused.value.hint

@@ -207,6 +207,12 @@ class RoutingShadows:
                 return True                  # `assert (t == 0).all()`: the step predicted is one that runs
             if not shadowed and isinstance(exc, _DataDependentOutput):
                 raise                        # a value read (`if t.sum() > 0`): the capture ladder reports it
+            if not shadowed and _in_inductor_pass():
+                raise RoutingError(f"{_op_name(func)} has a data-dependent output size that Inductor's passes ask for "
+                                   "again while planning a compiled policy, on a graph where no routing assumption "
+                                   "follows its input", hint="analyse this model with a policy that is not compiled, "
+                                   "or with an implementation without data-dependent sizes (transformers' MoE: "
+                                   "--hf-config experts_implementation=grouped_mm)") from exc
             if not shadowed:
                 raise RoutingError(f"{_user_line(short=False)}: {_op_name(func)} has a data-dependent output size and its "
                                    "input does not follow from a router (topk / argmax over logits) or constants",
@@ -526,6 +532,18 @@ def _no_python_dispatch():
 def _op_name(func) -> str:
     return f"aten.{func._schema.name.split('::')[-1]}" + ("" if func._overloadname == "default"
                                                           else f".{func._overloadname}")
+
+
+def _in_inductor_pass() -> bool:
+    """The op is run by Inductor's own code (its post-grad passes refresh fake values of rewritten nodes),
+    not by the model's."""
+    import sys
+    frame = sys._getframe(1)
+    while frame is not None:
+        if "/torch/_inductor/" in frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _user_line(short: bool = True) -> str:
