@@ -4,7 +4,9 @@ checked against a capture.
 `capture_deep(source, capture, check, options)`: when the model's repeated block list (planning.py's
 `cut_source`) has more than `BASE_DEPTH + CHECK_DEPTH` blocks (fewer are captured in full at less
 cost, unless the two cuts are captured at once in two processes: then a model of more than
-`CUT_BESIDE_DEEPER_THAN` blocks costs its deeper cut, and is cut: tracer/pipeline.py), the step is captured with the list cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is synthesized from the `BASE_DEPTH` one
+`CUT_BESIDE_DEEPER_THAN` blocks costs its deeper cut, and is cut: tracer/pipeline.py), the step is
+captured with the list cut to `BASE_DEPTH` and to `CHECK_DEPTH` blocks; the `CHECK_DEPTH`-block step is
+synthesized from the `BASE_DEPTH` one
 (tracer/passes/depth_graph.py: two copies of a middle block, so a copy next to a copy is exercised) and
 analysed with the caller's options (liveness, saved tensors, attribution, the device view, sharding); only
 if that analysis equals the captured one op for op (`first_difference`) is the full-depth step

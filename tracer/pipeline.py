@@ -576,7 +576,7 @@ def _print_as_parent(state: tuple[int, int | None, bool]) -> None:
 
 @contextlib.contextmanager
 def _processes_beside(model: str, source, options: AnalysisOptions):
-    """Where `_cut_in_two_processes` makes its deeper cut, as `pool.submit(indices, depth)` -> a handle with
+    """Where `_cut_in_two_processes` makes its deeper cut, as `submit(indices, depth)` -> a handle with
     `result()` and `cancel()`: a forked child of this process per capture, which inherits the loaded model
     (no second start of Python, import of torch and load of the model before it can capture: llama-70b's
     eager command took 7.7 s with it against 10.3 s with a spawned process), or where this platform cannot
@@ -586,37 +586,20 @@ def _processes_beside(model: str, source, options: AnalysisOptions):
 
     if not forking_available():
         with capture_processes(1) as pool:
-            yield _Submitting(lambda indices, depth: pool.submit(_capture_in_worker, model, options, indices, depth))
+            yield lambda indices, depth: pool.submit(_capture_in_worker, model, options, indices, depth)
         return
     started = []
 
     def fork(indices, depth):
         started.append(start_forked(lambda: _capture_source(source, options, indices, depth)))
-        return _ForkedCapture(started[-1])
+        return started[-1]
 
     try:
         with cores_shared_by(2):
-            yield _Submitting(fork)
+            yield fork
     finally:
         for work in started:
             work.abandon()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Submitting:
-    submit: Callable
-
-
-@dataclasses.dataclass(frozen=True)
-class _ForkedCapture:
-    """A forked capture (`_processes_beside`) answering as a Future does."""
-    work: object
-
-    def result(self):
-        return self.work.result()
-
-    def cancel(self) -> None:
-        self.work.abandon()
 
 
 def _capture_in_worker(model: str, options: AnalysisOptions, indices: tuple | None, depth: int | None = None) -> tuple:
@@ -674,8 +657,8 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
     say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
         f"{blocks.depth} blocks under fake tensors ...")
     waiting = _checks_that_wait(options, specs, indices) if group == 1 else ()
-    with _processes_beside(model, source, options) as pool:
-        checks = {(): pool.submit(tuple(i for i in indices if i not in waiting), check_depth)}
+    with _processes_beside(model, source, options) as submit:
+        checks = {(): submit(tuple(i for i in indices if i not in waiting), check_depth)}
         try:
             with running_user_code(source.name):
                 base = capture(cut_source(source, base_depth, {}), indices)
@@ -685,7 +668,7 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
         deferred = handed_on(base, [j for j, i in enumerate(indices) if i in waiting], blocks.depth)
         late = tuple(i for j, i in enumerate(indices) if i in waiting and j not in deferred)
         if late:
-            checks[late] = pool.submit(late, check_depth)
+            checks[late] = submit(late, check_depth)
         # the synthesized side of the check needs only `base`: made while the other process captures
         prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group,
                                      deferred=deferred)

@@ -146,7 +146,7 @@ def _inductor_schedule(cap: JointCapture, joint, num_fwd: int, static: list[int]
                                                             start_apart=start_apart)
     if forward_plan.scratch or backward_plan.scratch:
         from tracer.capture.triton_target import intra_op_threads
-        notes += (f"CPU flash-attention scratch sized for this process's {intra_op_threads()} intra-op "
+        notes += (f"CPU flash-attention scratch sized for the run's {intra_op_threads()} intra-op "
                   "threads (torch.get_num_threads(); it grows with the training run's thread count)",)
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd,
                     compiled=True, notes=notes, forward_plan=forward_plan, backward_plan=backward_plan)

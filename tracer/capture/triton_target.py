@@ -416,6 +416,8 @@ class ForkedWork:
                 pass
             os.waitpid(self._pid, 0)
 
+    cancel = abandon          # a Future's name for it: a forked capture stands where a pool's Future does
+
 
 def usable_cores() -> int:
     """The CPU cores this process may run on."""
@@ -479,14 +481,14 @@ def start_forked(work) -> ForkedWork:
     return ForkedWork(pid, read_end)
 
 
-_RUN_THREADS: list[int] = []      # in a forked child: its parent's intra-op thread count
+_PARENT_THREADS: dict[str, int] = {}      # in a forked child: "threads" -> its parent's intra-op thread count
 
 
 def intra_op_threads() -> int:
     """The intra-op thread count a step of this run uses (what sizes per-thread kernel scratch): this
     process's `torch.get_num_threads()`, or in a forked child its parent's (the child itself runs on one)."""
     import torch
-    return _RUN_THREADS[-1] if _RUN_THREADS else torch.get_num_threads()
+    return _PARENT_THREADS.get("threads") or torch.get_num_threads()
 
 
 def _one_intra_op_thread(run_threads: int) -> None:
@@ -494,7 +496,7 @@ def _one_intra_op_thread(run_threads: int) -> None:
     parallel region there waits for them forever (libgomp): the child runs its few real ops (constant
     folding, example values) on one thread, and models the parent's `run_threads` (`intra_op_threads`)."""
     import torch
-    _RUN_THREADS[:] = [run_threads]
+    _PARENT_THREADS["threads"] = run_threads
     torch.set_num_threads(1)
 
 
