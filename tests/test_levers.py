@@ -50,7 +50,10 @@ def test_the_levers_change_what_they_should(table):
 
 
 @pytest.mark.slow
-def test_capture_groups_in_worker_processes_give_the_same_rows(table):
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "spawned where there is no fork"])
+def test_capture_groups_in_worker_processes_give_the_same_rows(table, fork, monkeypatch):
+    import tracer.capture.triton_target
+    monkeypatch.setattr(tracer.capture.triton_target, "forking_available", lambda: fork)
     parallel = run_levers("llama-debug", BASE, world_size=4, levers=SOME, workers=2)
     assert parallel == table
 

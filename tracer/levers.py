@@ -167,9 +167,9 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
 
 
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
-    """Each job's rows: in this process, or with `workers` spawned processes (each loads the model by its
-    name). A deep model's group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut`
-    steps); a capture is independent of the others, so the rows are the same either way. The first group
+    """Each job's rows: in this process, or with `workers` processes (forked from this one once it has
+    loaded the model, or where it cannot fork, spawned: each loads the model by its name). A deep model's
+    group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut` steps); a capture is independent of the others, so the rows are the same either way. The first group
     (the baseline's) is captured at `BASE_DEPTH`, synthesized and its rows analysed in a worker while this
     process captures its `CHECK_DEPTH` step and checks the synthesis on it (`synthesis_differences`); a
     group that differs from it only in what every block's code sees the same way (`_UNIFORM_FIELDS`) is
@@ -182,13 +182,18 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
+    from tracer.capture.triton_target import forking_available
     from tracer.pipeline import capture_processes
 
     say = on_progress or (lambda message: None)
     say(f"capturing {len(jobs)} groups of levers in {count} processes ...")
-    with capture_processes(count) as pool:
-        for _ in range(count):                           # start every process now: they import torch
-            pool.submit(_started)                        # while this one loads the model
+    forked = forking_available()
+    with capture_processes(count, forked=forked) as pool:
+        if not forked:
+            for _ in range(count):                       # start every process now: they import torch
+                pool.submit(_started)                    # while this one loads the model
+        # forked: the processes start with the first group's job, after this process has loaded the model
+        # and built it once under fake tensors (block_list), and inherit both
         return _group_results(model, base, jobs, pool, on_progress)
 
 

@@ -518,29 +518,37 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
 
 
 @contextlib.contextmanager
-def capture_processes(count: int):
-    """A pool of `count` spawned processes that print what this one prints (a spawned process starts with
-    logging's and warnings' defaults, and takes this process's: the CLI quiets libraries' logging and
-    Python warnings unless --verbose, cli/entry.py), entered as a context. The pool's processes and this
-    one share the cores while it is open (triton_target.cores_shared_by)."""
+def capture_processes(count: int, *, forked: bool = False):
+    """A pool of `count` processes that print what this one prints, entered as a context. Spawned by
+    default (a spawned process starts with logging's and warnings' defaults, and takes this process's: the
+    CLI quiets libraries' logging and Python warnings unless --verbose, cli/entry.py). `forked` (only where
+    `forking_available()`): all `count` are forked from this process when the first job is submitted, so
+    they inherit its imports and the model it has loaded by then instead of starting Python, importing
+    torch and loading the model again (each runs its real ops on one thread, as `start_forked`'s children
+    do). The pool's processes and this one share the cores while it is open (triton_target.cores_shared_by)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from tracer.capture.triton_target import cores_shared_by
-    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=_as_sibling,
-                             initargs=(_output_state(), count + 1)) as pool, cores_shared_by(count + 1):
+    from tracer.capture.triton_target import cores_shared_by, intra_op_threads
+    threads = intra_op_threads() if forked else None
+    with ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("fork" if forked else "spawn"),
+                             initializer=_as_sibling, initargs=(_output_state(), count + 1, threads)) as pool, \
+            cores_shared_by(count + 1):
         yield pool
 
 
-def _as_sibling(state: tuple[int, int | None, bool], processes: int) -> None:
+def _as_sibling(state: tuple[int, int | None, bool], processes: int, forked_from_threads: int | None = None) -> None:
     """A pool process's start: it prints as its parent does, shares the cores with `processes` - 1 others,
     collects garbage as seldom as the tracer's own work does (`space_collections`) and ends without the
-    interpreter's final collection (the pool's shutdown waits for it)."""
+    interpreter's final collection (the pool's shutdown waits for it). `forked_from_threads`: it is a forked
+    child of a process running that many intra-op threads (triton_target.one_intra_op_thread)."""
     import atexit
 
-    from tracer.capture.triton_target import share_cores
+    from tracer.capture.triton_target import one_intra_op_thread, share_cores
     _print_as_parent(state)
     share_cores(processes)
+    if forked_from_threads is not None:
+        one_intra_op_thread(forked_from_threads)
     space_collections()                       # for the process's life: it only runs the tracer's jobs
     atexit.register(end_without_collecting)
 

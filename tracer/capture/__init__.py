@@ -102,6 +102,9 @@ def capture_steps(source: ModelSource, options: CaptureOptions, specs: tuple[Pol
 # CaptureOptions fields that change only the step around forward and backward (the optimizer step, its
 # state, accumulation, offload): requests that differ in these alone share one joint capture
 STEP_FIELDS = ("optimizer", "foreach", "step", "zero_grad_set_to_none", "accumulate", "offload")
+# the step fields the optimizer step's recording depends on: accumulation's micro-batches and the offload
+# lever change what surrounds the recorded step, not the step, so their variants splice the same recording
+RECORDING_FIELDS = ("optimizer", "foreach", "step", "zero_grad_set_to_none")
 
 
 def capture_step_requests(source: ModelSource, requests: tuple[tuple[CaptureOptions, PolicySpec], ...],
@@ -286,11 +289,11 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
                 on_policy(spec.label)
             if i in planning:
                 continue
-            step_key = tuple(getattr(request_options, f) for f in STEP_FIELDS)
+            recording_key = tuple(getattr(request_options, f) for f in RECORDING_FIELDS)
             if spec not in schedules:
                 schedules[spec] = policy_schedule(cap, spec)
             out[i] = _step_for_policy(cap, source, request_options, spec, schedules[spec],
-                                      recordings.setdefault(step_key, []), kept)
+                                      recordings.setdefault(recording_key, []), kept)
         for i, planned in planning.items():
             out[i] = planned()
         return tuple(out)
@@ -517,7 +520,7 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
 def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: PolicySpec, schedule,
                      recordings: list, kept=()) -> StepGraph:
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one with the
-    same step settings; `schedule`: the policy's partition (policy_schedule)."""
+    same `RECORDING_FIELDS`; `schedule`: the policy's partition (policy_schedule)."""
     steady = options.step == "steady"
     autocast = autocast_dtype(options.precision)
     autocast = dtype_name(autocast) if autocast is not None else None

@@ -25,6 +25,7 @@ copies. Refused: with --accumulate (gradients accumulate on the host), --zero-gr
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from tracer.capture.convert import OpDraft
 from tracer.capture.splice import remap
@@ -72,10 +73,11 @@ def offload_step(ops: list[OpDraft], table: StorageTable, *, mode: str, param_si
     host_of: dict[int, int] = {}
     for sid in param_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.PARAMETER, "host copy")
+    ready = _gradients_ready(ops, opt_start, compiled) if free_device_gradients else {}
     for sid in grad_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.GRADIENT, "host buffer")
         if free_device_gradients:
-            table.update(sid, persistent=False, released_after_op=_gradient_ready(ops, sid, opt_start, compiled))
+            table.update(sid, persistent=False, released_after_op=ready(sid))
     on_device = {v.storage_id for d in ops[:opt_start] for v in d.outputs + _inputs(d)}
     for d in ops[opt_start:]:
         for v in d.outputs + _inputs(d):
@@ -112,16 +114,23 @@ def _host_copy(table: StorageTable, sid: int, role: StorageRole, what: str) -> i
                      persistent=True, host=True, name=f"{e.name} ({what})")
 
 
-def _gradient_ready(ops: list[OpDraft], sid: int, opt_start: int, compiled: bool) -> int:
-    """The op after which a gradient is complete: the end of the autograd node that last wrote it (eager),
-    or the end of backward (a compiled backward returns its gradients together)."""
-    last = max((i for i, d in enumerate(ops[:opt_start]) if any(v.storage_id == sid for v in d.outputs + _inputs(d))),
-               default=opt_start - 1)
+def _gradients_ready(ops: list[OpDraft], opt_start: int, compiled: bool) -> Callable[[int], int]:
+    """Gradient storage id -> the op after which it is complete: the end of the autograd node that last
+    wrote it (eager), or the end of backward (a compiled backward returns its gradients together)."""
     if compiled:
-        return max(i for i, d in enumerate(ops[:opt_start]) if d.phase is Phase.BACKWARD)
-    while last + 1 < opt_start and ops[last].seq_nr is not None and ops[last + 1].seq_nr == ops[last].seq_nr:
-        last += 1
-    return last
+        end = max(i for i, d in enumerate(ops[:opt_start]) if d.phase is Phase.BACKWARD)
+        return lambda sid: end
+    last_touch: dict[int, int] = {}
+    for i, d in enumerate(ops[:opt_start]):
+        for v in d.outputs + _inputs(d):
+            last_touch[v.storage_id] = i
+
+    def ready(sid: int) -> int:
+        last = last_touch.get(sid, opt_start - 1)
+        while last + 1 < opt_start and ops[last].seq_nr is not None and ops[last + 1].seq_nr == ops[last].seq_nr:
+            last += 1
+        return last
+    return ready
 
 
 def _parameters_on_demand(ops: list[OpDraft], table: StorageTable, param_sids: tuple[int, ...]) -> list[OpDraft]:

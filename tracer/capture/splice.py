@@ -15,7 +15,7 @@ def copy_storages(source: StorageTable, table: StorageTable, sid_map: dict[int, 
     for sid in range(len(source)):
         if sid in sid_map:
             continue
-        fields = dataclasses.asdict(source.get(sid))
+        fields = source.get(sid).fields()
         for key in ("released_after_op", "held_until_op"):
             if fields[key] is not None:
                 fields[key] += ops_offset

@@ -69,6 +69,11 @@ class _Entry:
     caller_held: bool = False
     weights: int | None = None
 
+    def fields(self) -> dict:
+        """Its fields by name: a shallow copy (every field holds an immutable value), which
+        `dataclasses.asdict`'s recursive copy costs several times over on a large table."""
+        return dict(vars(self))
+
 
 class StorageTable:
     def __init__(self) -> None:
@@ -121,4 +126,4 @@ class StorageTable:
         return TensorValue(sid, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
 
     def freeze(self) -> tuple[Storage, ...]:
-        return tuple(Storage(storage_id=i, **dataclasses.asdict(e)) for i, e in enumerate(self._entries))
+        return tuple(Storage(storage_id=i, **e.fields()) for i, e in enumerate(self._entries))

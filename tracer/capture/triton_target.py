@@ -467,7 +467,7 @@ def start_forked(work) -> ForkedWork:
         code = 0
         try:
             try:
-                _one_intra_op_thread(threads)
+                one_intra_op_thread(threads)
                 payload = pickle.dumps(("ok", work()), protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as exc:                 # noqa: BLE001 - everything goes back to the parent
                 payload = _pickled_error(exc)
@@ -491,7 +491,7 @@ def intra_op_threads() -> int:
     return _PARENT_THREADS.get("threads") or torch.get_num_threads()
 
 
-def _one_intra_op_thread(run_threads: int) -> None:
+def one_intra_op_thread(run_threads: int) -> None:
     """The parent's OpenMP worker threads do not exist in a forked child, and a real CPU op that opens a
     parallel region there waits for them forever (libgomp): the child runs its few real ops (constant
     folding, example values) on one thread, and models the parent's `run_threads` (`intra_op_threads`)."""
