@@ -169,8 +169,9 @@ def run_levers(model, base: AnalysisOptions, *, world_size: int | None = None, l
 def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progress) -> list[dict]:
     """Each job's rows: in this process, or with `workers` processes (forked from this one once it has
     loaded the model, or where it cannot fork, spawned: each loads the model by its name). A deep model's
-    group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut` steps); a capture is independent of the others, so the rows are the same either way. The first group
-    (the baseline's) is captured at `BASE_DEPTH`, synthesized and its rows analysed in a worker while this
+    group is captured cut to a few blocks (tracer/depth_capture.py's `capture_cut` steps); a capture is
+    independent of the others, so the rows are the same either way. The first group (the baseline's) is
+    captured at `BASE_DEPTH`, synthesized and its rows analysed in a worker while this
     process captures its `CHECK_DEPTH` step and checks the synthesis on it (`synthesis_differences`); a
     group that differs from it only in what every block's code sees the same way (`_UNIFORM_FIELDS`) is
     captured at `BASE_DEPTH` alone, synthesized and analysed in its worker. Rows made before the verdict are

@@ -73,7 +73,7 @@ def offload_step(ops: list[OpDraft], table: StorageTable, *, mode: str, param_si
     host_of: dict[int, int] = {}
     for sid in param_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.PARAMETER, "host copy")
-    ready = _gradients_ready(ops, opt_start, compiled) if free_device_gradients else {}
+    ready = _gradients_ready(ops, opt_start, compiled) if free_device_gradients else None
     for sid in grad_sids:
         host_of[sid] = _host_copy(table, sid, StorageRole.GRADIENT, "host buffer")
         if free_device_gradients:
