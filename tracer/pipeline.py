@@ -588,8 +588,10 @@ def _processes_beside(model: str, source, options: AnalysisOptions):
     `result()` and `cancel()`: a forked child of this process per capture, which inherits the loaded model
     (no second start of Python, import of torch and load of the model before it can capture: llama-70b's
     eager command took 7.7 s with it against 10.3 s with a spawned process), or where this platform cannot
-    fork, a spawned process that loads `model` by its name. Either shares the cores with this one while it runs (`cores_shared_by`); a forked child
-    whose answer is not read (this process failed meanwhile) is stopped on the way out."""
+    fork, a spawned process that loads `model` by its name. Either shares the cores with this one while it
+    runs (`cores_shared_by`); a forked child whose answer is not read (this process failed meanwhile) is
+    stopped on the way out. It forks per capture (`start_forked` runs a closure over the loaded source)
+    where `capture_processes(forked=True)` hands jobs to a pool by name, as the levers' many groups need."""
     from tracer.capture.triton_target import cores_shared_by, forking_available, start_forked
 
     if not forking_available():
