@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 
+from tracer.capture import triton_buffer_effects
 from tracer.choices import GpuSpec
 
 TRITON_REQUIREMENT = "triton==3.7.1"      # what torch 2.13.0's CUDA wheels install (their metadata pins it)
@@ -172,6 +173,7 @@ def install_cuda_planning(gpu: GpuSpec, *, pad_decision: bool) -> PlanDecisions:
     _forget_device_answers()
     decisions = PlanDecisions(pad_decision)
     _give_pad_mm_decisions(decisions)
+    triton_buffer_effects.install()
     return decisions
 
 
