@@ -16,6 +16,7 @@ from tracer.errors import UsageError
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 BIAS_ROWS = os.path.join(FIXTURES, "bias_gradient_rows.py")
 UNALIGNED_VOCAB = os.path.join(FIXTURES, "unaligned_vocab_head.py")
+CHANNELS_LAST_CONV = os.path.join(FIXTURES, "conv_channels_last_input.py")
 
 pytestmark = pytest.mark.skipif(triton_target.triton_unavailable() is not None,
                                 reason=f"no Triton plan here: {triton_target.triton_unavailable()}")
@@ -110,6 +111,16 @@ def test_a_timed_pad_mm_decision_is_planned_both_ways():
     numbers = [int(word.replace(",", "")) for word in note.replace("(", " ").split() if word[:1].isdigit()]
     unpadded, padded = numbers[-4:-2], numbers[-2:]
     assert unpadded != padded
+
+
+def test_a_channels_last_convolution_keeps_its_layout_in_the_triton_plan():
+    """PVT's and SegFormer's spatial reduction views a sequence as a channels_last image, convolves it and views
+    the output as a sequence again: cuDNN, like the CPU kernel the capture traced, keeps the channels_last
+    layout that view needs. Without cuDNN in this build ATen would give the fake cuda convolution its slow
+    kernel's contiguous output, and the plan failed ("Cannot view a tensor with shape ...")."""
+    graph = _compiled(CHANNELS_LAST_CONV, seq=64)
+    assert any(note.startswith("compiled plan: Inductor's Triton scheduling") for note in graph.config.notes)
+    assert any(op.target.startswith("aten.convolution") for op in graph.ops)
 
 
 def test_an_aligned_model_needs_no_timed_decision():

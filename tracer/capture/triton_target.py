@@ -4,7 +4,7 @@ For a CUDA target, torch.compile lowers through Inductor's Triton scheduling, no
 by its own rules, splits large reductions into partial sums sized by the GPU's SM count, and reuses freed
 buffers differently, so the buffers a compiled graph allocates differ from the C++ plan's (on a small MLP +
 attention model the backward's own buffers peak 7% lower in fp32, 18% in bf16). Inductor's Triton path runs
-on the CPU build once five things a CPU build lacks are supplied; nothing is compiled or run on a device:
+on the CPU build once six things a CPU build lacks are supplied; nothing is compiled or run on a device:
 
   1. **a CUDA device guard**: the CPU build registers no `DeviceGuardImpl` for CUDA, so every C++ path that
      opens a device guard on a fake cuda tensor (indexing, `~mask`, which Inductor's decompositions call)
@@ -23,6 +23,13 @@ on the CPU build once five things a CPU build lacks are supplied; nothing is com
      both versions on the device says padding is faster. Inductor's own rules before the timing (forced
      padding, the bf16 large-K rule, "not compute bound: keep") are run as they are; where only the timing
      is left, the decision is given (`pad_decision`) and recorded, and the caller plans both answers.
+  6. **cuDNN's convolution layouts**: without cuDNN, ATen gives a fake cuda convolution its slow kernel and a
+     contiguous output; a channels_last input or weight keeps its layout on cuDNN, as on the CPU's oneDNN
+     kernel the capture traced, so the kernel and layout are chosen as for CPU tensors of the same shape,
+     strides and dtype (`_convolution_layouts_as_captured`).
+
+A Triton kernel whose loop bodies only load, compute, reduce and store has its buffer bookkeeping replayed
+instead of its code generated (tracer/capture/triton_buffer_effects.py): the plan reads no kernel code.
 
 The patches change process-wide state, so a plan runs in a forked child of the capturing process
 (`start_forked`, `in_forked_process`): the child inherits the captured joint, retargets it to fake cuda
@@ -161,12 +168,14 @@ class PlanDecisions:
 
 
 def install_cuda_planning(gpu: GpuSpec, *, pad_decision: bool) -> PlanDecisions:
-    """Apply the five planning patches for `gpu` to this process (for a forked child: they are not undone)."""
+    """Apply the six planning patches for `gpu` to this process, and the kernel bookkeeping replay (for a
+    forked child: they are not undone)."""
     import torch
     if torch.version.cuda is not None:
         raise TritonPlanError("a CUDA build of torch: the planning patches are for the CPU build only")
     _register_device_guard()
     _fold_constants_on_cpu()
+    _convolution_layouts_as_captured()
     props = device_properties(gpu)
     _answer_device_queries(props)
     _set_triton_driver(props)
@@ -234,6 +243,36 @@ def _fold_constants_on_cpu() -> None:
                 return _original(self, *args)
 
         setattr(folder, name, functools.wraps(original)(on_cpu))
+
+
+def _convolution_layouts_as_captured() -> None:
+    """A convolution's output layout on a fake cuda tensor follows the kernel ATen would pick: this CPU build
+    has no cuDNN, so it picks its slow kernel, whose output is contiguous, where CUDA's cuDNN (and the
+    capture, which traced the CPU's oneDNN kernel) keep a channels_last input's or weight's layout; a joint
+    that views such an output then fails to retrace. The kernel and its layout are chosen for CPU fake tensors
+    of the same shape, strides and dtype (`_select_conv_backend`, `_conv_determine_backend_memory_format`,
+    which the fake convolution calls): the rule the capture applied, and cuDNN's for 2-d and 3-d convolutions
+    in fp32, fp16 and bf16 (channels_last when the input or the weight is)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+    def on_cpu(value):
+        if not (isinstance(value, FakeTensor) and value.device.type == "cuda"):
+            return value
+        with unset_fake_temporarily():
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return FakeTensor(value.fake_mode, meta, torch.device("cpu"))
+
+    select, determine = torch._C._select_conv_backend, torch._C._conv_determine_backend_memory_format
+
+    def select_conv_backend(*args, **kwargs):
+        return select(*map(on_cpu, args), **{k: on_cpu(v) for k, v in kwargs.items()})
+
+    def conv_determine_backend_memory_format(input, weight, backend):
+        return determine(on_cpu(input), on_cpu(weight), backend)
+
+    torch._C._select_conv_backend = select_conv_backend
+    torch._C._conv_determine_backend_memory_format = conv_determine_backend_memory_format
 
 
 def _answer_device_queries(props: DeviceProperties) -> None:
