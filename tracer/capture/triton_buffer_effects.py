@@ -94,7 +94,7 @@ def _replayed(scheduling, node, names) -> bool:
     from torch._inductor import config
     from torch._inductor.codegen.simd import DisableReduction, EnableReduction
     from torch._inductor.codegen.simd_kernel_features import SIMDKernelFeatures
-    from torch._inductor.scheduler import BaseSchedulerNode, FusedSchedulerNode
+    from torch._inductor.scheduler import BaseSchedulerNode
     from torch._inductor.virtualized import V
 
     if config.generate_intermediate_hooks or config.nan_asserts or config.warn_mix_layout \
@@ -105,14 +105,10 @@ def _replayed(scheduling, node, names) -> bool:
         return False
     _, (numel, rnumel) = max(nodes, key=lambda n: int(n.is_reduction())).group
     node_schedule = scheduling.generate_node_schedule(nodes, numel, rnumel)
-    reduction = any(n.is_reduction() for n in nodes)
+    # the tiling changes only a replayed kernel's index arithmetic: whether its reduction loops (which
+    # closes the loop before the pointwise nodes after it) follows from the nodes alone (persistent
+    # reductions, `should_use_persistent_reduction`), so the coalescing analysis that picks it is not run
     coalesce = None
-    if reduction and config.triton.coalesce_tiling_analysis:
-        # a reduction's kernel is built on the tiling Inductor picks: whether its reduction loops, which
-        # closes the loop before the pointwise nodes after it, follows from it (a pointwise kernel has no
-        # reduction loop, and its tiling changes only its index arithmetic)
-        whole = node if len(nodes) == len(node.get_nodes()) else FusedSchedulerNode(scheduling.scheduler, nodes)
-        coalesce = whole.get_coalesce_analysis()
     features = SIMDKernelFeatures(node_schedule, numel, rnumel, coalesce)
     tiling, tiling_score = scheduling.get_tiling_and_scores(node_schedule, numel, rnumel, coalesce)
     kernels = scheduling.create_kernel_choices(features, [tiling], {"features": features,
