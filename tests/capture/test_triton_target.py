@@ -17,6 +17,7 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 BIAS_ROWS = os.path.join(FIXTURES, "bias_gradient_rows.py")
 UNALIGNED_VOCAB = os.path.join(FIXTURES, "unaligned_vocab_head.py")
 CHANNELS_LAST_CONV = os.path.join(FIXTURES, "conv_channels_last_input.py")
+TIMES_ZERO = os.path.join(FIXTURES, "unused_parameters_times_zero.py")
 
 pytestmark = pytest.mark.skipif(triton_target.triton_unavailable() is not None,
                                 reason=f"no Triton plan here: {triton_target.triton_unavailable()}")
@@ -121,6 +122,16 @@ def test_a_channels_last_convolution_keeps_its_layout_in_the_triton_plan():
     graph = _compiled(CHANNELS_LAST_CONV, seq=64)
     assert any(note.startswith("compiled plan: Inductor's Triton scheduling") for note in graph.config.notes)
     assert any(op.target.startswith("aten.convolution") for op in graph.ops)
+
+
+def test_a_product_with_zero_is_folded_on_the_cpu():
+    """DDP users add every parameter times 0 to the loss; Inductor's constant folder replaces each product
+    with a one-element zero it makes with `torch.full(..., device=<the node's device>)`, a factory that
+    initialises CUDA before any dispatch mode sees it (this build has no CUDA: the plan failed with "Torch
+    not compiled with CUDA enabled"). The factory runs on the CPU; the zero keeps its cuda device."""
+    graph = _compiled(TIMES_ZERO, seq=64)
+    assert any(note.startswith("compiled plan: Inductor's Triton scheduling") for note in graph.config.notes)
+    assert not torch.cuda.is_available()
 
 
 def test_an_aligned_model_needs_no_timed_decision():

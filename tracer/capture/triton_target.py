@@ -13,7 +13,8 @@ on the CPU build once six things a CPU build lacks are supplied; nothing is comp
      headers (about 1 s) into tracer's cache directory and registered through c10's `registerDeviceGuard`.
   2. **constant folding on the CPU**: Inductor's uniform-value constant folder evaluates one-element
      constants for real (`UniformValueConstantFolder`); those real ops run on the CPU, only their value is
-     kept, and the folded constant keeps its cuda device.
+     kept, and the folded constant keeps its cuda device. Its factories (the zero it folds a product with 0
+     to) are moved to the CPU before they would initialise CUDA.
   3. **device queries**: `torch.cuda`'s queries (available, one device, its properties and capability) and
      Inductor's CUDA device interface answer for the `--gpu` model (`device_properties`): SM count,
      compute capability, warp size, threads per SM. Fake tensors keep avoiding device initialisation.
@@ -223,6 +224,7 @@ def _fold_constants_on_cpu() -> None:
     the CPU and only their value is read."""
     import torch
     from torch._inductor.fx_passes import joint_graph
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CudaConstantsOnCpu(TorchDispatchMode):
@@ -234,12 +236,21 @@ def _fold_constants_on_cpu() -> None:
                 args = (args[0], torch.device("cpu")) + tuple(args[2:])
             return func(*args, **kwargs)
 
+    class CudaFactoriesOnCpu(TorchFunctionMode):
+        """A factory called with device="cuda" (the peephole's `torch.full([1], 0, device=...)` for a product
+        with 0) initialises CUDA before any dispatch mode sees it: the device is moved to the CPU first."""
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "cuda":
+                kwargs["device"] = torch.device("cpu")
+            return func(*args, **kwargs)
+
     folder = joint_graph.UniformValueConstantFolder
     for name in ("_deduce_value", "_add_peephole_patterns"):
         original = getattr(folder, name)
 
         def on_cpu(self, *args, _original=original):
-            with CudaConstantsOnCpu():
+            with CudaFactoriesOnCpu(), CudaConstantsOnCpu():
                 return _original(self, *args)
 
         setattr(folder, name, functools.wraps(original)(on_cpu))
