@@ -38,6 +38,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from tracer.errors import CaptureError
+
 # meta of the joint's nodes that the re-trace does not carry over by itself
 _KEPT_META = ("seq_nr", "fwd_nn_module_stack", "nn_module_stack", "stack_trace", "partitioner_tag", "custom",
               "recompute", "ac_graph_id")
@@ -283,10 +285,15 @@ class _StepRecordingLowering:
     def __new__(cls, *args, **kwargs):
         from torch._inductor.graph import GraphLowering
 
+        from torch._inductor.exc import LoweringException
+
         class Lowering(GraphLowering):
             def run_node(self, n):
                 # the interpreter drops env entries after their last use: keep every node's IR value
-                result = super().run_node(n)
+                try:
+                    result = super().run_node(n)
+                except LoweringException as exc:
+                    raise _lowering_refused(n, exc) from None
                 self.lowered_values[n] = result
                 return result
 
@@ -309,6 +316,19 @@ class _StepRecordingLowering:
         lowering = Lowering(*args, **kwargs)
         lowering.lowered_values = {}
         return lowering
+
+
+def _lowering_refused(node: fx.Node, exc: Exception) -> CaptureError:
+    """Inductor cannot lower `node` (an op whose output size the step decides from values, such as boolean-mask
+    indexing: the capture knows the rows, Inductor's lowering expects a size it cannot know): the compiled
+    policy is refused, naming the op and the model's line."""
+    from tracer.capture.source import loc_from_stack_trace
+    loc = loc_from_stack_trace(node.meta.get("stack_trace"))
+    where = f"{loc.short()} ({loc.code}): " if loc is not None else ""
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(": ")
+    return CaptureError(f"{where}Inductor cannot lower {node.target} for the compiled policy ({reason})",
+                        hint="torch.compile would not compile this op as traced (a graph break or an error); "
+                             "use --policy eager, full or selective")
 
 
 def _nbytes(graph, buffer) -> int:

@@ -1,0 +1,26 @@
+"""An op Inductor cannot lower as the step was traced refuses the compiled policy with the model's line
+(tracer.capture.inductor_plan), in the C++ plan and in Triton's: never an internal error."""
+import os
+
+import pytest
+
+from tracer.capture import CaptureOptions, PolicySpec, capture_step, load_model_source
+from tracer.capture import triton_target
+from tracer.errors import CaptureError
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+MASK_SELECTED_ROWS = os.path.join(FIXTURES, "constant_selected_rows.py")
+TRITON = pytest.mark.skipif(triton_target.triton_unavailable() is not None,
+                            reason=f"no Triton plan here: {triton_target.triton_unavailable()}")
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("cuda:h100", marks=TRITON)])
+def test_rows_picked_by_a_boolean_mask_refuse_the_compiled_policy_at_their_line(target):
+    """`out[mask] = adapter(h[mask])`: the capture knows how many rows the mask picks (it follows from a
+    constant), Inductor's lowering of the picked rows expects a size it cannot know and asserts; torch.compile
+    would break the graph there."""
+    with pytest.raises(CaptureError, match=r"constant_selected_rows\.py:24 \(out\[mask\] = adapter\(h\[mask\]\).*"
+                                           r"\): Inductor cannot lower aten\.") as refused:
+        capture_step(load_model_source(MASK_SELECTED_ROWS), CaptureOptions(seq=64, target=target),
+                     PolicySpec(name="compiled"))
+    assert "use --policy eager, full or selective" in refused.value.hint
