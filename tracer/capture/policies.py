@@ -23,6 +23,7 @@ CUDA-graph pools are not modelled.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 import operator
 
@@ -66,8 +67,11 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     notes: tuple[str, ...] = ()
     if spec.name == "eager" and not user_calls:
         return Schedule(joint=cap.joint)
+    if spec.policy.compiled_any:
+        notes += recurrent_graph_break_notes(cap.model)
     if spec.policy.compiled_blocks:
-        return _compiled_blocks_schedule(cap, spec, _planning_child_starter(plans_in_parallel))
+        schedule = _compiled_blocks_schedule(cap, spec, _planning_child_starter(plans_in_parallel))
+        return dataclasses.replace(schedule, notes=notes + schedule.notes)
     from torch._functorch.partitioners import default_partition
     from torch._guards import TracingContext, tracing
     from torch.fx._lazy_graph_module import _use_lazy_graph_module
@@ -110,6 +114,21 @@ def policy_schedule(cap: JointCapture, spec: PolicySpec, *, plans_in_parallel: b
     _drop_backward_ops_from_forward(forward)
     rerun_as_eager(joint, backward, _parameter_placeholders(joint, cap))
     return Schedule(joint=cap.joint, forward=forward, backward=backward, num_forward_outputs=num_fwd, notes=notes)
+
+
+def recurrent_graph_break_notes(model) -> tuple[str, ...]:
+    """torch.compile breaks the graph at an nn.RNN, nn.LSTM or nn.GRU module (dynamo's `allow_rnn`, off by
+    default): the recurrent layer runs eagerly between two compiled graphs. A compiled policy plans one graph
+    with the layer unrolled in it; the note says so."""
+    import torch._dynamo.config
+    if model is None or torch._dynamo.config.allow_rnn:
+        return ()
+    recurrent = sorted({type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.RNNBase)})
+    if not recurrent:
+        return ()
+    return (f"torch.compile breaks the graph at {', '.join(recurrent)} (torch._dynamo.config.allow_rnn is off): "
+            "the recurrent layers run eagerly between compiled graphs, which this plan does not model; it plans "
+            "them unrolled inside the one compiled graph",)
 
 
 def _drop_backward_ops_from_forward(forward: torch.fx.GraphModule) -> None:
