@@ -18,6 +18,7 @@ BIAS_ROWS = os.path.join(FIXTURES, "bias_gradient_rows.py")
 UNALIGNED_VOCAB = os.path.join(FIXTURES, "unaligned_vocab_head.py")
 CHANNELS_LAST_CONV = os.path.join(FIXTURES, "conv_channels_last_input.py")
 TIMES_ZERO = os.path.join(FIXTURES, "unused_parameters_times_zero.py")
+LIBRARY_OPTIMIZER = os.path.join(FIXTURES, "library_optimizer_net.py")
 
 pytestmark = pytest.mark.skipif(triton_target.triton_unavailable() is not None,
                                 reason=f"no Triton plan here: {triton_target.triton_unavailable()}")
@@ -131,6 +132,33 @@ def test_a_product_with_zero_is_folded_on_the_cpu():
     not compiled with CUDA enabled"). The factory runs on the CPU; the zero keeps its cuda device."""
     graph = _compiled(TIMES_ZERO, seq=64)
     assert any(note.startswith("compiled plan: Inductor's Triton scheduling") for note in graph.config.notes)
+    assert not torch.cuda.is_available()
+
+
+def test_the_planning_child_records_the_optimizer_step_as_the_capture_sees_the_machine():
+    """bitsandbytes' 8-bit AdamW takes its CUDA path when torch.cuda says a GPU is there. The planning child
+    answers torch.cuda's queries for Inductor; the optimizer step it records sees this CPU build, as the
+    capturing process does (the plan failed: "module 'torch._C' has no attribute
+    '_cuda_getCurrentRawStream'"), and the compiled step keeps the eager step's optimizer state."""
+    import importlib.util
+    import sys
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed")
+    from tracer.capture import capture_steps
+    from tracer.stepgraph import StorageRole
+
+    def optimizer_state():
+        # bitsandbytes reads torch.cuda's answers when it is first imported: forgotten here, as in a fresh run
+        for name in [m for m in sys.modules if m == "bitsandbytes" or m.startswith("bitsandbytes.")]:
+            del sys.modules[name]
+        specs = (PolicySpec(name="eager"), PolicySpec(name="compiled"))
+        steps = capture_steps(load_model_source(LIBRARY_OPTIMIZER), CaptureOptions(seq=64, target="cuda:h100"),
+                              specs)
+        return {label: sorted(s.nbytes for s in graph.storages if s.role is StorageRole.OPTIMIZER_STATE)
+                for label, graph in steps.items()}
+
+    state = in_forked_process(optimizer_state)
+    assert state["eager"] and state["compiled"] == state["eager"]
     assert not torch.cuda.is_available()
 
 

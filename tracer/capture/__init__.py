@@ -532,11 +532,13 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                          scaled_loss=scaled, offload_activations=offload_activations, cuda=cuda)
     part, table = first.part, first.table
     if not recordings:
-        recordings.append(record_optimizer_step(
-            cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
-            optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
-            set_to_none=options.zero_grad_set_to_none, target=options.target,
-            grad_scaler=make_grad_scaler(options.precision)))
+        from tracer.capture.triton_target import host_device_answers
+        with host_device_answers():         # in a planning child: the step's own view of the machine
+            recordings.append(record_optimizer_step(
+                cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
+                optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
+                set_to_none=options.zero_grad_set_to_none, target=options.target,
+                grad_scaler=make_grad_scaler(options.precision)))
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
         later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast,

@@ -52,6 +52,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import inspect
 import os
 import pickle
 import shutil
@@ -316,8 +317,10 @@ def _answer_device_queries(props: DeviceProperties) -> None:
     )
     interface = device_interface.CudaInterface
     for name, answer in answers.items():
+        _HOST_ANSWERS.setdefault((torch.cuda, name), getattr(torch.cuda, name))
         setattr(torch.cuda, name, answer)
         if hasattr(interface, name):
+            _HOST_ANSWERS.setdefault((interface, name), inspect.getattr_static(interface, name))
             setattr(interface, name, staticmethod(answer))
     torch.cuda.default_generators = (HostGeneratorForCuda(),)
     interface.get_compute_capability = staticmethod(lambda device=None: props.major * 10 + props.minor)
@@ -325,6 +328,25 @@ def _answer_device_queries(props: DeviceProperties) -> None:
     device_interface.caching_worker_current_devices["cuda"] = 0
     # fake tensors read is_available() to decide whether constants may be made on the device: there is none
     FakeTensorMode.avoid_device_init = property(lambda self: True)
+
+
+_HOST_ANSWERS: dict = {}      # (torch.cuda or CudaInterface, name) -> the query as this CPU build answers it
+
+
+@contextlib.contextmanager
+def host_device_answers():
+    """Within: torch.cuda's queries answer as this CPU build does (no device), as they did in the capturing
+    process: code that runs for the step rather than for Inductor (the optimizer's step, recorded in a
+    planning child) takes the paths it took there, not a GPU path this build cannot run. Outside a planning
+    child, nothing changes."""
+    planned = {key: inspect.getattr_static(*key) for key in _HOST_ANSWERS}
+    for (owner, name), value in _HOST_ANSWERS.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), value in planned.items():
+            setattr(owner, name, value)
 
 
 def _set_triton_driver(props: DeviceProperties) -> None:
