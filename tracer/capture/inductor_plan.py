@@ -100,7 +100,7 @@ def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
     args = [p.meta.get("val") for p in placeholders]
     with fake_mode, fx_traceback.preserve_node_meta():
-        gm = make_fx(fx.Interpreter(joint).run, decomposition_table=select_decomp_table())(*args)
+        gm = make_fx(_ReshapingInterpreter(joint).run, decomposition_table=select_decomp_table())(*args)
     for old, new in zip(placeholders, gm.graph.find_nodes(op="placeholder")):
         new.target = old.target
         new._rename(old.name)
@@ -120,6 +120,19 @@ def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
     next(iter(gm.graph.find_nodes(op="output"))).meta["desc"] = old_output.meta.get("desc")
     gm.recompile()
     return gm
+
+
+class _ReshapingInterpreter(fx.Interpreter):
+    """Replays the joint with each `aten.view` as the reshape it comes from. The capture chose a view where
+    eager's kernels made a tensor viewable (a model's reshape or flatten, autograd's formulas); a decomposition
+    may make that tensor with other strides (a layer norm's grad_input, transposed where eager's kernel
+    returns it contiguous), and then the reshape copies, as AOT autograd's trace of the same code does for
+    Inductor. Where the view is valid, the reshape traces as the same view."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.view.default:
+            target = torch.ops.aten.reshape.default
+        return super().call_function(target, args, kwargs)
 
 
 def donated_inputs(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
