@@ -3,7 +3,10 @@ order and buffer planning, run on the captured joint under fake tensors, without
 
   * `inductor_partition(joint, ...)`: the joint re-traced with Inductor's decomposition table (as
     torch.compile's AOT trace applies it), then `torch._inductor.compile_fx.partition_fn`: Inductor's
-    joint-graph passes and `min_cut_rematerialization_partition(compiler="inductor")`.
+    joint-graph passes and `min_cut_rematerialization_partition(compiler="inductor")`. A view the capture
+    recorded where eager's kernel made a tensor viewable, and that a decomposition's strides no longer allow,
+    is re-traced as the reshape it comes from (a copy, as AOT's own trace makes it).
+  * An op Inductor cannot lower as traced raises CaptureError naming the model's line.
   * `plan_graph(gm, fake_mode)`: one partitioned graph through Inductor's post-grad passes, `GraphLowering`,
     the `Scheduler` (vertical and horizontal fusion, `reorder_for_peak_memory`) and the wrapper's code
     generation, whose memory planning (allocation, in-place reuse, reuse of freed buffers, frees) is read
@@ -123,16 +126,29 @@ def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
 
 
 class _ReshapingInterpreter(fx.Interpreter):
-    """Replays the joint with each `aten.view` as the reshape it comes from. The capture chose a view where
-    eager's kernels made a tensor viewable (a model's reshape or flatten, autograd's formulas); a decomposition
-    may make that tensor with other strides (a layer norm's grad_input, transposed where eager's kernel
-    returns it contiguous), and then the reshape copies, as AOT autograd's trace of the same code does for
-    Inductor. Where the view is valid, the reshape traces as the same view."""
+    """Replays the joint, a view that is no longer valid as the reshape it comes from. The capture chose a
+    view where eager's kernels made a tensor viewable (a model's reshape or flatten, autograd's formulas); a
+    decomposition may make that tensor with other strides (a layer norm's grad_input, transposed where eager's
+    kernel returns it contiguous), and then the reshape copies, as AOT autograd's trace of the same code does
+    for Inductor. A view that stays valid is replayed as it was recorded."""
 
     def call_function(self, target, args, kwargs):
-        if target is torch.ops.aten.view.default:
+        if target is torch.ops.aten.view.default and not _viewable(args[0], args[1]):
             target = torch.ops.aten.reshape.default
         return super().call_function(target, args, kwargs)
+
+
+def _viewable(tensor: torch.Tensor, shape) -> bool:
+    """Whether `tensor`'s sizes and strides can be viewed as `shape`, asked of a meta tensor outside the
+    trace (so that a refused view leaves no node behind)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes():
+        probe = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+        try:
+            probe.view(shape)
+        except (RuntimeError, ValueError):
+            return False
+    return True
 
 
 def donated_inputs(forward: fx.GraphModule, backward: fx.GraphModule, num_fwd_outputs: int) -> list[int]:
