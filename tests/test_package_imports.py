@@ -124,6 +124,7 @@ CAPTURE_STAGES = (
     ("tracing the joint graph", {"eager_kernels", "inplace", "forward_leaves", "python_lifetimes", "joint",
                                  "dynamo_joint", "context_parallel"}),
     ("scheduling: policies, Inductor's plans, compiled blocks", {"schedule", "inductor_plan", "compiled_blocks", "triton_target",
+                                                                  "triton_buffer_effects",
                                                                   "eager_rerun", "policies"}),
     ("conversion to ops over storages", {"convert", "splice"}),
     ("eager lifetimes", {"formulas", "calls", "eager_checkpoint", "autocast_cache", "caller_held", "activation_offload"}),
