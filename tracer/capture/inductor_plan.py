@@ -126,7 +126,7 @@ def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
 
 
 class _ReshapingInterpreter(fx.Interpreter):
-    """Replays the joint, a view that is no longer valid as the reshape it comes from. The capture chose a
+    """Replays the joint, each view the strides no longer allow as the reshape it comes from. The capture chose a
     view where eager's kernels made a tensor viewable (a model's reshape or flatten, autograd's formulas); a
     decomposition may make that tensor with other strides (a layer norm's grad_input, transposed where eager's
     kernel returns it contiguous), and then the reshape copies, as AOT autograd's trace of the same code does
@@ -312,9 +312,8 @@ class _StepRecordingLowering:
     (the kernel step); built lazily so torch._inductor is imported only when the compiled policy runs."""
 
     def __new__(cls, *args, **kwargs):
-        from torch._inductor.graph import GraphLowering
-
         from torch._inductor.exc import LoweringException
+        from torch._inductor.graph import GraphLowering
 
         class Lowering(GraphLowering):
             def run_node(self, n):
