@@ -327,44 +327,74 @@ def test_a_shallow_models_compiled_policy_is_captured_beside_the_others():
 
 
 @pytest.mark.slow
-def test_a_compiled_plan_that_hands_buffers_on_in_its_4_block_step_skips_the_check_in_units_of_one(tmp_path,
-                                                                                                  monkeypatch):
-    """Beside eager, in two processes: the compiled policy's 4-block step already hands buffers on across 2
-    blocks, so its 6-block capture is skipped and it is cut again in units of 2 (the 6-block step's buffers
-    reach 3 blocks, which asked for units of 3 before). Every number of both policies equals the full
-    capture's, and the eager policy is analysed while the compiled one's deeper cut is captured."""
-    from tracer.depth_capture import find_block_list, handed_on
-    from tracer.pipeline import AnalysisOptions, _checks_that_wait, capture_cut_variants, load_source
+def test_a_compiled_plan_for_a_cuda_target_is_cut_in_units_of_2_at_once(tmp_path, monkeypatch):
+    """Beside eager, in two processes: the compiled policy planned for a CUDA target is left out of the
+    cuts in units of one block (Inductor's Triton plan hands buffers on across blocks) and cut in units of
+    2 at once, and never captured at 4 or 6 blocks; its 12-block cut is started first, beside eager's cuts.
+    Every number of both policies equals the full capture's, and the eager policy is analysed while the
+    compiled one's deeper cut is captured."""
+    from tracer.pipeline import AnalysisOptions, _cut_ahead
 
     path = _deep_llama(tmp_path, 64)
     options = AnalysisOptions(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
-    source = load_source(path, options)
-    specs = options.policy_specs()
-    assert _checks_that_wait(options, specs, (0, 1)) == (1,)
-    assert _checks_that_wait(dataclasses.replace(options, policies=("compiled",)), specs[1:], (0,)) == ()
-    compiled = dataclasses.replace(options, policies=("compiled",))
-    base = capture_cut_variants(source, (options, compiled), 4)
-    blocks = find_block_list(source, precision="fp32", seq=16)
-    assert list(handed_on(base, [0, 1], blocks.depth)) == [1]           # eager hands nothing on
+    assert _cut_ahead(options, options.policy_specs(), (0, 1)) == {1: 2}
+    assert _cut_ahead(dataclasses.replace(options, target="cpu"), options.policy_specs(), (0, 1)) == {}
 
     import tracer.pipeline
-    analysed_early = []
-    analyze_early = tracer.pipeline._analyze_early
+    analysed_early, cuts = [], []
+    analyze_early, cut_in_two = tracer.pipeline._analyze_early, tracer.pipeline._cut_in_two_processes
 
     def spy(early, label, graph, options):
         analysed_early.append(label)
         analyze_early(early, label, graph, options)
 
+    def cut_spy(*args, **kwargs):
+        cut = cut_in_two(*args, **kwargs)
+        cuts.append((cut.group, tuple(graph is not None for graph in cut.base),
+                     tuple(graph is not None for graph in cut.check)))
+        return cut
+
+    import sys
+    import tracer.capture.triton_target
+    forked_cuts, start_forked = [], tracer.capture.triton_target.start_forked
+
+    def fork_spy(work):
+        if sys._getframe(1).f_code.co_name == "fork":        # a cut capture (not a plan) forked by the pipeline
+            forked_cuts.append(sys._getframe(1).f_locals["depth"])
+        return start_forked(work)
+
     monkeypatch.setattr(tracer.pipeline, "_analyze_early", spy)
+    monkeypatch.setattr(tracer.pipeline, "_cut_in_two_processes", cut_spy)
+    monkeypatch.setattr(tracer.capture.triton_target, "start_forked", fork_spy)
     keywords = dict(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
     synthesized = tracer.analyze(path, workers=2, **keywords)
     captured = tracer.analyze(path, full_capture=True, **keywords)
     for label in captured.policies:
         assert first_difference(synthesized.policies[label], captured.policies[label]) is None, label
     (note,) = [n for n in synthesized.policies["compiled"].graph.config.notes if n.startswith("depth:")]
-    assert note.startswith("depth: captured 8 and 12 of 64 blocks of blocks")        # (its 6-block step: units of 3)
+    assert note.startswith("depth: captured 8 and 12 of 64 blocks of blocks")
+    # units of one: eager alone at 4 and 6 blocks; units of 2: the compiled policy alone
+    assert cuts == [(1, (True, False), (True, False)), (2, (True,), (True,))]
+    # the compiled policy's 12-block cut was forked first, before the 6-block one, and not again
+    assert forked_cuts == [12, 6]
     # eager, final before the cut in units of 2, was analysed while the 12-block capture ran elsewhere
     assert analysed_early == ["eager"]
+
+
+def test_a_compiled_policy_whose_cut_in_units_of_2_does_not_pay_is_captured_in_full_saying_why():
+    """At 20 blocks the deeper cut in units of 2 (12 blocks) would capture more than half of the model: the
+    compiled policy planned for a CUDA target is refused in units of one with that reason and no retry."""
+    from tracer.depth_capture import BlockList, CutSteps, check_synthesis, cut_pays
+
+    assert cut_pays(24, 2) and not cut_pays(23, 2) and cut_pays(36, 3) and not cut_pays(35, 3)
+    why = "compiled: not cut in units of 1 block: ..."
+    from tracer.depth_capture import PreparedSynthesis
+    cut = CutSteps(BlockList("blocks", 20), (None,), (None,), prepared=PreparedSynthesis((None,), (None,), (why,)),
+                   ahead={0: 2})
+    deep = check_synthesis(cut, lambda i, graph: None, count=1)
+    assert deep.graphs == (None,) and deep.retry is None and why in deep.note
+    cut = dataclasses.replace(cut, blocks=BlockList("blocks", 24))
+    assert check_synthesis(cut, lambda i, graph: None, count=1).retry.group == 2
 
 
 def test_a_retry_whose_check_asks_for_larger_units_cuts_again(monkeypatch):

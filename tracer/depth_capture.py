@@ -16,9 +16,10 @@ Where the check fails and the `CHECK_DEPTH`-block capture hands a buffer on acro
 (compiled code: Inductor's plan gives a block's weight gradient a buffer later blocks used in backward;
 depth_graph.block_reach), the result carries a `Retry`: the caller cuts again in units of r blocks
 (`cut_depths(depth, r)`: `BASE_DEPTH` and `CHECK_DEPTH` units) and checks that synthesis the same way, when
-those two cuts capture at most half the model's depth (where the `BASE_DEPTH`-block step already hands
-buffers on, `handed_on`, the caller may skip the check in units of one block for it and cut again at once;
-a check in units of r that asks for larger units still is cut again in those). Otherwise the caller
+the deeper of those two cuts captures at most half the model's depth (`cut_pays`; a check in units
+of r that asks for larger units still is cut again in those). A compiled policy planned for a CUDA target,
+whose plan hands buffers on so, may skip the cut in units of one block and be cut in `HANDED_ON_UNITS` at
+once (`CutSteps.ahead`: the caller leaves it out of its first cut, tracer/pipeline.py). Otherwise the caller
 captures in full, with the returned note saying why (which op or number broke the synthesis). Models with at most
 `BASE_DEPTH + CHECK_DEPTH` blocks, no repeated block list, or `full_capture` are captured in full without a
 note. Not covered by the check: a difference that only appears beyond the check's depth (the blocks are
@@ -41,6 +42,11 @@ CHECK_DEPTH = 6                # captured and compared with its synthesis: two c
 # with the two cuts captured at once in two processes (tracer/pipeline.py), a model of more blocks than this
 # costs its deeper cut, not its depth
 CUT_BESIDE_DEEPER_THAN = CHECK_DEPTH + 1
+# the units of blocks a compiled policy planned for a CUDA target is cut in at once: Inductor's Triton plan
+# hands buffers on from block to block, and its synthesis in units of one block failed its check, or its
+# 4-block step already handed buffers on across 2 blocks, on every model measured (llama-88m, llama-7b,
+# llama-70b, gpt2-124m, gpt2-1558m)
+HANDED_ON_UNITS = 2
 _CHECKED = re.compile(r"depth: captured \d+ and \d+ of ")     # the note of a checked synthesis begins so
 
 
@@ -81,6 +87,9 @@ class CutSteps:
     checked_on: str | None = None
     prepared: "PreparedSynthesis | None" = None     # prepare_synthesis(base), made while `check` was captured
     group: int = 1                                  # blocks per synthesized unit (cut_depths)
+    # graph index -> the units of blocks it is cut in at once (`HANDED_ON_UNITS`); not captured in this cut
+    # (its `base` and `check` entries are None)
+    ahead: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def cut_depths(depth: int, group: int = 1) -> tuple[int, int]:
@@ -178,9 +187,10 @@ class PreparedSynthesis:
 
 
 def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepGraph], object],
-                      depth: int, group: int = 1, deferred: dict[int, int] | None = None) -> PreparedSynthesis:
+                      depth: int, group: int = 1, deferred: dict[int, str] | None = None) -> PreparedSynthesis:
     """The synthesized side of the check of `base` and its synthesis at `depth` blocks. `deferred`: graph
-    index -> the blocks it hands buffers on across (`handed_on`), refused here for that reason."""
+    index -> why it is not checked in this cut (a graph cut in larger units at once: its `base` entry is
+    None), refused here with that reason."""
     from tracer.passes.depth import DepthError
     from tracer.passes.depth_graph import synthesize_depth
 
@@ -190,8 +200,7 @@ def prepare_synthesis(base: tuple[StepGraph, ...], analyze: Callable[[int, StepG
         if i in (deferred or {}):
             checks.append(None)
             fulls.append(None)
-            refused.append(f"{graph.config.policy}: not checked in units of {group} block{'s' if group > 1 else ''}: "
-                           f"its {base_depth}-block step hands buffers on across {deferred[i]} blocks")
+            refused.append(deferred[i])
             continue
         try:
             checks.append(analyze(i, synthesize_depth(graph, check_depth, group)))
@@ -232,33 +241,23 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
 
 def _retry(cut: CutSteps, differences: dict[int, str]) -> Retry | None:
     """A `Retry` in units of the longest reach of a differing graph's check capture (its base capture's where
-    it has none: deferred, `handed_on`), where that is more blocks than this cut's units and two cuts in
-    those units capture at most half the model's depth."""
+    it has none; the units it is cut in at once where it is `ahead`), where that is more blocks than this
+    cut's units and a cut in those units pays (`cut_pays`)."""
     from tracer.passes.depth_graph import block_reach
 
-    reach = max((block_reach(cut.check[i] if cut.check[i] is not None else cut.base[i]) for i in differences),
+    reach = max((cut.ahead[i] if i in cut.ahead else
+                 block_reach(cut.check[i] if cut.check[i] is not None else cut.base[i]) for i in differences),
                 default=0)
-    if reach <= cut.group or not _cut_again_pays(cut.blocks.depth, reach):
+    if reach <= cut.group or not cut_pays(cut.blocks.depth, reach):
         return None
     return Retry(cut.blocks, reach)
 
 
-def _cut_again_pays(depth: int, group: int) -> bool:
-    """Two cuts in units of `group` blocks capture at most half of `depth` blocks."""
-    return 2 * sum(cut_depths(depth, group)) <= depth
-
-
-def handed_on(base: tuple[StepGraph, ...], candidates, depth: int) -> dict[int, int]:
-    """Index -> reach, for the graphs at `candidates` whose step cut to `BASE_DEPTH` blocks already hands
-    buffers on across reach > 1 blocks (depth_graph.block_reach: compiled code giving a block's weight
-    gradient a buffer later blocks used) where a cut in units of reach pays: their check in units of one
-    block is skipped and they are cut again in those units (`_retry`). A deeper capture can show a longer
-    reach (llama-88m's compiled plan: 2 blocks at 4, 3 at 6); a check in too small units then fails and
-    asks for larger ones (tracer.pipeline._retried)."""
-    from tracer.passes.depth_graph import block_reach
-
-    reaches = {j: block_reach(base[j]) for j in candidates}
-    return {j: reach for j, reach in reaches.items() if reach > 1 and _cut_again_pays(depth, reach)}
+def cut_pays(depth: int, group: int) -> bool:
+    """The deeper of two cuts in units of `group` blocks captures at most half of `depth` blocks: made in two
+    processes, the cuts take at most about half the full capture's time, and made one after the other at
+    most 5/6 of it (a check that then differs adds the full capture's time)."""
+    return 2 * cut_depths(depth, group)[1] <= depth
 
 
 def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, ...],
@@ -267,7 +266,7 @@ def synthesis_differences(prepared: PreparedSynthesis, check: tuple[StepGraph, .
     refused or differs from its capture in `check`; empty when every synthesis is checked."""
     differences = {}
     for i, captured in enumerate(check):
-        if captured is None:                  # deferred (`handed_on`): its refusal names the policy
+        if captured is None:                  # cut in larger units at once: its refusal names the policy
             differences[i] = prepared.refused[i]
             continue
         difference = prepared.refused[i] or first_difference(prepared.synthesized_check[i], analyze(i, captured))

@@ -458,20 +458,31 @@ def capture_graphs(source, options: AnalysisOptions, *, on_progress: Callable[[s
     specs = options.policy_specs(model_save_policy=source.save_policy)
     say = on_progress or (lambda message: None)
     capture = _policies_capture(options, specs, say)
-    cut, probed = None, False
-    if model is not None and not options.full_capture:
-        blocks, probed = block_list(source, options, deeper_than=_cut_beside_deeper_than(specs)), True
-        if blocks is not None:
-            cut = _cut_in_two_processes(model, source, options, blocks, capture, say)
-    capture_full = None if model is None else (lambda indices: _compiled_apart(model, source, options, specs, indices,
-                                                                              capture, say))
-    cut_again = None if model is None else (lambda blocks, indices, group, meanwhile=None: _cut_in_two_processes(
-        model, source, options, blocks, capture, say, indices=indices, group=group, meanwhile=meanwhile))
-    graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut,
-                               has_blocks=cut is not None or not probed, capture_full=capture_full,
-                               cut_again=cut_again,
-                               meanwhile=meanwhile and (lambda i, graph: meanwhile(specs[i].label, graph)))
+    cut, probed, early = None, False, {}
+    try:
+        if model is not None and not options.full_capture:
+            blocks, probed = block_list(source, options, deeper_than=_cut_beside_deeper_than(specs)), True
+            if blocks is not None:
+                cut = _cut_in_two_processes(model, source, options, blocks, capture, say, early=early)
+        capture_full = None if model is None else (
+            lambda indices: _compiled_apart(model, source, options, specs, indices, capture, say))
+        cut_again = None if model is None else (lambda blocks, indices, group, meanwhile=None: _cut_in_two_processes(
+            model, source, options, blocks, capture, say, indices=indices, group=group, meanwhile=meanwhile,
+            early=early))
+        graphs = _capture_by_depth(source, (options,) * len(specs), capture, say, cut=cut,
+                                   has_blocks=cut is not None or not probed, capture_full=capture_full,
+                                   cut_again=cut_again,
+                                   meanwhile=meanwhile and (lambda i, graph: meanwhile(specs[i].label, graph)))
+    finally:
+        _abandon(early)
     return {spec.label: graph for spec, graph in zip(specs, graphs)}
+
+
+def _abandon(early: dict) -> None:
+    """Stops the captures started early (`_cut_in_two_processes`) whose answer nobody asked for."""
+    for work in early.values():
+        work.abandon()
+    early.clear()
 
 
 def _cut_beside_deeper_than(specs: tuple) -> int | None:
@@ -583,7 +594,7 @@ def _print_as_parent(state: tuple[int, int | None, bool]) -> None:
 
 
 @contextlib.contextmanager
-def _processes_beside(model: str, source, options: AnalysisOptions):
+def _processes_beside(model: str, source, options: AnalysisOptions, early: dict | None = None):
     """Where `_cut_in_two_processes` makes its deeper cut, as `submit(indices, depth)` -> a handle with
     `result()` and `cancel()`: a forked child of this process per capture, which inherits the loaded model
     (no second start of Python, import of torch and load of the model before it can capture: llama-70b's
@@ -591,7 +602,10 @@ def _processes_beside(model: str, source, options: AnalysisOptions):
     fork, a spawned process that loads `model` by its name. Either shares the cores with this one while it
     runs (`cores_shared_by`); a forked child whose answer is not read (this process failed meanwhile) is
     stopped on the way out. It forks per capture (`start_forked` runs a closure over the loaded source)
-    where `capture_processes(forked=True)` hands jobs to a pool by name, as the levers' many groups need."""
+    where `capture_processes(forked=True)` hands jobs to a pool by name, as the levers' many groups need.
+    `early` (where it forks): (indices, depth) -> a capture started by an earlier use with `submit(indices,
+    depth, early_start=True)`, which runs on past that use's exit (whoever holds `early` stops those never asked
+    for: `_abandon`); `submit` hands such a capture out instead of starting it again."""
     from tracer.capture.triton_target import cores_shared_by, forking_available, start_forked
 
     if not forking_available():
@@ -600,9 +614,17 @@ def _processes_beside(model: str, source, options: AnalysisOptions):
         return
     started = []
 
-    def fork(indices, depth):
-        started.append(start_forked(lambda: _capture_source(source, options, indices, depth)))
-        return started[-1]
+    def fork(indices, depth, early_start: bool = False):
+        key = (tuple(indices), depth)
+        if early is not None and key in early:
+            started.append(early.pop(key))
+            return started[-1]
+        work = start_forked(lambda: _capture_source(source, options, indices, depth))
+        if early_start and early is not None:
+            early[key] = work
+        else:
+            started.append(work)
+        return work
 
     try:
         with cores_shared_by(2):
@@ -644,78 +666,89 @@ def _policies_capture(options: AnalysisOptions, specs: tuple, say) -> Callable:
 
 
 def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, capture: Callable, say, *,
-                          indices: tuple | None = None, group: int = 1, meanwhile: Callable[[], None] | None = None):
+                          indices: tuple | None = None, group: int = 1, meanwhile: Callable[[], None] | None = None,
+                          early: dict | None = None):
     """The two cut captures of `capture_cut` (tracer/depth_capture.py) of the policy specs at `indices`
     (None: all) in units of `group` blocks, the deeper one in a second process (`_processes_beside`) while
     this one makes the other: the same `CutSteps`, a TracerError of either kept as `capture_cut` keeps it.
-    In units of one block, the deeper capture of a compiled policy planned for a CUDA target waits for its
-    shallower one beside other policies: where that hands buffers on across r > 1 blocks (`handed_on`), the
-    policy is not checked in units of one block (its synthesis is refused with that reason) and the caller
-    cuts it again in units of r. `meanwhile()` runs here once this process has made its cut and prepared its
-    synthesis, before it waits for the other."""
+    In units of one block, a compiled policy planned for a CUDA target is left out of both (`_cut_ahead`):
+    Inductor's Triton plan hands buffers on across blocks, so its check in units of one block would only
+    fail after two plans; its synthesis is refused with that reason and the caller cuts it in
+    `HANDED_ON_UNITS` blocks at once (or captures it in full where such a cut does not pay): where `early` is
+    given and this process can fork, the deeper of those cuts is started first, into `early`
+    (`_processes_beside`), so that it runs beside these cuts instead of after them. `meanwhile()` runs here
+    once this process has made its cut and prepared its synthesis, before it waits for the other."""
     from concurrent.futures.process import BrokenProcessPool
 
     from tracer.capture.model_input import running_user_code
-    from tracer.capture.triton_target import TritonPlanError
-    from tracer.depth_capture import CutSteps, cut_depths, cut_source, handed_on, prepare_synthesis
+    from tracer.capture.triton_target import TritonPlanError, forking_available
+    from tracer.depth_capture import CutSteps, cut_depths, cut_pays, cut_source, prepare_synthesis
     from tracer.errors import TracerError
 
     specs = options.policy_specs(model_save_policy=source.save_policy)
     if indices is None:
         indices = tuple(range(len(specs)))
     base_depth, check_depth = cut_depths(blocks.depth, group)
-    say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
-        f"{blocks.depth} blocks under fake tensors ...")
-    waiting = _checks_that_wait(options, specs, indices) if group == 1 else ()
-    with _processes_beside(model, source, options) as submit:
-        checks = {(): submit(tuple(i for i in indices if i not in waiting), check_depth)}
+    ahead = _cut_ahead(options, specs, indices) if group == 1 else {}
+    cut = tuple(i for i in indices if i not in ahead)
+    if cut:
+        say(f"capturing {source.name} cut to {base_depth} and (in a second process) {check_depth} of its "
+            f"{blocks.depth} blocks under fake tensors ...")
+    deferred = {j: f"{specs[i].label}: not cut in units of 1 block: Inductor's Triton plan hands buffers on across "
+                   + (f"blocks, so it is cut in units of {ahead[i]} blocks at once"
+                      if cut_pays(blocks.depth, ahead[i]) else
+                      f"blocks, and the deeper of its cuts in units of {ahead[i]} blocks "
+                      f"({cut_depths(blocks.depth, ahead[i])[1]}) would capture more than half of the {blocks.depth}")
+                for j, i in enumerate(indices) if i in ahead}
+    ahead_at = {j: ahead[i] for j, i in enumerate(indices) if i in ahead}
+
+    def in_order(graphs) -> tuple:
+        made = iter(graphs)
+        return tuple(None if i in ahead else next(made) for i in indices)
+
+    starts_early = early is not None and forking_available()
+    paying = tuple(i for i in indices if i in ahead and cut_pays(blocks.depth, ahead[i])) if starts_early else ()
+    with _processes_beside(model, source, options, early if starts_early else None) as submit:
+        for units in sorted({ahead[i] for i in paying}):        # the longest capture of all: started first
+            submit(tuple(i for i in paying if ahead[i] == units), cut_depths(blocks.depth, units)[1], early_start=True)
+        check = submit(cut, check_depth) if cut else None
         try:
             with running_user_code(source.name):
-                base = capture(cut_source(source, base_depth, {}), indices)
+                base = in_order(capture(cut_source(source, base_depth, {}), cut) if cut else ())
         except TracerError as exc:
-            checks[()].cancel()
+            if check is not None:
+                check.cancel()
+            _abandon(early or {})
             return CutSteps(blocks, None, None, exc, group=group)
-        deferred = handed_on(base, [j for j, i in enumerate(indices) if i in waiting], blocks.depth)
-        late = tuple(i for j, i in enumerate(indices) if i in waiting and j not in deferred)
-        if late:
-            checks[late] = submit(late, check_depth)
         # the synthesized side of the check needs only `base`: made while the other process captures
         prepared = prepare_synthesis(base, lambda j, graph: analyze_one(graph, options), blocks.depth, group,
                                      deferred=deferred)
         if meanwhile is not None:
             meanwhile()
         try:
-            return CutSteps(blocks, base, _checks_in_order(indices, checks, waiting, late), prepared=prepared,
-                            group=group)
+            return CutSteps(blocks, base, in_order(check.result() if check is not None else ()), prepared=prepared,
+                            group=group, ahead=ahead_at)
         except TracerError as exc:
+            _abandon(early or {})
             return CutSteps(blocks, base, None, exc, group=group)
         except (BrokenProcessPool, TritonPlanError):
             pass              # no process could start (a script without `if __name__ == "__main__":`), or it died
     say(f"capturing {source.name} cut to {check_depth} blocks in this process ...")
     try:
         with running_user_code(source.name):
-            return CutSteps(blocks, base, capture(cut_source(source, check_depth, {}), indices), prepared=prepared,
-                            group=group)
+            return CutSteps(blocks, base, in_order(capture(cut_source(source, check_depth, {}), cut)),
+                            prepared=prepared, group=group, ahead=ahead_at)
     except TracerError as exc:
         return CutSteps(blocks, base, None, exc, group=group)
 
 
-def _checks_that_wait(options: AnalysisOptions, specs: tuple, indices: tuple) -> tuple:
-    """The indices whose deeper cut capture waits for their shallower one: the compiled policies planned for
-    a CUDA target (Inductor's Triton plan hands buffers on across blocks), when other policies keep the
-    second process busy meanwhile."""
+def _cut_ahead(options: AnalysisOptions, specs: tuple, indices: tuple) -> dict[int, int]:
+    """Index -> the units of blocks (`HANDED_ON_UNITS`) each compiled policy planned for a CUDA target at
+    `indices` is cut in at once, instead of one block (`_cut_in_two_processes`)."""
     from tracer.capture import compiled_planned_apart
+    from tracer.depth_capture import HANDED_ON_UNITS
 
-    waiting = tuple(i for i in indices if compiled_planned_apart(options.capture_options(), (specs[i],)))
-    return waiting if len(waiting) < len(indices) else ()
-
-
-def _checks_in_order(indices: tuple, checks: dict, waiting: tuple, late: tuple) -> tuple:
-    """The deeper cut's graphs in the order of `indices` from the Futures in `checks` (keyed by the waiting
-    indices each captured; () for the others), None for a waiting index not captured (deferred)."""
-    first = iter(checks[()].result())
-    later = dict(zip(late, checks[late].result())) if late else {}
-    return tuple(later.get(i) if i in waiting else next(first) for i in indices)
+    return {i: HANDED_ON_UNITS for i in indices if compiled_planned_apart(options.capture_options(), (specs[i],))}
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
