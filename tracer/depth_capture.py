@@ -233,9 +233,11 @@ def check_synthesis(cut: CutSteps, analyze: Callable[[int, StepGraph], object], 
             f"step synthesized from {base_depth}{units} equals its capture op for op, the {depth}-block step is "
             "synthesized")
     graphs = tuple(None if i in differences else _with_note(prepared.full[i], note) for i in range(len(base)))
-    return DeepCapture(graphs, None if not differences else
-                       f"{fallback}: the {check_depth}-block step synthesized from {base_depth} blocks{units} differs "
-                       f"from its capture ({'; '.join(differences.values())})",
+    compared = [why for i, why in differences.items() if cut.check[i] is not None]
+    reasons = ([f"the {check_depth}-block step synthesized from {base_depth} blocks{units} differs from its capture "
+                f"({'; '.join(compared)})"] if compared else []) + \
+        [why for i, why in differences.items() if cut.check[i] is None]       # refused before any comparison
+    return DeepCapture(graphs, None if not differences else f"{fallback}: {'; '.join(reasons)}",
                        retry=_retry(cut, differences))
 
 
