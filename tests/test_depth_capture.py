@@ -339,6 +339,8 @@ def test_a_compiled_plan_for_a_cuda_target_is_cut_in_units_of_2_at_once(tmp_path
     options = AnalysisOptions(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
     assert _cut_ahead(options, options.policy_specs(), (0, 1)) == {1: 2}
     assert _cut_ahead(dataclasses.replace(options, target="cpu"), options.policy_specs(), (0, 1)) == {}
+    blocks = dataclasses.replace(options, policies=("compiled-blocks", "compiled+full"))
+    assert _cut_ahead(blocks, blocks.policy_specs(), (0, 1)) == {1: 2}      # a block's own plan hands nothing on
 
     import tracer.pipeline
     analysed_early, cuts = [], []

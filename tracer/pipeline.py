@@ -743,12 +743,15 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
 
 
 def _cut_ahead(options: AnalysisOptions, specs: tuple, indices: tuple) -> dict[int, int]:
-    """Index -> the units of blocks (`HANDED_ON_UNITS`) each compiled policy planned for a CUDA target at
-    `indices` is cut in at once, instead of one block (`_cut_in_two_processes`)."""
+    """Index -> the units of blocks (`HANDED_ON_UNITS`) each whole-model compiled policy planned for a CUDA
+    target at `indices` is cut in at once, instead of one block (`_cut_in_two_processes`). Not the
+    compiled-blocks policies: Inductor plans each block on its own there, so no buffer of its plan crosses
+    a block and their cut in units of one checks (llama-7b's `compiled-blocks`)."""
     from tracer.capture import compiled_planned_apart
     from tracer.depth_capture import HANDED_ON_UNITS
 
-    return {i: HANDED_ON_UNITS for i in indices if compiled_planned_apart(options.capture_options(), (specs[i],))}
+    return {i: HANDED_ON_UNITS for i in indices
+            if specs[i].policy.compiled and compiled_planned_apart(options.capture_options(), (specs[i],))}
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
