@@ -65,7 +65,9 @@ def _holds_memory(storage) -> bool:
 
 
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
-_GLOO_SETTLE_SECONDS = 0.02
+# long enough for gloo's worker thread to be scheduled on a loaded machine: 0.02 s was not, once, under the
+# CI run's two test processes and their ranks on two cores (a tensor released 40,960 B late in backward)
+_GLOO_SETTLE_SECONDS = 0.1
 
 
 def _memory_holders(t: torch.Tensor) -> list[torch.Tensor]:
