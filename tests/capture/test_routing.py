@@ -48,3 +48,27 @@ def test_the_option_reaches_the_marker_and_check_keywords():
     assert analyze_kwargs({})["moe_routing"] == "balanced"
     with pytest.raises(UsageError, match="--moe-routing"):
         analyze_kwargs({"moe_routing": "skewed"})
+
+
+def _pytree_tensors(args, kwargs):
+    from torch.utils._pytree import tree_flatten
+    return [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+
+
+@pytest.mark.parametrize("args, kwargs", [
+    ((torch.ones(2), 3, 1.5), {}),
+    (([torch.ones(1), None, torch.zeros(2)], [0, 1]), {"dim": 0, "dtype": torch.float16}),
+    ((torch.Size([2, 3]), (torch.ones(1), torch.ones(2))), {"out": torch.ones(3), "device": torch.device("cpu")}),
+    ((), {"layout": torch.strided, "memory_format": torch.contiguous_format, "names": "x"}),
+])
+def test_the_tensor_arguments_of_an_op_are_pytrees_tensor_leaves_in_order(args, kwargs):
+    from tracer.capture.routing import _tensor_arguments
+    found = _tensor_arguments(args, kwargs)
+    expected = _pytree_tensors(args, kwargs)
+    assert len(found) == len(expected) and all(a is b for a, b in zip(found, expected))
+
+
+@pytest.mark.parametrize("args", [([[torch.ones(1)]],), ({"nested": torch.ones(1)},), (object(),)])
+def test_arguments_nested_deeper_or_of_another_kind_are_left_to_pytree(args):
+    from tracer.capture.routing import _tensor_arguments
+    assert _tensor_arguments(args, {}) is None

@@ -252,3 +252,55 @@ def test_a_memory_budget_sweep_plans_one_compiled_policy_at_a_time(monkeypatch):
     analysis = run_analysis("gpt2-debug", options)
     assert len([name for name in analysis.policies if name.startswith("compiled")]) == 3
     assert most == [1]
+
+
+def test_a_child_forked_before_a_value_is_made_receives_it_once_it_is_sent():
+    handed = triton_target.HandOver()
+    child = triton_target.start_forked(lambda: handed.received())
+    handed.send({"recorded": [1, 2, 3]})
+    assert child.result() == {"recorded": [1, 2, 3]}
+    handed.close()
+
+
+def test_a_child_forked_after_the_value_was_sent_inherits_it_and_none_sent_is_none():
+    handed, nothing = triton_target.HandOver(), triton_target.HandOver()
+    handed.send(("made", "before"))
+    nothing_child = triton_target.start_forked(lambda: nothing.received())
+    nothing.send(None)
+    assert triton_target.start_forked(lambda: handed.received()).result() == ("made", "before")
+    assert nothing_child.result() is None
+    handed.close()
+    nothing.close()
+
+
+def test_a_value_that_cannot_travel_is_made_by_the_child_itself():
+    handed = triton_target.HandOver()
+    child = triton_target.start_forked(lambda: handed.received())
+    handed.send(lambda: "not picklable")
+    assert child.result() is None
+    handed.close()
+
+
+def test_the_planning_child_splices_the_optimizer_step_the_capturing_process_recorded(monkeypatch, tmp_path):
+    """A compiled policy's planning child needs the optimizer step only once its plan is made: the capturing
+    process records it meanwhile (here it has no other policy to record it for) and hands it over, and the
+    step is the one the child makes when it records the optimizer step itself, to the last field."""
+    import tracer.capture as capture
+    recorded_in = tmp_path / "recorded_in"     # one line per recording, written by the process that makes it
+    record = capture.record_optimizer_step
+
+    def logged(*args, **kwargs):
+        with open(recorded_in, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        return record(*args, **kwargs)
+
+    monkeypatch.setattr(capture, "record_optimizer_step", logged)
+    handed_over = _compiled(BIAS_ROWS, seq=64)
+    assert recorded_in.read_text().split() == [str(os.getpid())]
+    recorded_in.unlink()
+    send = triton_target.HandOver.send
+    monkeypatch.setattr(triton_target.HandOver, "send", lambda self, value: send(self, None))
+    recorded_alone = _compiled(BIAS_ROWS, seq=64)
+    recorders = recorded_in.read_text().split()
+    assert str(os.getpid()) in recorders and len(recorders) == 2      # its own, then the child's
+    assert _numbered_alike(handed_over) == _numbered_alike(recorded_alone)

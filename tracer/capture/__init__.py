@@ -289,11 +289,15 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
                 on_policy(spec.label)
             if i in planning:
                 continue
-            recording_key = tuple(getattr(request_options, f) for f in RECORDING_FIELDS)
             if spec not in schedules:
                 schedules[spec] = policy_schedule(cap, spec)
             out[i] = _step_for_policy(cap, source, request_options, spec, schedules[spec],
-                                      recordings.setdefault(recording_key, []), kept)
+                                      recordings.setdefault(_recording_key(request_options), []), kept)
+        # a planning child needs the optimizer step only once its plan is made: it is handed the one
+        # recorded here (for the other policies, or now, while it plans) instead of recording it at the end
+        # of its chain
+        for i, planned in planning.items():
+            planned.hand_over(_recording_to_hand_over(cap, source, requests[i][0], recordings))
         for i, planned in planning.items():
             out[i] = planned()
         return tuple(out)
@@ -301,6 +305,11 @@ def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ..
         for finish in planning.values():
             finish.abandon()
         cap.exit_stack.close()
+
+
+def _recording_key(options: CaptureOptions) -> tuple:
+    """The policies whose options share this key share one recording of the optimizer step."""
+    return tuple(getattr(options, f) for f in RECORDING_FIELDS)
 
 
 def compiled_planned_apart(options: CaptureOptions, specs) -> bool:
@@ -320,9 +329,15 @@ class _PlannedStep:
     planner, `__call__` starts it if need be and returns the step, waiting for it; `abandon()` stops a
     planner whose answer is no longer wanted."""
 
-    def __init__(self, start=None, finish=None, graph: StepGraph | None = None):
+    def __init__(self, start=None, finish=None, graph: StepGraph | None = None, recording=None):
         self._start, self._finish, self._graph = start, finish, graph
         self._forked = None
+        self._recording = recording          # a HandOver of the optimizer step's recording (None: none is)
+
+    def hand_over(self, recording) -> None:
+        """The optimizer step's recording the planner splices instead of recording it (None: it records)."""
+        if self._recording is not None:
+            self._recording.send(recording)
 
     def start(self) -> None:
         if self._forked is None and self._start is not None:
@@ -337,16 +352,19 @@ class _PlannedStep:
     def abandon(self) -> None:
         if self._forked is not None:
             self._forked.abandon()
+        if self._recording is not None:
+            self._recording.close()
 
 
 def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, gpu, kept) -> _PlannedStep:
     """A compiled policy for a CUDA target, planned by Inductor's Triton scheduling for `gpu` in a forked
     child (capture/triton_target.py), started by the result's `start()` and collected by calling it.
     pad_mm's decisions that Inductor times on the GPU are planned both ways: the step is the padded plan,
-    and a note gives the unpadded plan's own peaks. Without triton (or a compiler) here, the C++ plan with a
-    note saying so."""
+    and a note gives the unpadded plan's own peaks. The optimizer step's recording is handed to the child
+    (`_PlannedStep.hand_over`) once this process has made it for its other policies. Without triton (or a
+    compiler) here, the C++ plan with a note saying so."""
     from tracer.capture.inductor_plan import planned_peak_bytes
-    from tracer.capture.triton_target import (TRITON_REQUIREMENT, TritonPlanError, install_cuda_planning,
+    from tracer.capture.triton_target import (TRITON_REQUIREMENT, HandOver, TritonPlanError, install_cuda_planning,
                                               retarget_to_cuda, start_forked, triton_unavailable)
 
     unavailable = triton_unavailable()
@@ -357,12 +375,16 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
             f"Triton fuses, splits reductions and reuses buffers by its own rules (install {TRITON_REQUIREMENT} "
             "for its plan)",)))
 
+    handed = HandOver()
+
     def plan(pad: bool):
         def work():
             decisions = install_cuda_planning(gpu, pad_decision=pad)
             retarget_to_cuda(cap.joint, cap.fake_mode)
             schedule = policy_schedule(cap, spec, plans_in_parallel=True)
-            graph = _step_for_policy(cap, source, options, spec, schedule, [], kept)
+            recording = handed.received()
+            graph = _step_for_policy(cap, source, options, spec, schedule,
+                                     [] if recording is None else [recording], kept)
             plans = [(schedule.forward_plan, schedule.backward_plan)] + [
                 (region.forward_plan, region.backward_plan) for region in schedule.regions]
             peaks = tuple(max((planned_peak_bytes(p[i]) for p in plans if p[i] is not None), default=0)
@@ -389,7 +411,7 @@ def _compiled_for_cuda(cap, source, options: CaptureOptions, spec: PolicySpec, g
                       f"{forward_peak:,} B and {backward_peak:,} B",)
         return _with_notes(graph, notes)
 
-    return _PlannedStep(start=lambda: plan(True), finish=finish)
+    return _PlannedStep(start=lambda: plan(True), finish=finish, recording=handed)
 
 
 def _with_notes(graph: StepGraph, notes: tuple[str, ...]) -> StepGraph:
@@ -527,18 +549,10 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     scaled = uses_grad_scaler(options.precision)
     cuda = parse_target(options.target).is_cuda
     offload_activations = options.offload == "activations"
-    first = _micro_batch(cap, schedule, StorageTable(), steady=steady,
-                         grads_preexisting=steady and not options.zero_grad_set_to_none, autocast_dtype=autocast,
-                         scaled_loss=scaled, offload_activations=offload_activations, cuda=cuda)
+    first = _first_micro_batch(cap, options, schedule)
     part, table = first.part, first.table
     if not recordings:
-        from tracer.capture.triton_target import host_device_answers
-        with host_device_answers():         # in a planning child: the step's own view of the machine
-            recordings.append(record_optimizer_step(
-                cap.model, set(part.grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
-                optimizer_name=options.optimizer, foreach=options.foreach, steady=steady,
-                set_to_none=options.zero_grad_set_to_none, target=options.target,
-                grad_scaler=make_grad_scaler(options.precision)))
+        recordings.append(_record_optimizer(cap, source, options, part.grad_sid_by_param))
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
         later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast,
@@ -572,6 +586,45 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     n_params, n_frozen = parameter_counts(cap.model)
     return StepGraph(config=config, ops=ops, storages=table.freeze(), parameter_count=n_params,
                      loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
+
+
+def _first_micro_batch(cap, options: CaptureOptions, schedule) -> MicroBatch:
+    """The step's first (or only) forward + backward under `schedule`, with `options`' precision and target."""
+    steady = options.step == "steady"
+    autocast = autocast_dtype(options.precision)
+    return _micro_batch(cap, schedule, StorageTable(), steady=steady,
+                        grads_preexisting=steady and not options.zero_grad_set_to_none,
+                        autocast_dtype=dtype_name(autocast) if autocast is not None else None,
+                        scaled_loss=uses_grad_scaler(options.precision),
+                        offload_activations=options.offload == "activations",
+                        cuda=parse_target(options.target).is_cuda)
+
+
+def _record_optimizer(cap, source: ModelSource, options: CaptureOptions, grad_sid_by_param: dict):
+    """The optimizer step over the parameters with gradients (`grad_sid_by_param`'s keys), recorded once for
+    every policy whose options share `_recording_key`."""
+    from tracer.capture.triton_target import host_device_answers
+    with host_device_answers():         # in a planning child: the step's own view of the machine
+        return record_optimizer_step(
+            cap.model, set(grad_sid_by_param), cap.fake_mode, make_optimizer=source.make_optimizer,
+            optimizer_name=options.optimizer, foreach=options.foreach, steady=options.step == "steady",
+            set_to_none=options.zero_grad_set_to_none, target=options.target,
+            grad_scaler=make_grad_scaler(options.precision))
+
+
+def _recording_to_hand_over(cap, source: ModelSource, options: CaptureOptions, recordings: dict):
+    """The optimizer step's recording a planning child is handed: the one made for this process's own
+    policies, else one made now, while the child plans (which parameters get gradients does not depend on
+    the policy, so the eager micro-batch, the cheapest, names them); None where making it fails (the child
+    makes it, and reports the failure as before)."""
+    made = recordings.setdefault(_recording_key(options), [])
+    if not made:
+        try:
+            first = _first_micro_batch(cap, options, policy_schedule(cap, PolicySpec(name="eager")))
+            made.append(_record_optimizer(cap, source, options, first.part.grad_sid_by_param))
+        except Exception:                   # noqa: BLE001 - the child records it and raises the same
+            return None
+    return made[0]
 
 
 def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_preexisting: bool,

@@ -189,8 +189,9 @@ class RoutingShadows:
 
     # ---- dispatch -------------------------------------------------------------------------------------
     def dispatch(self, mode, original, func, types, args, kwargs):
-        flat, spec = tree_flatten((args, kwargs))
-        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
+        tensors = _tensor_arguments(args, kwargs)
+        if tensors is None:                  # nested deeper than an op's tensor lists: pytree's walk
+            tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         if func in _ROUTERS and tensors and tensors[0].is_floating_point() and not self._known(tensors[0]):
             out = original(mode, func, types, args, kwargs)
             self._route(func, args, kwargs, out)
@@ -218,12 +219,10 @@ class RoutingShadows:
                                    "input does not follow from a router (topk / argmax over logits) or constants",
                                    hint="no routing assumption applies; compute the size from a router's indices "
                                         "or make it static") from exc
-            return self._answer(mode, func, flat, spec)
-        if shadowed:
-            self._follow(func, flat, spec, out)
-        elif not tensors and _is_small_factory(out):
-            self._follow(func, flat, spec, out)
-        elif tensors:
+            return self._answer(mode, func, *tree_flatten((args, kwargs)))
+        if shadowed or (not tensors and _is_small_factory(out)):
+            self._follow(func, *tree_flatten((args, kwargs)), out)
+        elif tensors and self.shadowed_storages:
             self._forget_mutated(func, args)
         return out
 
@@ -240,8 +239,9 @@ class RoutingShadows:
         return True
 
     def _known(self, t: torch.Tensor) -> bool:
-        """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`)."""
-        return t in self.shadow or _is_constant(t)
+        """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`).
+        Every shadow's storage is in `shadowed_storages`, so a step with none skips the weak-reference lookup."""
+        return (bool(self.shadowed_storages) and t in self.shadow) or _is_constant(t)
 
     def _value(self, t: torch.Tensor) -> torch.Tensor:
         """The real value of a known tensor; KeyError when it is not known (any more: the op's own nested
@@ -445,6 +445,33 @@ class RoutingShadows:
                         self.forget(t)
 
 
+def _tensor_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor] | None:
+    """The tensors among an op's arguments, in pytree's order (`tree_flatten((args, kwargs))`'s leaves):
+    each argument is a tensor, a scalar or a list of them, so one level is walked here, without pytree's
+    per-leaf bookkeeping, which every op of a capture and of Inductor's passes pays. None where an argument
+    nests deeper or is of another kind (the caller flattens it as pytree does)."""
+    tensors = []
+    for value in (*args, *kwargs.values()):
+        kind = type(value)
+        if kind in _LEAF_TYPES:
+            continue
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif kind is list or kind is tuple:
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    tensors.append(item)
+                elif type(item) not in _LEAF_TYPES:
+                    return None
+        else:
+            return None
+    return tensors
+
+
+# the argument types that never hold a tensor: scalars, symbolic scalars, dtypes, devices, layouts, memory
+# formats and sizes
+_LEAF_TYPES = frozenset((int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout,
+                         torch.memory_format, torch.SymInt, torch.SymFloat, torch.SymBool, torch.Size))
 _ROUTERS = (aten.topk.default, aten.argmax.default, aten.max.dim)
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 _WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)

@@ -55,10 +55,12 @@ import hashlib
 import inspect
 import os
 import pickle
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 from tracer.capture import triton_buffer_effects
 from tracer.choices import GpuSpec
@@ -491,6 +493,74 @@ class ForkedWork:
             os.waitpid(self._pid, 0)
 
     cancel = abandon          # a Future's name for it: a forked capture stands where a pool's Future does
+
+
+class HandOver:
+    """A value this process makes after forking a child that needs it later (`send` here, `received` in the
+    child): a compiled policy's planning child plans for seconds and needs the optimizer step's recording only
+    at its end, while this process records the same step for its other policies meanwhile. A child forked
+    after `send` inherits the value; one forked before waits for it at `received`: the value travels in a
+    file whose name the pipe carries (a line shorter than the pipe's buffer, so `send` never waits for a
+    child that reads late or never). `received` gives None where None was sent, the value could not travel,
+    or this process ended without sending (the child then makes the value itself)."""
+
+    def __init__(self):
+        self._sender = os.getpid()
+        self._sent, self._value, self._path = False, None, None
+        self._read_end, self._write_end = os.pipe()
+
+    def send(self, value) -> None:
+        if self._sent:
+            return
+        self._sent, self._value = True, value
+        line = b"-"
+        if value is not None:
+            fd, path = tempfile.mkstemp(prefix="tracer-handover-", suffix=".pickle")
+            try:
+                with os.fdopen(fd, "wb") as file:
+                    pickle.dump(value, file, protocol=pickle.HIGHEST_PROTOCOL)
+                self._path, line = path, path.encode()
+            except Exception:                              # noqa: BLE001 - not picklable: the child makes it
+                os.unlink(path)
+        os.write(self._write_end, line + b"\n")
+        os.close(self._write_end)
+
+    def received(self):
+        if self._sent:                                     # forked after `send`: inherited
+            return self._value
+        os.close(self._write_end)
+        line = b""
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([self._read_end], [], [], 1.0)
+            if not ready:
+                if os.getppid() != self._sender:           # the sender is gone
+                    return None
+                continue
+            chunk = os.read(self._read_end, 4096)
+            if not chunk:
+                return None
+            line += chunk
+        path = line.strip().decode()
+        if path == "-":
+            return None
+        try:
+            with open(path, "rb") as file:
+                return pickle.load(file)
+        except Exception:                                  # noqa: BLE001 - the child makes it itself
+            return None
+
+    def close(self) -> None:
+        """In the sending process, once no child reads any more: the file and the pipe are released."""
+        if self._read_end is None:
+            return
+        if not self._sent:
+            os.close(self._write_end)
+            self._sent = True
+        os.close(self._read_end)
+        self._read_end = None
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
 
 
 def usable_cores() -> int:
