@@ -433,11 +433,17 @@ def retarget_to_cuda(gm, fake_mode) -> None:
     import torch.fx as fx
     from torch.utils._pytree import tree_map
 
+    from torch.utils._python_dispatch import _disable_current_modes
+
     cuda = torch.device("cuda", 0)
 
     def moved(value):
+        # the fake tensor is made from a meta tensor directly: an empty_strided dispatched through the fake
+        # mode (and every hook on it) for each of the graph's values made this most of the retarget's time
         if isinstance(value, torch.Tensor) and value.device.type == "cpu":
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=cuda)
+            with _disable_current_modes():
+                meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, meta, cuda)
         return value
 
     def device_arg(arg):
