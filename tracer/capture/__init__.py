@@ -36,7 +36,7 @@ from tracer.capture.eager_checkpoint import eager_checkpoint_semantics, recomput
 from tracer.capture.forward_leaves import leaf_note
 from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
-from tracer.errors import CaptureError, UsageError
+from tracer.errors import CaptureError, TracerError, UsageError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.target import parse_target
@@ -544,19 +544,14 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
     """`recordings`: the optimizer step, recorded by the first policy and spliced into every one with the
     same `RECORDING_FIELDS`; `schedule`: the policy's partition (policy_schedule)."""
     steady = options.step == "steady"
-    autocast = autocast_dtype(options.precision)
-    autocast = dtype_name(autocast) if autocast is not None else None
-    scaled = uses_grad_scaler(options.precision)
-    cuda = parse_target(options.target).is_cuda
     offload_activations = options.offload == "activations"
-    first = _first_micro_batch(cap, options, schedule)
+    first = _options_micro_batch(cap, options, schedule)
     part, table = first.part, first.table
     if not recordings:
         recordings.append(_record_optimizer(cap, source, options, part.grad_sid_by_param))
     ops, accumulation_notes = part.ops, ()
     if options.accumulate > 1:
-        later = _micro_batch(cap, schedule, StorageTable(), steady=True, grads_preexisting=True, autocast_dtype=autocast,
-                             scaled_loss=scaled, offload_activations=offload_activations, cuda=cuda)
+        later = _options_micro_batch(cap, options, schedule, later=True)
         ops, accumulation_notes = chain_micro_batches(first, later, options.accumulate,
                                                       _shared_storages(cap, first, later))
     opt_ops = splice_optimizer_step(recordings[0], cap.model, part.grad_sid_by_param, table, ops_offset=len(ops))
@@ -588,12 +583,13 @@ def _step_for_policy(cap, source: ModelSource, options: CaptureOptions, spec: Po
                      loss_storage_id=part.loss_sid, frozen_parameter_count=n_frozen)
 
 
-def _first_micro_batch(cap, options: CaptureOptions, schedule) -> MicroBatch:
-    """The step's first (or only) forward + backward under `schedule`, with `options`' precision and target."""
-    steady = options.step == "steady"
+def _options_micro_batch(cap, options: CaptureOptions, schedule, *, later: bool = False) -> MicroBatch:
+    """One forward + backward under `schedule` with `options`' precision and target: the step's first (or
+    only) one, or with `later` one after it in gradient accumulation (steady, its gradients exist)."""
+    steady = later or options.step == "steady"
     autocast = autocast_dtype(options.precision)
     return _micro_batch(cap, schedule, StorageTable(), steady=steady,
-                        grads_preexisting=steady and not options.zero_grad_set_to_none,
+                        grads_preexisting=later or (steady and not options.zero_grad_set_to_none),
                         autocast_dtype=dtype_name(autocast) if autocast is not None else None,
                         scaled_loss=uses_grad_scaler(options.precision),
                         offload_activations=options.offload == "activations",
@@ -620,9 +616,9 @@ def _recording_to_hand_over(cap, source: ModelSource, options: CaptureOptions, r
     made = recordings.setdefault(_recording_key(options), [])
     if not made:
         try:
-            first = _first_micro_batch(cap, options, policy_schedule(cap, PolicySpec(name="eager")))
+            first = _options_micro_batch(cap, options, policy_schedule(cap, PolicySpec(name="eager")))
             made.append(_record_optimizer(cap, source, options, first.part.grad_sid_by_param))
-        except Exception:                   # noqa: BLE001 - the child records it and raises the same
+        except TracerError:                 # the model's or the optimizer's: the child meets it and reports it
             return None
     return made[0]
 
