@@ -6,6 +6,7 @@ import os
 import pytest
 
 import tracer
+from deep_llama import deep_llama
 from tracer.depth_capture import first_difference
 from tracer.reports.json_report import report_json
 from tracer.reports.text import render_text
@@ -93,22 +94,13 @@ def test_the_check_decides(monkeypatch):
     assert "differs from its capture (eager: live bytes during op" in note and "blocks.3.mlp.w1" in note
 
 
-def _deep_llama(directory, layers: int) -> str:
-    """tests/fixtures/llama12_debug.py with `layers` blocks."""
-    text = open(LLAMA12).read()
-    assert text.count("n_layers=12") == 1, "llama12_debug.py's config line changed"
-    path = directory / f"llama{layers}_debug.py"
-    path.write_text(text.replace("n_layers=12", f"n_layers={layers}"))
-    return str(path)
-
-
 @pytest.mark.slow
 def test_compiled_code_that_hands_buffers_on_is_synthesized_in_units_of_its_reach(tmp_path):
     """Inductor's Triton plan gives a block's weight gradient the buffer that the three blocks after it used
     in turn in backward: one-block units differ from the 6-block capture, whose buffers reach 3 blocks, so
     the model is cut again in units of 3 (13 and 19 of its 64 blocks), and every report equals the full
     capture's."""
-    path = _deep_llama(tmp_path, 64)
+    path = deep_llama(tmp_path, 64)
     keywords = dict(batch=1, seq=16, policies=("compiled",), target="cuda")
     synthesized, captured = tracer.analyze(path, **keywords), tracer.analyze(path, full_capture=True, **keywords)
     (note,) = [n for n in synthesized.graph.config.notes if n.startswith("depth:")]
@@ -233,7 +225,7 @@ def test_a_model_of_8_to_10_blocks_is_cut_when_its_deeper_cut_runs_beside(tmp_pa
     and reports as its full capture."""
     from tracer.capture import triton_target
     monkeypatch.setattr(triton_target, "usable_cores", lambda: 2)
-    path = _deep_llama(tmp_path, 9)
+    path = deep_llama(tmp_path, 9)
     keywords = dict(batch=1, seq=16, policies=("eager", "full"), target="cpu")
     synthesized = tracer.analyze(path, workers=2, **keywords)
     assert ("depth: captured 4 and 6 of 9 blocks of blocks; the 6-block step synthesized from 4 equals its capture "
@@ -252,7 +244,7 @@ def test_a_shallow_model_is_captured_in_full_where_cutting_it_would_not_pay(tmp_
     from tracer.pipeline import AnalysisOptions, _cut_beside_deeper_than, block_list, load_source
 
     monkeypatch.setattr(triton_target, "usable_cores", lambda: cores)
-    path = _deep_llama(tmp_path, layers)
+    path = deep_llama(tmp_path, layers)
     options = AnalysisOptions(batch=1, seq=16, policies=policies, target="cpu")
     deeper_than = _cut_beside_deeper_than(options.policy_specs())
     assert block_list(load_source(path, options), options, deeper_than=deeper_than) is None
@@ -335,7 +327,7 @@ def test_a_compiled_plan_for_a_cuda_target_is_cut_in_units_of_2_at_once(tmp_path
     compiled one's deeper cut is captured."""
     from tracer.pipeline import AnalysisOptions, _cut_ahead
 
-    path = _deep_llama(tmp_path, 64)
+    path = deep_llama(tmp_path, 64)
     options = AnalysisOptions(batch=1, seq=16, policies=("eager", "compiled"), target="cuda")
     assert _cut_ahead(options, options.policy_specs(), (0, 1)) == {1: 2}
     assert _cut_ahead(dataclasses.replace(options, target="cpu"), options.policy_specs(), (0, 1)) == {}

@@ -337,3 +337,29 @@ def test_the_baselines_cut_in_larger_units_runs_beside_a_worker_and_equals_one_p
     for depth, graphs in zip(cut_depths(blocks.depth, 2), (cut.base, cut.check)):
         (alone,) = capture_cut_variants(source, variants[1:], depth)
         assert first_difference(analyze_one(graphs[0], variants[1]), analyze_one(alone, variants[1])) is None
+
+
+COMPILED = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing", "torch.compile"))
+
+
+@pytest.mark.slow
+def test_a_deep_models_compiled_lever_is_cut_in_units_of_2_at_once_and_equals_its_full_capture(tmp_path,
+                                                                                               monkeypatch):
+    """On a CUDA target Inductor's Triton plan hands buffers on across blocks: the torch.compile row leaves
+    the baseline group's cuts in units of one block (4 and 6 blocks: eager and full checkpointing alone) and
+    is cut in units of 2 at once (8 and 12 of 24 blocks), never planned at 4 or 6 blocks. In one process and
+    with two workers, every row equals its full capture."""
+    from deep_llama import deep_llama
+    from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH
+
+    path = deep_llama(tmp_path, 24)
+    base = dataclasses.replace(BASE, batch=1, seq=16, target="cuda")
+    depths = _cut_depths_recorded(monkeypatch)
+    alone = run_levers(path, base, levers=COMPILED)
+    cut = sorted((v.policies[0], depth) for v, depth in depths)
+    assert cut == [("compiled", 8), ("compiled", 12), ("eager", BASE_DEPTH), ("eager", CHECK_DEPTH),
+                   ("full", BASE_DEPTH), ("full", CHECK_DEPTH)]
+    parallel = run_levers(path, base, levers=COMPILED, workers=2)
+    captured = run_levers(path, dataclasses.replace(base, full_capture=True), levers=COMPILED)
+    assert _without_options(alone) == _without_options(parallel) == _without_options(captured)
+    assert all(row.peak_bytes for row in alone.rows)

@@ -11,7 +11,9 @@ the calling process captures it cut to 6 blocks and checks the synthesis; a grou
 alike (`_UNIFORM_FIELDS`: pure bf16, the micro-batch, LoRA, a 4-bit base, FP8, offloaded activations,
 context parallelism) is cut to 4 blocks only and synthesized on the baseline group's check under the same
 policies, noted; a model of 5 to 10 blocks, captured in full by one command, has its uniform groups cut the
-same way, checked on the baseline's full capture) and returns one `LeverRow` per lever;
+same way, checked on the baseline's full capture; the baseline group's rows whose policy is cut in larger
+units at once, a compiled policy planned for a CUDA target, are cut so from the start: `_AheadCut`) and
+returns one `LeverRow` per lever;
 `fit_levers` answers `--fit SIZE --levers`: the largest batch per lever (tracer/planning.py's fit).
 
 A lever the user's settings already include is still shown (its row equals the baseline). A lever that
@@ -215,18 +217,28 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
     order = [0] + sorted(range(1, len(jobs)), key=lambda j: -len(_variants(jobs[j])))   # the most captures first
     source = load_source(model, base)
     pending, blocks_by = {}, {}
+
+    def blocks_of(job: tuple):
+        # the block list a group's capture_deep would find: the model's modules, which its dtype does not change
+        # (a model that cannot be built in a group's precision fails its cut capture, then its full one)
+        first = next(iter(_variants(job).values()))
+        probe = (first.seq, first.full_capture)
+        if probe not in blocks_by:
+            blocks_by[probe] = block_list(source, first)
+        return blocks_by[probe]
+
     shallow = _shallow_blocks(source, jobs, reuses)
     checked_on = (f"the full capture of the same model under the {jobs[0][0][1]!r} lever" if shallow is not None
                   else f"a {CHECK_DEPTH}-block capture of the same model under the {jobs[0][0][1]!r} lever" if jobs
                   else None)
+    ahead = _cut_ahead(jobs, shallow, blocks_of) if jobs else None
+    if ahead is not None:
+        # the baseline group's compiled rows leave its cuts in units of one block; their own cuts, the longest
+        # captures of all, start first
+        jobs = [tuple(row for row in jobs[0] if row not in ahead.job), *jobs[1:]]
+        ahead.start(pool, model, base, say)
     for j in order:
-        variants = tuple(_variants(jobs[j]).values())
-        # the block list a group's capture_deep would find: the model's modules, which its dtype does not change
-        # (a model that cannot be built in a group's precision fails its cut capture, then its full one)
-        probe = (variants[0].seq, variants[0].full_capture)
-        if probe not in blocks_by:
-            blocks_by[probe] = block_list(source, variants[0])
-        blocks = blocks_by[probe]
+        blocks = blocks_of(jobs[j])
         if blocks is None and shallow is not None and (j == 0 or reuses[j]):
             pending[j] = (shallow, pool.submit(_rows_and_graphs, model, base, jobs[j]) if j == 0 else
                           pool.submit(_synthesized_rows, model, base, jobs[j], shallow, checked_on))
@@ -237,7 +249,8 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         elif j == 0:                    # its rows made where it is captured at BASE_DEPTH, the check made here
             pending[j] = (blocks, pool.submit(_unchecked_rows, model, base, jobs[j], blocks))
         else:
-            pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, variants, depth)
+            pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, tuple(_variants(jobs[j]).values()),
+                                                      depth)
                                    for depth in (CHECK_DEPTH, BASE_DEPTH)})
     out: dict[int, dict] = {}
     checked: frozenset = frozenset()
@@ -251,9 +264,70 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
                 raise                   # the baseline: without it no row means anything
             # a lever the model refuses (LoRA on a model with no linear layer) or whose step cannot be captured
             # (a quantized layer the model's code cannot run): its rows say why
-            rows = {i: LeverRow(lever=name, options=None, reason=str(exc).splitlines()[0]) for i, name, _ in jobs[j]}
+            rows = _refused_rows(jobs[j], exc)
         out[j] = rows
-    return [out[j] for j in range(len(jobs))]
+    return [out[j] for j in range(len(jobs))] + ([ahead.rows(pool, model, source, base, say, on_progress)]
+                                                  if ahead is not None else [])
+
+
+def _refused_rows(job: tuple, exc: TracerError) -> dict[int, LeverRow]:
+    """A group's rows when the model refuses its lever (LoRA on a model with no linear layer) or its step
+    cannot be captured (a quantized layer the model's code cannot run): each says why."""
+    return {i: LeverRow(lever=name, options=None, reason=str(exc).splitlines()[0]) for i, name, _ in job}
+
+
+@dataclasses.dataclass
+class _AheadCut:
+    """The baseline group's rows whose policy is cut in larger units at once (tracer/pipeline.py's
+    `cut_ahead_units`: a compiled policy planned for a CUDA target), as a group of their own: both cuts in
+    those units start in workers before every other capture (the deeper one is the longest capture of the
+    command), instead of after a cut in units of one block that plans them twice and fails its check."""
+    job: tuple
+    blocks: object                      # the model's BlockList
+    units: int
+    futures: dict = dataclasses.field(default_factory=dict)      # depth -> Future of `_capture_cut`
+
+    def start(self, pool, model, base: AnalysisOptions, say) -> None:
+        from tracer.depth_capture import cut_depths
+
+        variants = tuple(_variants(self.job).values())
+        base_depth, check_depth = cut_depths(self.blocks.depth, self.units)
+        say(f"capturing {', '.join(name for _, name, _ in self.job)} cut to {check_depth} and {base_depth} of "
+            f"{self.blocks.depth} blocks in worker processes (Inductor's Triton plan hands buffers on across "
+            f"blocks: cut in units of {self.units} blocks at once) ...")
+        for depth in (check_depth, base_depth):
+            self.futures[depth] = pool.submit(_capture_cut, model, base, variants, depth)
+
+    def rows(self, pool, model, source, base: AnalysisOptions, say, on_progress) -> dict[int, LeverRow]:
+        say(f"checking and synthesizing {len(self.job)} levers at {self.blocks.depth} blocks ...")
+        try:
+            return _group_rows(source, base, self.job, on_progress, cut=_cut_steps(self.blocks, self.futures,
+                                                                                  self.units),
+                               cut_again=_cut_again_beside(pool, model, base, self.job, source.name, say))
+        except TracerError as exc:
+            return _refused_rows(self.job, exc)
+
+
+def _cut_ahead(jobs: list, shallow, blocks_of: Callable) -> _AheadCut | None:
+    """The baseline group's rows cut in larger units at once (`_AheadCut`), where the group is cut (a model
+    deeper than `shallow` covers), its baseline row is not among them (its rows decide the others') and
+    such a cut pays (`cut_pays`); else None."""
+    from tracer.depth_capture import cut_pays
+    from tracer.pipeline import cut_ahead_units
+
+    if shallow is not None or jobs[0][0][2].full_capture:
+        return None
+    units = {key: cut_ahead_units(*key) for key in _variants(jobs[0])}
+    baseline_key = _step_key(jobs[0][0][2])
+    if units[baseline_key] is not None or not any(group is not None for group in units.values()):
+        return None
+    blocks = blocks_of(jobs[0])
+    if blocks is None:
+        return None
+    group = max(group for group in units.values() if group is not None)
+    if not cut_pays(blocks.depth, group):
+        return None
+    return _AheadCut(tuple(row for row in jobs[0] if units[_step_key(row[2])] is not None), blocks, group)
 
 
 def _shallow_blocks(source, jobs: list, reuses: list):
@@ -415,18 +489,22 @@ def _started() -> None:
     import tracer.capture  # noqa: F401
 
 
-def _cut_steps(blocks, futures: dict) -> CutSteps:
-    """The two cut captures as `capture_cut` makes them in one process: the first TracerError (the
-    `BASE_DEPTH` capture's before the `CHECK_DEPTH` one's) is kept; any other error is raised."""
+def _cut_steps(blocks, futures: dict, group: int = 1) -> CutSteps:
+    """The two cut captures in units of `group` blocks (`futures`: depth -> Future, `cut_depths`) as
+    `capture_cut` makes them in one process: the first TracerError (the shallower capture's before the
+    deeper one's) is kept; any other error is raised."""
+    from tracer.depth_capture import cut_depths
     from tracer.errors import TracerError
+
+    base_depth, check_depth = cut_depths(blocks.depth, group)
     try:
-        base = futures[BASE_DEPTH].result()
+        base = futures[base_depth].result()
     except TracerError as exc:
-        return CutSteps(blocks, None, None, exc)
+        return CutSteps(blocks, None, None, exc, group=group)
     try:
-        return CutSteps(blocks, base, futures[CHECK_DEPTH].result())
+        return CutSteps(blocks, base, futures[check_depth].result(), group=group)
     except TracerError as exc:
-        return CutSteps(blocks, base, None, exc)
+        return CutSteps(blocks, base, None, exc, group=group)
 
 
 def _capture_cut(model, base: AnalysisOptions, variants: tuple, depth: int) -> tuple:

@@ -743,15 +743,23 @@ def _cut_in_two_processes(model: str, source, options: AnalysisOptions, blocks, 
 
 
 def _cut_ahead(options: AnalysisOptions, specs: tuple, indices: tuple) -> dict[int, int]:
-    """Index -> the units of blocks (`HANDED_ON_UNITS`) each whole-model compiled policy planned for a CUDA
-    target at `indices` is cut in at once, instead of one block (`_cut_in_two_processes`). Not the
-    compiled-blocks policies: Inductor plans each block on its own there, so no buffer of its plan crosses
-    a block and their cut in units of one checks (llama-7b's `compiled-blocks`)."""
+    """Index -> the units of blocks each policy spec at `indices` is cut in at once (`cut_ahead_units`),
+    for those not cut in units of one block (`_cut_in_two_processes`)."""
+    units = {i: cut_ahead_units(options.capture_options(), specs[i]) for i in indices}
+    return {i: group for i, group in units.items() if group is not None}
+
+
+def cut_ahead_units(capture_options, spec) -> int | None:
+    """The units of blocks (`HANDED_ON_UNITS`) a whole-model compiled policy planned for a CUDA target is cut
+    in at once instead of one block, or None (cut in units of one): Inductor's Triton plan hands buffers on
+    across blocks, so a check in units of one would only fail after two plans. Not the compiled-blocks
+    policies: Inductor plans each block on its own there, so no buffer of its plan crosses a block and their
+    cut in units of one checks (llama-7b's `compiled-blocks`). The one rule for `capture_graphs` and the
+    levers' groups (tracer/levers.py)."""
     from tracer.capture import compiled_planned_apart
     from tracer.depth_capture import HANDED_ON_UNITS
 
-    return {i: HANDED_ON_UNITS for i in indices
-            if specs[i].policy.compiled and compiled_planned_apart(options.capture_options(), (specs[i],))}
+    return HANDED_ON_UNITS if spec.policy.compiled and compiled_planned_apart(capture_options, (spec,)) else None
 
 
 def capture_variants(source, variants: tuple[AnalysisOptions, ...], *,
