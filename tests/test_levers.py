@@ -113,6 +113,16 @@ def test_fit_levers_gives_the_planners_answer_per_lever():
     assert fits[1].largest_batch > fits[0].largest_batch
 
 
+def test_fit_levers_in_worker_processes_gives_the_same_answers():
+    """Each lever's fit is independent: made in two processes, every lever's answer (and the reason of one
+    that does not apply) is the one made in this process."""
+    levers = tuple(lever for lever in LEVERS if lever.name in ("baseline", "full checkpointing", "8-bit AdamW",
+                                                                "accumulate 4", "ZeRO-2"))
+    alone = fit_levers("llama-debug", "6MiB", BASE, levers=levers)
+    assert fit_levers("llama-debug", "6MiB", BASE, levers=levers, workers=2) == alone
+    assert [fit.largest_batch is None for fit in alone] == [False, False, False, False, True]   # ZeRO-2: no ranks
+
+
 @pytest.mark.slow
 def test_the_command_line_prints_every_lever_and_writes_json(tmp_path, capsys):
     path = tmp_path / "levers.json"

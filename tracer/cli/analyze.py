@@ -111,7 +111,8 @@ def _levers(args) -> int:
         from tracer.planning import DEVICE_BUDGETS, parse_budget
         if args.fit.strip().lower() in DEVICE_BUDGETS or args.fit_margin != "0":
             raise UsageError("--levers --fit takes a size, without --fit-margin", hint="e.g. --levers --fit 80GiB")
-        fits = fit_levers(args.model, args.fit, options, world_size=world_size, on_progress=progress)
+        fits = fit_levers(args.model, args.fit, options, world_size=world_size, on_progress=progress,
+                          workers=default_workers())
         sys.stdout.write(render_lever_fits(fits, budget_bytes=parse_budget(args.fit), seq=options.seq))
         progress.done()
         return int(ExitCode.OK)
