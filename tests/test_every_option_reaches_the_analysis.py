@@ -38,6 +38,8 @@ def reached(monkeypatch):
         raise _Reached("recorded")
 
     monkeypatch.setattr(tracer.pipeline, "run_analysis", record)
+    # one process: the recorder sees the options here (a command's worker processes get them pickled)
+    monkeypatch.setattr(tracer.pipeline, "default_workers", lambda: 1)
     return seen
 
 

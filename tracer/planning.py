@@ -2,7 +2,8 @@
 budget, per policy (`fit_budget`); per-rank memory under data parallelism (`shard_policies`); and a deep
 model from three shallow copies of it (`analyze_by_depth`).
 
-`fit_budget` analyses the step (rank 0's, under --shard) at three small sizes (all policies from one capture per size), recovers
+`fit_budget` analyses the step (rank 0's, under --shard) at three small sizes (all policies from one capture per size;
+side by side in `workers` processes, as are the checks at each answer and the next size), recovers
 each op's live bytes as a polynomial of the size (tracer/passes/fit.py: degree 1 in the batch, 2 in the
 sequence), solves for the largest size under the budget, then checks every answer with full analyses at
 that size and the next one (`peak_bytes` fits, `next_peak_bytes` does not). If a check disagrees (only
@@ -66,15 +67,33 @@ class FitReport:
 
 def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = None,
                policies: tuple[str, ...] = ALL_POLICIES, multiple: int = 1, analyze: Callable | None = None,
-               on_progress: Callable[[str], None] | None = None, margin: int | str = 0, **options) -> FitReport:
+               on_progress: Callable[[str], None] | None = None, margin: int | str = 0, workers: int = 1,
+               **options) -> FitReport:
     """The largest batch at `seq` (or, when `batch` is given, the largest sequence at `batch`) whose peak
     is at most `budget` less `margin` (bytes, or size strings such as "80GiB"; `budget` "gpu": the target
     GPU's reported total less the CUDA context, the capacity the report's "fits" verdict uses), for each
     policy. `options` go to `tracer.analyze` (precision, optimizer, target, ...). The peak is the bytes the
     step requests at its peak; on a CUDA target it counts the cuBLAS workspaces too, and each answer's
     reserved peak (the caching allocator's segments, which is what runs out) is reported beside it.
-    `on_progress(message)` is told each analysis before it runs. Raises UsageError for a bad budget or size."""
-    analyze = analyze or analyze_model
+    `on_progress(message)` is told each analysis before it runs. `workers` > 1 (the CLI passes one per CPU
+    core): the analyses that do not wait for each other's answers (the sample sizes; the checks at each
+    answer and the size after it) run in that many processes at once, forked from this one where it can
+    fork, for a model named by a string and the default `analyze`; the answers are the same. Raises
+    UsageError for a bad budget or size."""
+    if workers > 1 and isinstance(model, str) and analyze is None:
+        from tracer.capture.triton_target import forking_available
+        from tracer.pipeline import capture_processes
+
+        with capture_processes(min(workers, SAMPLES), forked=forking_available()) as pool:
+            return _fit_budget(model, budget, seq, batch, policies, multiple, analyze_model, on_progress, margin,
+                               options, pool)
+    return _fit_budget(model, budget, seq, batch, policies, multiple, analyze or analyze_model, on_progress, margin,
+                       options, None)
+
+
+def _fit_budget(model, budget, seq: int, batch: int | None, policies: tuple[str, ...], multiple: int,
+                analyze: Callable, on_progress, margin, options: dict, pool) -> FitReport:
+    """`fit_budget`, its independent analyses run in `pool` (None: here, one after the other)."""
     from_device = isinstance(budget, str) and budget.strip().lower() in DEVICE_BUDGETS
     budget_bytes = None if from_device else parse_budget(budget)
     margin_bytes = _parse_margin(margin)
@@ -83,9 +102,11 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
         multiple = max(multiple, options.get("microbatches") or options["pp"])
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
-    runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None))
+    runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None),
+                     pool)
     rows: dict[str, list] = {}
     phase_rows: dict[str, list] = {}
+    runner.prefetch([(size, label) for size in samples for label in policies])
     for size in samples:
         for label, (live_during, phases) in runner.profiles(size, policies).items():
             rows.setdefault(label, []).append(live_during)
@@ -218,31 +239,69 @@ def _search(fits: Callable[[int], bool], guess: int, step: int, label: str) -> t
     return low, high, corrections
 
 
-class _Runner:
-    """Runs `analyze` once per size (all requested policies together) and keeps only the numbers needed."""
+# the sample sizes a fit analyses before it solves (`_sample_sizes`): at most this many analyses run at once
+SAMPLES = 3
 
-    def __init__(self, analyze, model, dimension, batch, seq, policies, options, say):
+
+@dataclasses.dataclass(frozen=True)
+class _Measured:
+    """What a fit keeps of one policy's analysis at one size (all a pool process sends back)."""
+    peak_bytes: int                              # `_peak_bytes`
+    profile: tuple                               # `_profile`: live bytes per op, peak per phase
+    device: tuple | None                         # reserved peak, capacity, context, NCCL and extra bytes (CUDA)
+
+
+def _measure(analyze: Callable, model, names: tuple[str, ...], kwargs: dict, options: dict) -> dict[str, _Measured]:
+    """One analysis at one size (`kwargs`: batch and seq), reduced to what the fit reads, per policy label."""
+    analysis = analyze(model, policies=names, **kwargs, **options)
+    measured = {}
+    for label, policy in analysis.policies.items():
+        device = getattr(policy, "device", None)
+        measured[label] = _Measured(_peak_bytes(policy), _profile(policy), None if device is None else (
+            device.reserved_peak_bytes, device.capacity_bytes, device.context_bytes, device.nccl_bytes,
+            device.extra_bytes))
+    return measured
+
+
+class _Runner:
+    """Runs `analyze` once per size (all requested policies together) and keeps only the numbers needed;
+    `pool`: where the analyses that `prefetch` asks for at once run side by side (None: one after the other
+    here)."""
+
+    def __init__(self, analyze, model, dimension, batch, seq, policies, options, say, pool=None):
         self.analyze, self.model, self.dimension = analyze, model, dimension
         self.batch, self.seq, self.policies, self.options, self.say = batch, seq, policies, options, say
+        self.pool = pool
         self.peaks: dict[tuple[int, str], int] = {}
         self.reserved: dict[tuple[int, str], int] = {}
+        # size -> (the labels asked for, label -> `_profile` of each analysed policy) of its last analysis
+        self.profiled: dict[int, tuple[tuple, dict[str, tuple]]] = {}
         self.runs = 0
         self.capacity_bytes = self.context_bytes = None       # the device's, on a CUDA target
         self.nccl_bytes = 0
         self.extra_bytes, self.cuda = 0, False
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
-        analysis = self._run(size, labels)
-        return {label: _profile(policy) for label, policy in analysis.policies.items()}
+        """Each policy's `_profile` at `size`, from the analysis `prefetch` made there when it covered
+        `labels`, else from a new one."""
+        asked, made = self.profiled.get(size, ((), None))
+        return made if made is not None and set(labels) <= set(asked) else self._run(size, labels)
 
     def prefetch(self, requests) -> None:
-        """One analysis per distinct size for the (size, policy) pairs not analysed yet."""
+        """One analysis per distinct size for the (size, policy) pairs not analysed yet; in the pool, all at
+        once."""
         by_size: dict[int, list[str]] = {}
         for size, label in requests:
             if (size, label) not in self.peaks and label not in by_size.get(size, []):
                 by_size.setdefault(size, []).append(label)
-        for size, labels in sorted(by_size.items()):
-            self._run(size, labels)
+        if self.pool is None or len(by_size) < 2:
+            for size, labels in sorted(by_size.items()):
+                self._run(size, labels)
+            return
+        futures = {size: self.pool.submit(_measure, self.analyze, self.model, *self._request(size, labels),
+                                          self.options) for size, labels in sorted(by_size.items())}
+        for size, future in futures.items():
+            self._record(size, by_size[size], future.result())
 
     def reserved_peak(self, size: int, label: str) -> int:
         if (size, label) not in self.reserved:
@@ -254,22 +313,29 @@ class _Runner:
             self._run(size, (label,))
         return self.peaks[(size, label)]
 
-    def _run(self, size: int, labels):
-        """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`)."""
+    def _run(self, size: int, labels) -> dict[str, tuple]:
+        """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`); returns
+        each analysed policy's `_profile`."""
+        return self._record(size, labels, _measure(self.analyze, self.model, *self._request(size, labels),
+                                                   self.options))
+
+    def _request(self, size: int, labels) -> tuple[tuple[str, ...], dict]:
+        """The policy names and the batch and seq of one analysis at `size`, announced (`say`)."""
         kwargs = {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
         names = tuple(dict.fromkeys(parse_policy_label(label)[0] for label in labels))
         self.say(f"fit: analysis {self.runs + 1} at {self.dimension} {size} ({', '.join(names)}) ...")
-        analysis = self.analyze(self.model, policies=names, **kwargs, **self.options)
         self.runs += 1
-        for label, policy in analysis.policies.items():
-            self.peaks[(size, label)] = _peak_bytes(policy)
-            device = getattr(policy, "device", None)
-            if device is not None:
-                self.reserved[(size, label)] = device.reserved_peak_bytes
-                self.capacity_bytes, self.context_bytes = device.capacity_bytes, device.context_bytes
-                self.nccl_bytes = device.nccl_bytes
-                self.extra_bytes, self.cuda = max(self.extra_bytes, device.extra_bytes), True
-        return analysis
+        return names, kwargs
+
+    def _record(self, size: int, labels, measured: dict[str, _Measured]) -> dict[str, tuple]:
+        for label, numbers in measured.items():
+            self.peaks[(size, label)] = numbers.peak_bytes
+            if numbers.device is not None:
+                reserved, self.capacity_bytes, self.context_bytes, self.nccl_bytes, extra = numbers.device
+                self.reserved[(size, label)] = reserved
+                self.extra_bytes, self.cuda = max(self.extra_bytes, extra), True
+        self.profiled[size] = (tuple(labels), {label: numbers.profile for label, numbers in measured.items()})
+        return self.profiled[size][1]
 
 
 def _profile(policy) -> tuple[tuple[int, ...], dict[str, int]]:

@@ -81,6 +81,17 @@ def test_largest_batch_fits_and_the_next_does_not():
     assert len(counting.calls) == 3 + len({s for r in report.results.values() for s in (r.largest, r.next_size)})
 
 
+def test_the_independent_analyses_in_worker_processes_give_the_same_report():
+    """The three samples, and the checks at each answer and the size after it, run in two processes at once
+    (`workers=2`): the report is the one made one analysis after the other, on a CUDA target (the reserved
+    peaks' searches follow) with two policies."""
+    keywords = dict(seq=64, policies=("eager", "full"), target="cuda")
+    budget = tracer.analyze("llama-debug", batch=5, seq=64, target="cuda").policies["eager"].device.reserved_peak_bytes
+    alone = fit_budget("llama-debug", budget, **keywords)
+    assert all(result.largest > 3 and result.reserved_searches for result in alone.results.values())
+    assert fit_budget("llama-debug", budget, workers=2, **keywords) == alone
+
+
 @pytest.mark.slow
 def test_largest_sequence_at_a_fixed_batch():
     budget = tracer.analyze("llama-debug", batch=2, seq=200, target="cpu").policies["eager"].peak_bytes

@@ -73,6 +73,7 @@ def run(args) -> int:
 
 def _plan(args, options) -> int:
     """--fit and --by-depth: the same options as the full analysis, sizes varied by the planner."""
+    from tracer.pipeline import default_workers
     from tracer.planning import analyze_by_depth, fit_budget
     from tracer.reports.planning_text import render_depth, render_fit
 
@@ -84,7 +85,7 @@ def _plan(args, options) -> int:
     if args.fit:
         report = fit_budget(args.model, args.fit, seq=args.seq, batch=args.batch if args.batch_given else None,
                             policies=names, memory_budget=budget, on_progress=progress, margin=args.fit_margin,
-                            **keywords)
+                            workers=default_workers(), **keywords)
         sys.stdout.write(render_fit(report))
     else:
         sys.stdout.write(render_depth(analyze_by_depth(args.model, batch=args.batch, seq=args.seq, policies=names,
