@@ -6,13 +6,12 @@ import os
 import pytest
 
 import tracer
-from deep_llama import deep_llama
+from deep_llama import LLAMA12, deep_llama
 from tracer.depth_capture import first_difference
 from tracer.reports.json_report import report_json
 from tracer.reports.text import render_text
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-LLAMA12 = os.path.join(FIXTURES, "llama12_debug.py")
 LLAMA6 = os.path.join(FIXTURES, "llama6_debug.py")
 MLP_LM = os.path.join(FIXTURES, "mlp_lm.py")
 NOTE = ("depth: captured 4 and 6 of 12 blocks of blocks; the 6-block step synthesized from 4 equals its capture op "

@@ -646,11 +646,9 @@ def _fit_lever(model, budget, name: str, options: AnalysisOptions, on_progress) 
     raised."""
     from tracer.planning import fit_budget
 
-    keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-                if f.name not in ("batch", "seq", "policies", "memory_budgets")}
     say = on_progress or (lambda message: None)
     report = fit_budget(model, budget, seq=options.seq, policies=options.policies,
-                        on_progress=lambda message: say(f"{name}: {message}"), **keywords)
+                        on_progress=lambda message: say(f"{name}: {message}"), **options.planner_keywords())
     result = report.results[options.policy_specs()[0].label]
     # the analyses' reference cycles wait for a full collection, which collections spaced for the tracer's
     # work make rare: a process that runs fit after fit grew to 2.4 GiB on llama-88m without this (0.25 s)

@@ -268,6 +268,12 @@ class AnalysisOptions:
         return {field.name: list(value) if isinstance(value, tuple) else value
                 for field in dataclasses.fields(self) for value in (getattr(self, field.name),)}
 
+    def planner_keywords(self) -> dict:
+        """Every field but the sizes and the policies, as keywords of the planner's analyses (`fit_budget`,
+        `analyze_by_depth`), which choose those themselves."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if field.name not in ("batch", "seq", "policies", "memory_budgets")}
+
     def capture_options(self):
         """FSDP2 mixed precision computes with bf16 parameters: the step is captured as bf16-pure, and the
         sharding pass gives the sharded state its fp32 bytes."""

@@ -5,7 +5,6 @@ Every flag and output path is checked before the analysis runs; exit codes: trac
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -77,8 +76,7 @@ def _plan(args, options) -> int:
     from tracer.planning import analyze_by_depth, fit_budget
     from tracer.reports.planning_text import render_depth, render_fit
 
-    keywords = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-                if f.name not in ("batch", "seq", "policies", "memory_budgets")}
+    keywords = options.planner_keywords()
     budget = next((b for b in options.memory_budgets if b is not None), None)
     names = options.policies
     progress = Progress.from_args(args)
