@@ -9,7 +9,11 @@ sequence), solves for the largest size under the budget, then checks every answe
 that size and the next one (`peak_bytes` fits, `next_peak_bytes` does not). If a check disagrees (only
 possible when the graph changes with the size, as the compiled partition under a memory budget does, and
 the phase-peak fallback was used) full analyses search from the guess (doubling away from it, then
-bisection); `corrections` counts those extra analyses.
+bisection); `corrections` counts those extra analyses. On a CUDA target the answer is the size whose
+reserved peak (the caching allocator's) fits: that search runs first on steps synthesized from the
+samples' graphs (tracer/passes/size_graph.py, an allocator replay per size, `reserved_synthesized`), and
+its answer and the next size are analysed in full; the full search goes on from there where they
+disagree (`reserved_searches`). Every number reported comes from a full analysis.
 
 `analyze_by_depth` builds the model with its repeated block list (the longest `nn.ModuleList` or
 `nn.Sequential` of one module type) cut to 3, 4 and 5 blocks, analyses each, and extrapolates every
@@ -47,6 +51,7 @@ class FitResult:
     reserved_bytes: int | None = None  # the caching allocator's reserved peak at `largest` (CUDA targets)
     next_reserved_bytes: int | None = None   # ... at next_size (CUDA targets: the size it no longer fits)
     reserved_searches: int = 0       # full analyses beyond the first two that searched the reserved peak
+    reserved_synthesized: int = 0    # steps synthesized from the samples that searched it first (`_synthesized_guess`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,7 @@ def _fit_budget(model, budget, seq: int, batch: int | None, policies: tuple[str,
     samples = _sample_sizes(dimension, seq, multiple)
     runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None),
                      pool)
+    runner.sample_sizes = frozenset(samples)
     rows: dict[str, list] = {}
     phase_rows: dict[str, list] = {}
     runner.prefetch([(size, label) for size in samples for label in policies])
@@ -208,13 +214,33 @@ def _check_reserved(runner: "_Runner", result: FitResult, budget_bytes: int, ste
         return dataclasses.replace(result, next_reserved_bytes=runner.reserved_peak(result.next_size, label))
     ratio = runner.reserved_peak(largest, label) / max(runner.peak(largest, label), 1)
     guess = max(0, int(largest / max(ratio, 1.0)) // step * step)
+    guess, synthesized = _synthesized_guess(runner, label, guess, step, budget_bytes)
     low, high, corrections = _search(lambda size: size == 0 or runner.reserved_peak(size, label) <= budget_bytes,
                                      guess, step, label)
     return dataclasses.replace(result, largest=low, peak_bytes=runner.peak(low, label) if low else None,
                                next_size=high, next_peak_bytes=runner.peak(high, label),
                                reserved_bytes=runner.reserved_peak(low, label) if low else None,
                                next_reserved_bytes=runner.reserved_peak(high, label),
-                               reserved_searches=corrections)
+                               reserved_searches=corrections, reserved_synthesized=synthesized)
+
+
+def _synthesized_guess(runner: "_Runner", label: str, guess: int, step: int, budget_bytes: int) -> tuple[int, int]:
+    """(the size the full search of the reserved peak starts from, steps synthesized to find it): the same
+    search run on steps synthesized from the samples (`_Runner.synthesized_reserved`: no capture, an
+    allocator replay each), its answer and the next size then analysed in full at once. The answer is
+    always the full analyses': a synthesized step only picks where they start (a kernel's buffer padded
+    to a multiple of rows is one thing the polynomials miss), so where it is off the full search goes on
+    from there as before. `guess` and 0 where the steps cannot be synthesized."""
+    from tracer.passes.size_graph import SizeError
+
+    before = len(runner.synthesized)
+    try:
+        low, high, _ = _search(lambda size: size == 0 or runner.synthesized_reserved(size, label) <= budget_bytes,
+                               guess, step, label)
+    except (SizeError, FitError):
+        return guess, 0
+    runner.prefetch([(size, label) for size in (low, high) if size])
+    return low, len(runner.synthesized) - before
 
 
 def _search(fits: Callable[[int], bool], guess: int, step: int, label: str) -> tuple[int, int, int]:
@@ -249,18 +275,23 @@ class _Measured:
     peak_bytes: int                              # `_peak_bytes`
     profile: tuple                               # `_profile`: live bytes per op, peak per phase
     device: tuple | None                         # reserved peak, capacity, context, NCCL and extra bytes (CUDA)
+    graph: object = None                         # the analysed StepGraph, where the fit synthesizes from it
 
 
-def _measure(analyze: Callable, model, names: tuple[str, ...], kwargs: dict, options: dict) -> dict[str, _Measured]:
-    """One analysis at one size (`kwargs`: batch and seq), reduced to what the fit reads, per policy label."""
+def _measure(analyze: Callable, model, names: tuple[str, ...], kwargs: dict, options: dict,
+             keep_graphs: bool = False) -> dict[str, _Measured]:
+    """One analysis at one size (`kwargs`: batch and seq), reduced to what the fit reads, per policy label;
+    `keep_graphs`: with each policy's step graph (a sample the reserved-peak search synthesizes from)."""
     analysis = analyze(model, policies=names, **kwargs, **options)
-    measured = {}
-    for label, policy in analysis.policies.items():
-        device = getattr(policy, "device", None)
-        measured[label] = _Measured(_peak_bytes(policy), _profile(policy), None if device is None else (
-            device.reserved_peak_bytes, device.capacity_bytes, device.context_bytes, device.nccl_bytes,
-            device.extra_bytes))
-    return measured
+    return {label: _measured(policy, keep_graphs) for label, policy in analysis.policies.items()}
+
+
+def _measured(policy, keep_graph: bool = False) -> _Measured:
+    """What the fit reads of one policy's analysis."""
+    device = getattr(policy, "device", None)
+    return _Measured(_peak_bytes(policy), _profile(policy), None if device is None else (
+        device.reserved_peak_bytes, device.capacity_bytes, device.context_bytes, device.nccl_bytes,
+        device.extra_bytes), policy.graph if keep_graph else None)
 
 
 class _Runner:
@@ -280,6 +311,12 @@ class _Runner:
         self.capacity_bytes = self.context_bytes = None       # the device's, on a CUDA target
         self.nccl_bytes = 0
         self.extra_bytes, self.cuda = 0, False
+        # the sample sizes whose step graphs are kept, label -> size -> StepGraph, and what is built from them
+        # (`synthesized_reserved`); only for the default analysis, whose passes a synthesized step can be given
+        self.sample_sizes: frozenset = frozenset()
+        self.graphs: dict[str, dict[int, object]] = {}
+        self.sized: dict[str, object] = {}
+        self.synthesized: dict[tuple[int, str], int] = {}
 
     def profiles(self, size: int, labels) -> dict[str, tuple]:
         """Each policy's `_profile` at `size`, from the analysis `prefetch` made there when it covered
@@ -299,7 +336,8 @@ class _Runner:
                 self._run(size, labels)
             return
         futures = {size: self.pool.submit(_measure, self.analyze, self.model, *self._request(size, labels),
-                                          self.options) for size, labels in sorted(by_size.items())}
+                                          self.options, self._keeps_graphs(size))
+                   for size, labels in sorted(by_size.items())}
         for size, future in futures.items():
             self._record(size, by_size[size], future.result())
 
@@ -317,11 +355,39 @@ class _Runner:
         """`labels` are analysis keys (`compiled@0.5` is the compiled policy under `memory_budget`); returns
         each analysed policy's `_profile`."""
         return self._record(size, labels, _measure(self.analyze, self.model, *self._request(size, labels),
-                                                   self.options))
+                                                   self.options, self._keeps_graphs(size)))
+
+    def _keeps_graphs(self, size: int) -> bool:
+        return size in self.sample_sizes and self.analyze is analyze_model
+
+    def synthesized_reserved(self, size: int, label: str) -> int:
+        """The reserved peak at `size` of `label`'s step synthesized from the sample sizes' steps
+        (tracer/passes/size_graph.py) and analysed as a captured step is; SizeError where the samples are
+        not one step whose integers are polynomials of the size (or none were kept)."""
+        from tracer.passes.size_graph import SizedSteps, SizeError
+        from tracer.pipeline import analyze_captured, options_from_keywords
+
+        if (size, label) not in self.synthesized:
+            if label not in self.sized:
+                samples = self.graphs.get(label, {})
+                if len(samples) < len(self.sample_sizes) or any(g is None for g in samples.values()):
+                    raise SizeError(f"{label}: no step graphs of the sample sizes to synthesize from")
+                self.sized[label] = SizedSteps(samples)
+            options = options_from_keywords(**self._sizes(size), policies=(parse_policy_label(label)[0],),
+                                            **self.options)
+            policy = analyze_captured({label: self.sized[label].at(size)}, options).policies[label]
+            device = _measured(policy).device
+            if device is None:
+                raise SizeError(f"{label}: the synthesized step has no device view")
+            self.synthesized[(size, label)] = device[0]
+        return self.synthesized[(size, label)]
+
+    def _sizes(self, size: int) -> dict:
+        return {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
 
     def _request(self, size: int, labels) -> tuple[tuple[str, ...], dict]:
         """The policy names and the batch and seq of one analysis at `size`, announced (`say`)."""
-        kwargs = {"batch": size, "seq": self.seq} if self.dimension == "batch" else {"batch": self.batch, "seq": size}
+        kwargs = self._sizes(size)
         names = tuple(dict.fromkeys(parse_policy_label(label)[0] for label in labels))
         self.say(f"fit: analysis {self.runs + 1} at {self.dimension} {size} ({', '.join(names)}) ...")
         self.runs += 1
@@ -330,6 +396,8 @@ class _Runner:
     def _record(self, size: int, labels, measured: dict[str, _Measured]) -> dict[str, tuple]:
         for label, numbers in measured.items():
             self.peaks[(size, label)] = numbers.peak_bytes
+            if numbers.graph is not None:
+                self.graphs.setdefault(label, {})[size] = numbers.graph
             if numbers.device is not None:
                 reserved, self.capacity_bytes, self.context_bytes, self.nccl_bytes, extra = numbers.device
                 self.reserved[(size, label)] = reserved

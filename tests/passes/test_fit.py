@@ -1,5 +1,6 @@
 """--fit: per-op peak polynomials (tracer/passes/fit.py) and the driver that checks them with full analyses
 (tracer/planning.py). The driver tests run llama-debug; the pass tests use plain numbers."""
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -7,7 +8,7 @@ import pytest
 import tracer
 from tracer.errors import UsageError
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
-from tracer.planning import fit_budget
+from tracer.planning import analyze_model, fit_budget
 from tracer.reports.planning_text import render_fit
 
 
@@ -88,8 +89,27 @@ def test_the_independent_analyses_in_worker_processes_give_the_same_report():
     keywords = dict(seq=64, policies=("eager", "full"), target="cuda")
     budget = tracer.analyze("llama-debug", batch=5, seq=64, target="cuda").policies["eager"].device.reserved_peak_bytes
     alone = fit_budget("llama-debug", budget, **keywords)
-    assert all(result.largest > 3 and result.reserved_searches for result in alone.results.values())
+    assert all(result.largest > 3 and result.reserved_synthesized for result in alone.results.values())
     assert fit_budget("llama-debug", budget, workers=2, **keywords) == alone
+
+
+def test_the_reserved_peak_searched_on_synthesized_steps_gives_the_full_searchs_answer():
+    """On a CUDA target the reserved peak is searched first on steps synthesized from the three samples
+    (tracer/passes/size_graph.py: an allocator replay each, no capture), and only that search's answer and
+    the next size are analysed in full; every number of the report is the one the search with full
+    analyses finds (a custom analysis function keeps that search), in fewer analyses."""
+    keywords = dict(seq=64, policies=("eager", "full"), target="cuda")
+    budget = tracer.analyze("llama-debug", batch=7, seq=64, target="cuda").policies["eager"].device.reserved_peak_bytes
+    synthesized = fit_budget("llama-debug", budget, **keywords)
+    full = fit_budget("llama-debug", budget, analyze=lambda model, **kwargs: analyze_model(model, **kwargs),
+                      **keywords)
+    for label, result in full.results.items():
+        assert result.reserved_searches > 0 and result.reserved_synthesized == 0
+        assert synthesized.results[label].reserved_synthesized > 0
+        assert dataclasses.replace(synthesized.results[label], reserved_searches=0, reserved_synthesized=0) == \
+            dataclasses.replace(result, reserved_searches=0)
+    assert synthesized.analyses_run < full.analyses_run
+    assert "steps synthesized from the samples" in render_fit(synthesized)
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def fit_peak_model(sizes: Sequence[int], live_bytes: Sequence[Sequence[int]], de
     for column in columns:
         key = tuple(column)
         if key not in seen:
-            seen[key] = _interpolate([sizes[i] for i in basis], [column[i] for i in basis])
+            seen[key] = interpolate([sizes[i] for i in basis], [column[i] for i in basis])
             for x, y in zip(sizes[degree + 1:], column[degree + 1:]) if check else ():
                 predicted = sum(c * x**k for k, c in enumerate(seen[key]))
                 if predicted != y:
@@ -95,7 +95,7 @@ def largest_fitting_size(model: PeakModel, budget_bytes: int, *, multiple: int =
     return low * step
 
 
-def _interpolate(xs: list[int], ys: list[int]) -> tuple[Fraction, ...]:
+def interpolate(xs: list[int], ys: list[int]) -> tuple[Fraction, ...]:
     """Coefficients (lowest degree first) of the polynomial through (xs, ys), by Newton's divided differences."""
     n = len(xs)
     table = [Fraction(y) for y in ys]

@@ -31,13 +31,23 @@ def render_fit(report) -> str:
         requested = f" {format_bytes(r.peak_bytes) if r.largest else '':>12}" if report.cuda else ""
         said = [*(["phase-peak fit"] if not r.per_op else []),
                 *([f"corrected by {r.corrections}"] if r.corrections else []),
-                *([f"reserved peak searched in {r.reserved_searches} more analyses"] if r.reserved_searches else [])]
+                *_reserved_search_words(r)]
         note = f"  ({', '.join(said)})" if said else ""
         lines.append(f"  {label:<12} {fit}   {r.next_size:>8,} {format_bytes(next_value):>12} "
                      f"{format_bytes(next_value - target):>12}{requested}{note}")
     lines.append(f"({report.analyses_run} analyses: {what} {', '.join(map(str, report.sample_sizes))} to fit each op's "
                  f"bytes, then each answer and the next {what} checked in full)")
     return "\n".join(lines) + "\n"
+
+
+def _reserved_search_words(result) -> list[str]:
+    """How the reserved peak's answer was searched: on steps synthesized from the samples first (then its
+    answer and the next size analysed in full), and in full analyses beyond those two."""
+    synthesized, searched = getattr(result, "reserved_synthesized", 0), result.reserved_searches
+    if synthesized:
+        return [f"reserved peak searched on {synthesized} steps synthesized from the samples"
+                + (f", then in {searched} more analyses" if searched else "")]
+    return [f"reserved peak searched in {searched} more analyses"] if searched else []
 
 
 def _fit_budget_words(report) -> str:
