@@ -117,6 +117,8 @@ def _fit_budget(model, budget, seq: int, batch: int | None, policies: tuple[str,
         for label, (live_during, phases) in runner.profiles(size, policies).items():
             rows.setdefault(label, []).append(live_during)
             phase_rows.setdefault(label, []).append(phases)
+    if not runner.cuda:
+        runner.graphs.clear()              # only a reserved peak's search synthesizes steps from them
     models = {}
     for label in rows:
         try:
@@ -215,6 +217,7 @@ def _check_reserved(runner: "_Runner", result: FitResult, budget_bytes: int, ste
     ratio = runner.reserved_peak(largest, label) / max(runner.peak(largest, label), 1)
     guess = max(0, int(largest / max(ratio, 1.0)) // step * step)
     guess, synthesized = _synthesized_guess(runner, label, guess, step, budget_bytes)
+    runner.sized.pop(label, None)
     low, high, corrections = _search(lambda size: size == 0 or runner.reserved_peak(size, label) <= budget_bytes,
                                      guess, step, label)
     return dataclasses.replace(result, largest=low, peak_bytes=runner.peak(low, label) if low else None,
@@ -228,9 +231,10 @@ def _synthesized_guess(runner: "_Runner", label: str, guess: int, step: int, bud
     """(the size the full search of the reserved peak starts from, steps synthesized to find it): the same
     search run on steps synthesized from the samples (`_Runner.synthesized_reserved`: no capture, an
     allocator replay each), its answer and the next size then analysed in full at once. The answer is
-    always the full analyses': a synthesized step only picks where they start (a kernel's buffer padded
-    to a multiple of rows is one thing the polynomials miss), so where it is off the full search goes on
-    from there as before. `guess` and 0 where the steps cannot be synthesized."""
+    always the full analyses': a synthesized step only picks where they start. Where their verdicts differ
+    from the synthesized ones (a kernel's buffer padded to a multiple of rows is one thing the polynomials
+    miss), the full search starts from `guess`, as it does without synthesized steps (and where they
+    cannot be synthesized: then 0 steps)."""
     from tracer.passes.size_graph import SizeError
 
     before = len(runner.synthesized)
@@ -240,7 +244,9 @@ def _synthesized_guess(runner: "_Runner", label: str, guess: int, step: int, bud
     except (SizeError, FitError):
         return guess, 0
     runner.prefetch([(size, label) for size in (low, high) if size])
-    return low, len(runner.synthesized) - before
+    agreed = (low == 0 or runner.reserved_peak(low, label) <= budget_bytes) and \
+        runner.reserved_peak(high, label) > budget_bytes
+    return (low if agreed else guess), len(runner.synthesized) - before
 
 
 def _search(fits: Callable[[int], bool], guess: int, step: int, label: str) -> tuple[int, int, int]:
@@ -249,19 +255,23 @@ def _search(fits: Callable[[int], bool], guess: int, step: int, label: str) -> t
     corrections = 0
     low, high = largest, largest + step            # want: fits(low) and not fits(high)
     distance = step
+
+    def corrected() -> int:
+        if corrections >= MAX_CORRECTIONS:
+            raise FitError(f"{label}: the peak model needed more than {MAX_CORRECTIONS} full analyses to correct",
+                           hint="the step's structure changes with the size")
+        return corrections + 1
+
     while not fits(low):                           # the guess is too large: step down, doubling
         high, low = low, max(0, low - distance)
-        distance, corrections = distance * 2, corrections + 1
+        distance, corrections = distance * 2, corrected()
     while fits(high):                              # too small: step up, doubling
         low, high = high, high + distance
-        distance, corrections = distance * 2, corrections + 1
+        distance, corrections = distance * 2, corrected()
     while high - low > step:
         mid = low + (high - low) // (2 * step) * step
         low, high = (mid, high) if fits(mid) else (low, mid)
-        corrections += 1
-    if corrections > MAX_CORRECTIONS:
-        raise FitError(f"{label}: the peak model needed {corrections} full analyses to correct",
-                       hint="the step's structure changes with the size")
+        corrections = corrected()
     return low, high, corrections
 
 
@@ -369,8 +379,8 @@ class _Runner:
 
         if (size, label) not in self.synthesized:
             if label not in self.sized:
-                samples = self.graphs.get(label, {})
-                if len(samples) < len(self.sample_sizes) or any(g is None for g in samples.values()):
+                samples = self.graphs.pop(label, {})      # the template keeps what it needs of them
+                if len(samples) < len(self.sample_sizes):
                     raise SizeError(f"{label}: no step graphs of the sample sizes to synthesize from")
                 self.sized[label] = SizedSteps(samples)
             options = options_from_keywords(**self._sizes(size), policies=(parse_policy_label(label)[0],),

@@ -8,7 +8,7 @@ import pytest
 import tracer
 from tracer.errors import UsageError
 from tracer.passes.fit import FitError, PeakModel, fit_peak_model, largest_fitting_size
-from tracer.planning import analyze_model, fit_budget
+from tracer.planning import _Runner, analyze_model, fit_budget
 from tracer.reports.planning_text import render_fit
 
 
@@ -110,6 +110,22 @@ def test_the_reserved_peak_searched_on_synthesized_steps_gives_the_full_searchs_
             dataclasses.replace(result, reserved_searches=0)
     assert synthesized.analyses_run < full.analyses_run
     assert "steps synthesized from the samples" in render_fit(synthesized)
+
+
+def test_synthesized_steps_the_full_analyses_contradict_leave_the_full_search_as_it_was(monkeypatch):
+    """A synthesized search whose answer the full analyses there contradict (here: every synthesized step
+    is the one of twice the batch, so it answers about half) is dropped: the full search starts where it
+    starts without synthesized steps and finds the same answer."""
+    keywords = dict(seq=64, policies=("eager",), target="cuda")
+    budget = tracer.analyze("llama-debug", batch=7, seq=64, target="cuda").policies["eager"].device.reserved_peak_bytes
+    full = fit_budget("llama-debug", budget, analyze=lambda model, **kwargs: analyze_model(model, **kwargs),
+                      **keywords).results["eager"]
+    synthesized_reserved = _Runner.synthesized_reserved
+    monkeypatch.setattr(_Runner, "synthesized_reserved",
+                        lambda self, size, label: synthesized_reserved(self, 2 * size, label))
+    off = fit_budget("llama-debug", budget, **keywords).results["eager"]
+    assert off.reserved_synthesized > 0 and off.reserved_searches == full.reserved_searches
+    assert dataclasses.replace(off, reserved_synthesized=0) == full
 
 
 @pytest.mark.slow
