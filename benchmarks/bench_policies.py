@@ -17,6 +17,10 @@ before the first import of the model to the answer:
   depth all     tracer.planning.analyze_by_depth: the four policies from the model cut to 3, 4, 5 blocks
   tracer levers tracer.levers.run_levers: the what-if table (`--levers --world-size 8`), whose goal
                 (issue 18) is about the time of `tracer all`
+  tracer fit    tracer.planning.fit_budget: the largest seq at --batch within --fit-budget (the CLI's
+                `--fit`, eager, a CUDA target: the reserved peak searched on synthesized steps first)
+  fit full      the same fit with that search made of full analyses only (the baseline of `tracer fit`;
+                not an issue goal: the two rows give the same answer, printed as `fit seq`)
 With `--repeat N` each row is the run with the median wall time of N. `child GiB` is the largest peak
 RSS of its child processes (a spawned capture process, which runs beside it, or a process forked for a
 compiler probe, which starts with a copy of the parent's pages). The ratios are against
@@ -36,7 +40,7 @@ import sys
 
 _CHILD = r"""
 import json, resource, sys, time
-mode, model, batch, seq = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mode, model, batch, seq, budget = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 t0 = time.perf_counter()
 import torch
 extra = {}
@@ -61,6 +65,17 @@ elif mode == "tracer-levers":
     table = run_levers(model, AnalysisOptions(batch=batch, seq=seq), world_size=8, workers=default_workers())
     extra["peak_bytes"] = table.baseline.peak_bytes
     extra["captures"] = table.captures
+elif mode in ("tracer-fit", "fit-full"):
+    import tracer.planning
+    from tracer.pipeline import default_workers
+    if mode == "fit-full":          # the search as it was before synthesized steps: full analyses only
+        from tracer.passes.size_graph import SizeError
+        def refused(self, size, label):
+            raise SizeError("the baseline searches with full analyses")
+        tracer.planning._Runner.synthesized_reserved = refused
+    report = tracer.planning.fit_budget(model, budget, seq=seq, batch=batch, policies=("eager",),
+                                        workers=default_workers())
+    extra["fit_seq"], extra["analyses"] = report.results["eager"].largest, report.analyses_run
 elif mode == "export":
     from torch._subclasses.fake_tensor import FakeTensorMode
     from tracer.capture.model_input import load_model_source
@@ -98,17 +113,19 @@ extra["child_rss_bytes"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrs
 print(json.dumps({"wall_s": wall, "rss_bytes": rss, **extra}))
 """
 
-MODES = ("export", "memtracker", "tracer-eager", "tracer-rerun", "tracer-all", "depth-all", "tracer-levers")
+MODES = ("export", "memtracker", "tracer-eager", "tracer-rerun", "tracer-all", "depth-all", "tracer-levers",
+         "tracer-fit", "fit-full")
+FIT_BUDGET = "40GiB"
 
 
-def run_median(mode: str, model: str, batch: int, seq: int, repeat: int) -> dict:
+def run_median(mode: str, model: str, batch: int, seq: int, repeat: int, budget: str = FIT_BUDGET) -> dict:
     """The run with the median wall time of `repeat` runs."""
-    runs = [run(mode, model, batch, seq) for _ in range(repeat)]
+    runs = [run(mode, model, batch, seq, budget) for _ in range(repeat)]
     ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["wall_s"])
     return ok[len(ok) // 2] if ok else runs[0]
 
 
-def run(mode: str, model: str, batch: int, seq: int) -> dict:
+def run(mode: str, model: str, batch: int, seq: int, budget: str = FIT_BUDGET) -> dict:
     """One child run. `tracer-rerun`: `tracer-eager` run twice with the capture cache on (a folder of its
     own), the second run's numbers; every other tracer row runs with the cache off."""
     import os
@@ -116,13 +133,13 @@ def run(mode: str, model: str, batch: int, seq: int) -> dict:
     if mode == "tracer-rerun":
         with tempfile.TemporaryDirectory() as folder:
             env = {**os.environ, "TRACER_CACHE_DIR": folder, "TRACER_NO_CACHE": "0"}
-            first = _child("tracer-eager", model, batch, seq, env)
-            return first if "error" in first else _child("tracer-eager", model, batch, seq, env)
-    return _child(mode, model, batch, seq, {**os.environ, "TRACER_NO_CACHE": "1"})
+            first = _child("tracer-eager", model, batch, seq, env, budget)
+            return first if "error" in first else _child("tracer-eager", model, batch, seq, env, budget)
+    return _child(mode, model, batch, seq, {**os.environ, "TRACER_NO_CACHE": "1"}, budget)
 
 
-def _child(mode: str, model: str, batch: int, seq: int, env: dict) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, model, str(batch), str(seq)],
+def _child(mode: str, model: str, batch: int, seq: int, env: dict, budget: str = FIT_BUDGET) -> dict:
+    proc = subprocess.run([sys.executable, "-c", _CHILD, mode, model, str(batch), str(seq), budget],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
@@ -171,6 +188,12 @@ def goals(rows: dict[str, dict], model: str) -> list[str]:
     rerun = wall("tracer-rerun")
     out.append(f"  goal second run (tracer-rerun): {rerun:.1f} s (under 3 s) {'met' if rerun < 3 else 'NOT met'}"
                if rerun is not None else "  goal second run: not measured")
+    fit, full = rows.get("tracer-fit", {}), rows.get("fit-full", {})
+    if "wall_s" in fit and "wall_s" in full:
+        same = "the same answer" if fit["fit_seq"] == full["fit_seq"] else "DIFFERENT answers"
+        out.append(f"  --fit's reserved search on synthesized steps (tracer-fit / fit-full): "
+                   f"{fit['wall_s'] / full['wall_s']:.2f}x, {fit['analyses']} analyses against {full['analyses']}, "
+                   f"{same} (seq {fit['fit_seq']:,} against {full['fit_seq']:,}; not an issue goal)")
     rss = [r["rss_bytes"] for mode, r in rows.items() if mode.startswith(("tracer", "depth")) and "rss_bytes" in r]
     if rss:
         out.append(f"  goal peak RSS of the tracer rows: {max(rss) / 2**30:.2f} GiB (under 1 GiB) "
@@ -185,10 +208,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the median wall time is shown")
+    p.add_argument("--fit-budget", default=FIT_BUDGET, help="the budget of the tracer-fit and fit-full rows")
     args = p.parse_args()
     by_model = {}
     for model in args.models.split(","):
-        rows = {mode: run_median(mode, model, args.batch, args.seq, args.repeat) for mode in args.modes.split(",")}
+        rows = {mode: run_median(mode, model, args.batch, args.seq, args.repeat, args.fit_budget)
+                for mode in args.modes.split(",")}
         rows = {mode: rows.get(mode, {"error": "not run"}) for mode in MODES}
         print(render(model, args.batch, args.seq, rows), flush=True)
         by_model[model] = rows
