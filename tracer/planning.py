@@ -235,13 +235,11 @@ def _synthesized_guess(runner: "_Runner", label: str, guess: int, step: int, bud
     from the synthesized ones (a kernel's buffer padded to a multiple of rows is one thing the polynomials
     miss), the full search starts from `guess`, as it does without synthesized steps (and where they
     cannot be synthesized: then 0 steps)."""
-    from tracer.passes.size_graph import SizeError
-
     before = len(runner.synthesized)
     try:
         low, high, _ = _search(lambda size: size == 0 or runner.synthesized_reserved(size, label) <= budget_bytes,
                                guess, step, label)
-    except (SizeError, FitError):
+    except TracerError:            # SizeError, a search too long (FitError), a size the passes refuse
         return guess, 0
     runner.prefetch([(size, label) for size in (low, high) if size])
     agreed = (low == 0 or runner.reserved_peak(low, label) <= budget_bytes) and \
