@@ -171,3 +171,21 @@ def test_cuda_capture_without_a_fused_kernel_falls_back_to_math(llama_debug):
     graph = capture_step(llama_debug, options)
     assert not any("scaled_dot_product" in op.target for op in graph.ops)
     assert any("softmax" in op.target for op in graph.ops)                 # the math composite
+
+
+@pytest.mark.parametrize("fixture", ["checkpoint_function.py", "checkpoint_reentrant.py"])
+def test_a_checkpointed_regions_rng_states_take_device_memory_on_a_cpu_target_only(fixture):
+    """torch.utils.checkpoint saves the CPU generator's state at each region's entry and fork_rng stashes a
+    copy while the region recomputes: CPU tensors, so a CPU step's device memory holds them and a CUDA
+    step's does not (on a GPU they are host memory, the process's own, outside the device's allocator)."""
+    import os
+    source = load_model_source(os.path.join(os.path.dirname(__file__), "..", "fixtures", fixture))
+    rng_bytes = torch.get_rng_state().numel()
+
+    def rng_states(target: str) -> list:
+        graph = capture_step(source, CaptureOptions(batch=2, seq=16, target=target))
+        return [s for s in graph.storages if s.name and "RNG state" in s.name]
+
+    on_cpu = rng_states("cpu")
+    assert on_cpu and all(s.nbytes == rng_bytes and not s.host for s in on_cpu)
+    assert rng_states("cuda:h100") == []

@@ -669,7 +669,7 @@ def _micro_batch(cap, schedule, table: StorageTable, *, steady: bool, grads_pree
         _eager_reduced_loss_storages(part.ops, table)
     if not schedule.compiled and any(d.checkpoint_region is not None for d in part.ops):
         remade = {table.lookup(leaf.tensor): leaf.region for leaf in cap.forward_leaves if leaf.region is not None}
-        eager_checkpoint_semantics(part.ops, table, remade)
+        eager_checkpoint_semantics(part.ops, table, remade, cuda=cuda)
     kept = _keep_attribute_tensors(cap.seen.kept_attributes, part.ops, table, steady=steady)
     return MicroBatch(part=part, table=table, kept=kept, notes=tuple(notes) + offload_notes)
 

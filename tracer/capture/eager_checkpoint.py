@@ -2,7 +2,7 @@
 
 `eager_checkpoint_semantics(ops, table)` applies, in place, what eager checkpointing keeps beyond what the
 partition needs: the CPU RNG state saved at the region's entry and the one fork_rng stashes while it
-recomputes; MUST_SAVE outputs of a selective region, cached until the recompute pops them (or until the
+recomputes (a CPU target's device memory; on a CUDA target they are host tensors and left out); MUST_SAVE outputs of a selective region, cached until the recompute pops them (or until the
 region's backward ends when the recompute stops before them); reentrant regions' saved inputs, rerun
 outputs and the gradients CheckpointFunction.backward was called with, until the region's backward ends;
 and a recomputed value freed when the backward node that unpacked it returns (before the engine's
@@ -23,14 +23,17 @@ from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, StorageRole, TensorValue
 
 
-def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_leaves: dict[int, int] | None = None) -> None:
+def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_leaves: dict[int, int] | None = None,
+                               *, cuda: bool = False) -> None:
     """What eager torch.utils.checkpoint keeps beyond what the partition needs, per checkpointed region:
     the CPU RNG state it saves at entry (preserve_rng_state=True), held in the checkpoint frame until the
     region's recompute and backward have run (it stands in for the states the partition saves per
     random op, run_and_save_rng_state's, which take no bytes); the state fork_rng stashes while the region
     recomputes; and, for selective checkpointing, every output of a MUST_SAVE op, cached from forward until
     the region's recompute has run. `remade_leaves`: storage id of a leaf made in forward -> the region
-    whose code made it (`_remade_leaves`)."""
+    whose code made it (`_remade_leaves`). `cuda`: a CUDA target, where the RNG states (the CPU generator's
+    and each CUDA device's, both `torch.get_rng_state`-style CPU tensors) take no device memory: they are
+    left out, as the process's other host memory is."""
     first_forward: dict[int, int] = {}
     recompute_start: dict[int, int] = {}
     recompute_end: dict[int, int] = {}
@@ -73,6 +76,14 @@ def eager_checkpoint_semantics(ops: list[OpDraft], table: StorageTable, remade_l
     _hold_frame_values(ops, table, frame_end)
     _release_unpacked_recomputes(ops, table)
     _remade_leaves(ops, table, remade_leaves or {}, recompute_end)
+    if not cuda:
+        _add_rng_states(ops, table, first_forward, recompute_start, recompute_end, frame_end)
+
+
+def _add_rng_states(ops: list[OpDraft], table: StorageTable, first_forward: dict[int, int],
+                    recompute_start: dict[int, int], recompute_end: dict[int, int], frame_end: dict[int, int]) -> None:
+    """The CPU RNG state each region saves at entry and the copy fork_rng stashes while it recomputes (a
+    CPU target's device memory)."""
     reentrant = {d.checkpoint_region for d in ops if d.rerun}
     rng_bytes = torch.get_rng_state().numel()
     for region, start in recompute_start.items():     # fork_rng copies the current state while recomputing
