@@ -373,3 +373,23 @@ def test_a_deep_models_compiled_lever_is_cut_in_units_of_2_at_once_and_equals_it
     captured = run_levers(path, dataclasses.replace(base, full_capture=True), levers=COMPILED)
     assert _without_options(alone) == _without_options(parallel) == _without_options(captured)
     assert all(row.peak_bytes for row in alone.rows)
+
+
+def test_the_calling_process_runs_the_queued_groups_no_worker_has_started_while_it_waits():
+    """While it waits for a worker's result, the calling process takes back the groups still queued, the
+    last first, and runs them itself: each group's result is the same whichever process ran it."""
+    import multiprocessing
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    from tracer.levers import _Queued, _run_queued_here
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        awaited = pool.submit(time.sleep, 3)             # the baseline's group: the one worker is busy
+        queued = [_Queued(pool, os.getpid) for _ in range(4)]
+        _run_queued_here(queued, awaited)
+        assert not awaited.done()
+        pids = [job.result() for job in queued]
+        awaited.result()
+    assert pids[-1] == pids[-2] == os.getpid()           # taken back, the last submitted first
+    assert all(isinstance(pid, int) for pid in pids)

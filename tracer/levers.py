@@ -238,20 +238,27 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         # captures of all, start first
         jobs = [tuple(row for row in jobs[0] if row not in ahead.job), *jobs[1:]]
         ahead.start(pool, model, base, say)
+    queued: list[_Queued] = []        # the other groups' jobs, which this process may take back while it waits
+
+    def submit(fn, *args) -> "_Queued":
+        queued.append(_Queued(pool, fn, *args))
+        return queued[-1]
+
     for j in order:
         blocks = blocks_of(jobs[j])
         if blocks is None and shallow is not None and (j == 0 or reuses[j]):
-            pending[j] = (shallow, pool.submit(_rows_and_graphs, model, base, jobs[j]) if j == 0 else
-                          pool.submit(_synthesized_rows, model, base, jobs[j], shallow, checked_on))
+            pending[j] = (shallow, pool.submit(_rows_and_graphs, model, base, jobs[j],
+                                               frozenset(key for key, _ in _check_variants(jobs, reuses).values()))
+                          if j == 0 else
+                          submit(_synthesized_rows, model, base, jobs[j], shallow, checked_on))
         elif blocks is None:
-            pending[j] = (None, pool.submit(_group_rows, model, base, jobs[j]))
+            pending[j] = (None, submit(_group_rows, model, base, jobs[j]))
         elif reuses[j]:                 # its rows made where it is captured, on the check's verdict to come
-            pending[j] = (blocks, pool.submit(_synthesized_rows, model, base, jobs[j], blocks, checked_on))
+            pending[j] = (blocks, submit(_synthesized_rows, model, base, jobs[j], blocks, checked_on))
         elif j == 0:                    # its rows made where it is captured at BASE_DEPTH, the check made here
             pending[j] = (blocks, pool.submit(_unchecked_rows, model, base, jobs[j], blocks))
         else:
-            pending[j] = (blocks, {depth: pool.submit(_capture_cut, model, base, tuple(_variants(jobs[j]).values()),
-                                                      depth)
+            pending[j] = (blocks, {depth: submit(_capture_cut, model, base, tuple(_variants(jobs[j]).values()), depth)
                                    for depth in (CHECK_DEPTH, BASE_DEPTH)})
     out: dict[int, dict] = {}
     checked: frozenset = frozenset()
@@ -259,7 +266,8 @@ def _group_results(model, base: AnalysisOptions, jobs: list, pool, on_progress) 
         try:
             rows, checked = _rows_of_group(j, jobs, pending[j], reuses, checked, source, base, say, on_progress,
                                            cut_again=_cut_again_beside(pool, model, base, jobs[j], source.name, say)
-                                           if j == 0 else None)
+                                           if j == 0 else None,
+                                           meanwhile=lambda awaited: _run_queued_here(queued, awaited))
         except TracerError as exc:
             if j == 0:
                 raise                   # the baseline: without it no row means anything
@@ -346,11 +354,13 @@ def _shallow_blocks(source, jobs: list, reuses: list):
 
 
 def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: frozenset, source,
-                   base: AnalysisOptions, say, on_progress, cut_again=None) -> tuple[dict, frozenset]:
+                   base: AnalysisOptions, say, on_progress, cut_again=None,
+                   meanwhile: Callable = lambda awaited: None) -> tuple[dict, frozenset]:
     """Group `j`'s rows from what `_group_results` started for it (`pending`: its block list and futures),
     and the policies whose depth synthesis the baseline's check has passed (group 0 decides them; later
     groups read them). `cut_again`: how the baseline's group is cut in larger units when its check asks
-    for that (`_cut_again_beside`)."""
+    for that (`_cut_again_beside`); `meanwhile(awaited)`: called when the baseline's check capture is made
+    and its worker's result (`awaited`) is still to come."""
     blocks, futures = pending
     if blocks is None:
         return futures.result(), checked
@@ -362,10 +372,10 @@ def _rows_of_group(j: int, jobs: list, pending: tuple, reuses: list, checked: fr
     if j == 0 and blocks.depth <= BASE_DEPTH + CHECK_DEPTH:
         say(f"capturing {source.name} cut to {BASE_DEPTH} blocks to check the synthesis of its {blocks.depth} on "
             "its full capture ...")
-        return _checked_on_full(source, jobs, reuses, blocks, futures)
+        return _checked_on_full(source, jobs, reuses, blocks, futures, meanwhile)
     if j == 0:
         say(f"capturing {source.name} cut to {CHECK_DEPTH} blocks to check the synthesis of its {blocks.depth} ...")
-        rows, checked, cut = _checked_rows(source, base, jobs[j], blocks, futures)
+        rows, checked, cut = _checked_rows(source, base, jobs[j], blocks, futures, meanwhile)
         # a check that fails or cannot run: the group made here from its cut captures (or captured again when
         # one failed), its verdict and note as capture_deep's
         return (rows if rows is not None else
@@ -393,8 +403,8 @@ def _unchecked_rows(model, base: AnalysisOptions, job: tuple, blocks) -> tuple:
     return rows, dataclasses.replace(prepared, full=()), cut
 
 
-def _checked_rows(source, base: AnalysisOptions, job: tuple, blocks, unchecked
-                  ) -> tuple[dict | None, frozenset, CutSteps | None]:
+def _checked_rows(source, base: AnalysisOptions, job: tuple, blocks, unchecked,
+                  meanwhile: Callable = lambda awaited: None) -> tuple[dict | None, frozenset, CutSteps | None]:
     """`unchecked`'s rows (the Future of `_unchecked_rows`) when the group's `CHECK_DEPTH`-block capture,
     made here, equals its synthesis op for op for every variant, else None; the policies of the variants
     whose synthesis equals its capture (empty when a capture fails); and both cut captures, from which the
@@ -406,6 +416,7 @@ def _checked_rows(source, base: AnalysisOptions, job: tuple, blocks, unchecked
     options = tuple(variants.values())
     try:
         check = _capture_cut(source, base, options, CHECK_DEPTH)
+        meanwhile(unchecked)
         rows, prepared, cut = unchecked.result()
     except TracerError:
         return None, frozenset(), None
@@ -415,40 +426,50 @@ def _checked_rows(source, base: AnalysisOptions, job: tuple, blocks, unchecked
     return (rows if rows is not None and not differences else None), passed, CutSteps(blocks, cut, check)
 
 
-def _rows_and_graphs(model, base: AnalysisOptions, job: tuple) -> tuple[dict, dict]:
-    """A worker's job for the baseline's group of a model captured in full: its rows, and its step graph per
-    step key (for `_checked_on_full`)."""
+def _rows_and_graphs(model, base: AnalysisOptions, job: tuple, kept: frozenset = frozenset()) -> tuple[dict, dict]:
+    """A worker's job for the baseline's group of a model captured in full: its rows, and the step graphs
+    of the step keys in `kept` (those `_checked_on_full` compares; only they travel back)."""
     graphs = _group_graphs(load_source(model, base), job)
-    return {i: _row(name, options, "", graphs) for i, name, options in job}, graphs
+    return {i: _row(name, options, "", graphs) for i, name, options in job}, \
+        {key: graph for key, graph in graphs.items() if key in kept}
 
 
-def _checked_on_full(source, jobs: list, reuses: list, blocks, baseline) -> tuple[dict, frozenset]:
-    """The baseline group's rows (`baseline`: the Future of `_rows_and_graphs`) and the policies under which
-    its step synthesized from the model cut to `BASE_DEPTH` blocks, captured here, equals its full capture op
-    for op: one variant per policy the uniform groups use, the baseline's first under that policy."""
-    from tracer.depth_capture import first_difference
-    from tracer.passes.depth import DepthError
-    from tracer.passes.depth_graph import synthesize_depth
-
+def _check_variants(jobs: list, reuses: list) -> dict:
+    """Policy -> (step key, options) of the baseline group's variants `_checked_on_full` compares: one per
+    policy the uniform groups use, the baseline's first under that policy."""
     wanted = {_step_key(options)[1] for j in range(len(jobs)) if reuses[j] for _, _, options in jobs[j]}
     checks: dict = {}
     for key, options in _variants(jobs[0]).items():
         if key[1] in wanted:
             checks.setdefault(key[1], (key, options))
+    return checks
+
+
+def _checked_on_full(source, jobs: list, reuses: list, blocks, baseline,
+                     meanwhile: Callable = lambda awaited: None) -> tuple[dict, frozenset]:
+    """The baseline group's rows (`baseline`: the Future of `_rows_and_graphs`) and the policies under which
+    its step synthesized from the model cut to `BASE_DEPTH` blocks, captured here, equals its full capture op
+    for op (`_check_variants`). The synthesized side is analysed before the full capture arrives."""
+    from tracer.depth_capture import first_difference
+    from tracer.passes.depth import DepthError
+    from tracer.passes.depth_graph import synthesize_depth
+
+    checks = _check_variants(jobs, reuses)
     cut: tuple = ()
     try:
         cut = capture_cut_variants(source, tuple(options for _, options in checks.values()), BASE_DEPTH)
     except TracerError:
         pass
-    rows, graphs = baseline.result()
-    passed = set()
+    synthesized = {}
     for (policy, (key, options)), graph in zip(checks.items(), cut):
         try:
-            synthesized = synthesize_depth(graph, blocks.depth)
+            synthesized[policy] = analyze_one(synthesize_depth(graph, blocks.depth), options)
         except DepthError:
             continue
-        if first_difference(analyze_one(synthesized, options), analyze_one(graphs[key], options)) is None:
-            passed.add(policy)
+    meanwhile(baseline)
+    rows, graphs = baseline.result()
+    passed = {policy for policy, (key, options) in checks.items() if policy in synthesized and
+              first_difference(synthesized[policy], analyze_one(graphs[key], options)) is None}
     return rows, frozenset(passed)
 
 
@@ -483,6 +504,39 @@ class _Inline:
         except BaseException as exc:             # kept for `result()`, as a pool keeps it
             future.set_exception(exc)
         return future
+
+
+class _Queued:
+    """A job submitted to the pool that this process takes back and runs itself if no worker has started it
+    when it would otherwise wait (`_run_queued_here`); `result()` is the same either way (each job is
+    independent of the others)."""
+
+    def __init__(self, pool, fn: Callable, *args):
+        self.fn, self.args = fn, args
+        self.future = pool.submit(fn, *args)
+        self.here = None                             # the Future of the run here, once taken back
+
+    def take_back(self) -> bool:
+        if self.here is not None or not self.future.cancel():     # a worker has it (or it is done)
+            return False
+        self.here = _Inline().submit(self.fn, *self.args)
+        return True
+
+    def done(self) -> bool:
+        return (self.here or self.future).done()
+
+    def result(self):
+        return (self.here or self.future).result()
+
+
+def _run_queued_here(queued: list[_Queued], awaited) -> None:
+    """While `awaited` is not done, runs here the queued jobs no worker has started, the last submitted
+    first (the pool would start it last): the calling process, which would wait for `awaited`, is a third
+    lane beside the workers, so the command does not end on one worker running the queue's tail alone."""
+    for job in reversed(queued):
+        if awaited.done():
+            return
+        job.take_back()
 
 
 def _started() -> None:
