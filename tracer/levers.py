@@ -182,7 +182,9 @@ def _run_groups(model, base: AnalysisOptions, jobs: list, workers: int, on_progr
     and the uniform groups that use a policy whose check failed with a check of their own. Any other group:
     both depths in workers, checked and synthesized here. A model too shallow to cut for one capture
     (`_shallow_blocks`): the baseline group captured in full in a worker, the uniform groups at
-    `BASE_DEPTH`, and the check here on the baseline's full capture (`_checked_on_full`)."""
+    `BASE_DEPTH`, and the check here on the baseline's full capture (`_checked_on_full`). Once this
+    process has made its check capture and would wait for the baseline's worker, it takes back the other
+    groups no worker has started yet, the last queued first, and runs them itself (`_run_queued_here`)."""
     count = min(2 * len(jobs), workers)
     if count <= 1 or not isinstance(model, str):
         return _group_results(model, base, jobs, _Inline(), on_progress)
