@@ -534,6 +534,31 @@ def _compiled_apart(model: str, source, options: AnalysisOptions, specs: tuple, 
     return tuple(graphs[i] for i in indices)
 
 
+def results_side_by_side(pool, lanes: int, calls: list[tuple[Callable, tuple]]) -> list:
+    """`fn(*args)` of each call, in order: at most `lanes` of them in `pool` at a time (`lanes`: its
+    processes, so none waits there), and whenever a call has no free worker, the last one left runs in this
+    process, which would otherwise wait: three lanes share two cores instead of the third call starting
+    when a worker ends. Each call is independent of the others, so its result is the same wherever it
+    runs; the first error raised (a worker's or this process's) is raised."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    left = list(range(len(calls)))
+    running: dict = {}
+    results: dict = {}
+    while left or running:
+        while left and len(running) < lanes:
+            i = left.pop(0)
+            running[i] = pool.submit(calls[i][0], *calls[i][1])
+        if left:
+            i = left.pop()
+            results[i] = calls[i][0](*calls[i][1])
+        else:
+            wait(running.values(), return_when=FIRST_COMPLETED)
+        for i in [i for i, future in running.items() if future.done()]:
+            results[i] = running.pop(i).result()
+    return [results[i] for i in range(len(calls))]
+
+
 @contextlib.contextmanager
 def capture_processes(count: int, *, forked: bool = False):
     """A pool of `count` processes that print what this one prints, entered as a context. Spawned by

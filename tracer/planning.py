@@ -89,16 +89,18 @@ def fit_budget(model: str, budget: int | str, *, seq: int, batch: int | None = N
         from tracer.capture.triton_target import forking_available
         from tracer.pipeline import capture_processes
 
-        with capture_processes(min(workers, SAMPLES), forked=forking_available()) as pool:
+        lanes = min(workers, SAMPLES)
+        with capture_processes(lanes, forked=forking_available()) as pool:
             return _fit_budget(model, budget, seq, batch, policies, multiple, analyze_model, on_progress, margin,
-                               options, pool)
+                               options, pool, lanes)
     return _fit_budget(model, budget, seq, batch, policies, multiple, analyze or analyze_model, on_progress, margin,
                        options, None)
 
 
 def _fit_budget(model, budget, seq: int, batch: int | None, policies: tuple[str, ...], multiple: int,
-                analyze: Callable, on_progress, margin, options: dict, pool) -> FitReport:
-    """`fit_budget`, its independent analyses run in `pool` (None: here, one after the other)."""
+                analyze: Callable, on_progress, margin, options: dict, pool, lanes: int = 1) -> FitReport:
+    """`fit_budget`, its independent analyses run in `pool` of `lanes` processes and here (None: here, one
+    after the other)."""
     from_device = isinstance(budget, str) and budget.strip().lower() in DEVICE_BUDGETS
     budget_bytes = None if from_device else parse_budget(budget)
     margin_bytes = _parse_margin(margin)
@@ -108,7 +110,7 @@ def _fit_budget(model, budget, seq: int, batch: int | None, policies: tuple[str,
     degree = 1 if dimension == "batch" else 2
     samples = _sample_sizes(dimension, seq, multiple)
     runner = _Runner(analyze, model, dimension, batch, seq, policies, options, on_progress or (lambda message: None),
-                     pool)
+                     pool, lanes)
     runner.sample_sizes = frozenset(samples)
     rows: dict[str, list] = {}
     phase_rows: dict[str, list] = {}
@@ -304,13 +306,13 @@ def _measured(policy, keep_graph: bool = False) -> _Measured:
 
 class _Runner:
     """Runs `analyze` once per size (all requested policies together) and keeps only the numbers needed;
-    `pool`: where the analyses that `prefetch` asks for at once run side by side (None: one after the other
-    here)."""
+    `pool`: where the analyses that `prefetch` asks for at once run side by side, `lanes` of them, and here
+    (pipeline.results_side_by_side; None: one after the other here)."""
 
-    def __init__(self, analyze, model, dimension, batch, seq, policies, options, say, pool=None):
+    def __init__(self, analyze, model, dimension, batch, seq, policies, options, say, pool=None, lanes: int = 1):
         self.analyze, self.model, self.dimension = analyze, model, dimension
         self.batch, self.seq, self.policies, self.options, self.say = batch, seq, policies, options, say
-        self.pool = pool
+        self.pool, self.lanes = pool, lanes
         self.peaks: dict[tuple[int, str], int] = {}
         self.reserved: dict[tuple[int, str], int] = {}
         # size -> (the labels asked for, label -> `_profile` of each analysed policy) of its last analysis
@@ -343,11 +345,13 @@ class _Runner:
             for size, labels in sorted(by_size.items()):
                 self._run(size, labels)
             return
-        futures = {size: self.pool.submit(_measure, self.analyze, self.model, *self._request(size, labels),
-                                          self.options, self._keeps_graphs(size))
-                   for size, labels in sorted(by_size.items())}
-        for size, future in futures.items():
-            self._record(size, by_size[size], future.result())
+        from tracer.pipeline import results_side_by_side
+
+        sizes = sorted(by_size)
+        calls = [(_measure, (self.analyze, self.model, *self._request(size, by_size[size]), self.options,
+                             self._keeps_graphs(size))) for size in sizes]
+        for size, measured in zip(sizes, results_side_by_side(self.pool, self.lanes, calls)):
+            self._record(size, by_size[size], measured)
 
     def reserved_peak(self, size: int, label: str) -> int:
         if (size, label) not in self.reserved:
