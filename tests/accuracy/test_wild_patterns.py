@@ -14,9 +14,10 @@ from truth import measure_step
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 
 
-def _assert_exact(fixture: str, capture_path: str | None = None):
+def _assert_exact(fixture: str, capture_path: str | None = None, capture: str = "auto"):
     source = load_model_source(os.path.join(FIXTURES, fixture))
-    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32, target="cpu"), (PolicySpec(name="eager"),))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32, target="cpu", capture=capture),
+                           (PolicySpec(name="eager"),))
     if capture_path is not None:
         assert graphs["eager"].config.capture_path == capture_path
     predicted = analyze_graphs(graphs).policies["eager"]
@@ -41,6 +42,12 @@ def test_layer_norm_grad_input_is_contiguous_as_eager_allocates_it():
     """pvt_v2, segformer: the traced LayerNorm backward gave grad_input the transposed gradient's strides, so
     the Linear's backward reshape was traced as a copy: 150,528 B over the backward peak."""
     _assert_exact("transposed_layer_norm.py")
+
+
+def test_layer_norm_grad_input_is_contiguous_in_the_op_by_op_run_too():
+    """The op-by-op rung's fake LayerNorm backward gave grad_input the transposed gradient's strides too: the
+    Linear's backward reshape copied, 262,144 B over the backward peak."""
+    _assert_exact("transposed_layer_norm.py", CAPTURE_PATH, capture="dispatch")
 
 
 def test_a_local_bound_in_a_loop_is_held_until_the_next_iteration_binds_it():

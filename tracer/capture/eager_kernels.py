@@ -21,7 +21,8 @@ tensor too many at the backward peak. For the duration, those outputs are made c
 kernels make them. Limit: it swaps entries of `torch._decomp.decomposition_table` (fake tensors run an
 entry only when it is torch's own function, so the wrapper carries its name and module); fake tensors
 cache an op's output metadata across modes, so the cache is emptied on the way in and out;
-tests/capture/test_eager_kernels.py checks the table against real CPU kernels.
+tests/capture/test_eager_kernels.py checks the table against real CPU kernels. The op-by-op rung runs
+under it too (its fake kernels are the same decompositions).
 
 `nn.Dropout(inplace=True)` is aten.dropout_, whose C++ kernel on every device is `_dropout_impl<inplace>` (the
 noise made and scaled in place, then `x.mul_(noise)`); it has no Python kernel, so the trace recorded the
