@@ -1,5 +1,6 @@
 """The capture ladder: when export fails, the step runs op by op on fake tensors, and the prediction still
 matches a real eager step."""
+import dataclasses
 import os
 
 import pytest
@@ -121,6 +122,25 @@ def test_gradient_sums_are_billed_to_the_module_whose_gradient_arrives_last_on_e
     sums = [op.module for op in graph.graph.ops if op.phase.value == "backward" and op.target == "aten.add.Tensor"]
     assert sums and "" not in sums
     assert graph.flops_by_layer == op_by_op.flops_by_layer
+    assert ({r.layer: (r.bytes_at_peak, r.saved_bytes) for r in graph.at_peak.layers}
+            == {r.layer: (r.bytes_at_peak, r.saved_bytes) for r in op_by_op.at_peak.layers})
+
+
+@pytest.mark.parametrize("fixture", ["unused_parameters_times_zero.py", "conv_channels_last_input.py"])
+def test_a_gradient_accumulation_copy_is_billed_to_the_line_that_made_the_gradient_on_either_rung(fixture):
+    """AccumulateGrad copies a gradient that arrives in another layout than its parameter's (an expanded
+    zero, a channels-last gradient): it runs as soon as the node that made the gradient has, and both rungs
+    bill the copy to that node's line and module."""
+    source = load_model_source(os.path.join(FIXTURES, fixture))
+    results = {}
+    for capture in ("auto", "dispatch"):
+        options = CaptureOptions(batch=2, seq=16, capture=capture)
+        results[capture] = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    graph, op_by_op = results["auto"], results["dispatch"]
+    assert all(op.source is not None for op in op_by_op.graph.ops
+               if op.phase.value == "backward" and op.target == "aten.copy_.default")
+    assert [dataclasses.astuple(row) for row in graph.at_peak.lines] == \
+        [dataclasses.astuple(row) for row in op_by_op.at_peak.lines]
     assert ({r.layer: (r.bytes_at_peak, r.saved_bytes) for r in graph.at_peak.layers}
             == {r.layer: (r.bytes_at_peak, r.saved_bytes) for r in op_by_op.at_peak.layers})
 

@@ -132,12 +132,20 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     names = {id(m): path for path, m in model.named_modules()}
     modules = _ModuleStack(names)
     phase = {"now": Phase.FORWARD}
+    last_backward_site = [(None, "")]
 
     def site():
         node = torch._C._current_autograd_node()
         if node is not None and phase["now"] is not Phase.OPTIMIZER:   # a second-order step's autograd.grad
             # runs backward nodes inside the optimizer phase: they are the step's, at its line
-            loc, module = node.metadata.get("tracer_site", (None, ""))
+            stamped = node.metadata.get("tracer_site")
+            if stamped is not None:
+                last_backward_site[0] = stamped
+            elif type(node).__name__ == "AccumulateGrad":
+                # a parameter's gradient accumulation (a copy of a gradient in another layout) runs as soon
+                # as the node that made the gradient has run: that node's line and module
+                stamped = last_backward_site[0]
+            loc, module = stamped or (None, "")
             return Phase.BACKWARD, loc, module
         if phase["now"] is Phase.FORWARD:
             return Phase.FORWARD, loc_from_python_stack(), modules.current
