@@ -145,6 +145,25 @@ def test_a_gradient_accumulation_copy_is_billed_to_the_line_that_made_the_gradie
             == {r.layer: (r.bytes_at_peak, r.saved_bytes) for r in op_by_op.at_peak.layers})
 
 
+@pytest.mark.parametrize("fixture", ["user_checkpoint.py", "checkpoint_position_bias.py"])
+def test_a_non_reentrant_checkpoints_recompute_is_recomputed_forward_work_on_either_rung(fixture):
+    """torch.utils.checkpoint's recompute runs the region's forward code again inside backward: the op-by-op
+    rung marks those ops recomputed at their own lines and modules, as the graph rung does, so the
+    recomputed FLOPs and the FLOPs and bytes per layer and line are the same on both (on a CUDA target: on
+    the CPU, the op-by-op rung does not see the CPU RNG state each region saves)."""
+    source = load_model_source(os.path.join(FIXTURES, fixture))
+    results = {}
+    for capture in ("auto", "dispatch"):
+        options = CaptureOptions(batch=2, seq=16, capture=capture, target="cuda:h100")
+        results[capture] = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    graph, op_by_op = results["auto"], results["dispatch"]
+    assert op_by_op.recompute_flops == graph.recompute_flops > 0
+    assert op_by_op.recompute_flops_by_line == graph.recompute_flops_by_line
+    assert op_by_op.flops_by_layer == graph.flops_by_layer
+    assert [dataclasses.astuple(row) for row in graph.at_peak.lines] == \
+        [dataclasses.astuple(row) for row in op_by_op.at_peak.lines]
+
+
 def test_policies_need_a_graph():
     with pytest.raises(CaptureError, match="need a captured graph"):
         capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent_branch.py")),

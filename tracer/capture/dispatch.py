@@ -11,12 +11,20 @@ kernel is still traced (bitsandbytes' 4-bit matmul dequantizes its weight there,
 for all but small calls). Values read from tensors
 (`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line; a truth
 value an `assert` statement reads is True (the step predicted passes its assertions).
-What this path cannot do: recompute policies (compiled, selective, full) need a graph.
+A model's own torch.utils.checkpoint runs for real: the ops its recompute (or a reentrant region's rerun)
+runs inside backward are marked recomputed, at the model line and module they run from
+(`checkpoint_rerun_line`). What this path cannot do: recompute policies (compiled, selective, full) need a
+graph. Not modelled here: the CPU RNG state each checkpointed region saves (a real CPU tensor, not a fake
+one; device memory on a CPU target only), and the lines of the backward ops of a reentrant region's rerun
+(autograd nodes made inside backward, which no torch-function mode sees).
 """
 from __future__ import annotations
 
 import contextlib
+import linecache
 import math
+import os
+import sys
 import warnings
 
 import torch
@@ -36,10 +44,10 @@ from tracer.capture.optimizer import (NotAnOptimizer, as_optimizer, make_standar
                                       not_an_optimizer_error, optimizer_held_tensors, optimizer_notes,
                                       simulated_if_bitsandbytes)
 from tracer.capture.recorder import StepRecorder
-from tracer.capture.source import loc_from_python_stack, normalize_module_path
+from tracer.capture.source import loc_from_python_stack, model_code_frames, normalize_module_path
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
-from tracer.stepgraph import Phase, StorageRole
+from tracer.stepgraph import Phase, SourceLoc, StorageRole
 
 CAPTURE_PATH = "dispatch (fake tensors, no graph)"
 
@@ -93,6 +101,29 @@ class _NodeStamper(TorchFunctionMode):
         return out
 
 
+_CHECKPOINT_FILE = os.path.join(os.path.dirname(torch.__file__), "utils", "checkpoint.py")
+
+
+def checkpoint_rerun_line():
+    """The model line a backward op runs from when torch.utils.checkpoint is running a region's forward
+    again (its non-reentrant recompute, or a reentrant region's rerun): the innermost model frame inside
+    checkpoint.py's frames; None for any other backward op (a backward formula, the reentrant region's
+    inner backward call, which runs no model code)."""
+    frames, frame = [], sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename != _CHECKPOINT_FILE:
+        frames.append(frame)
+        frame = frame.f_back
+    if frame is None:
+        return None
+    frames.reverse()                                   # outer to inner
+    chosen = model_code_frames([(f.f_code.co_filename, f.f_code.co_name) for f in frames])
+    if not chosen:
+        return None
+    inner = frames[chosen[-1]]
+    path, line = inner.f_code.co_filename, inner.f_lineno
+    return SourceLoc(path, line, inner.f_code.co_name, linecache.getline(path, line).strip())
+
+
 def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:
     """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes, the loss's position in a
     returned tuple, the built model). `chosen`: the step runs
@@ -138,6 +169,9 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
         node = torch._C._current_autograd_node()
         if node is not None and phase["now"] is not Phase.OPTIMIZER:   # a second-order step's autograd.grad
             # runs backward nodes inside the optimizer phase: they are the step's, at its line
+            rerun = checkpoint_rerun_line()
+            if rerun is not None:          # torch.utils.checkpoint running the region's forward again
+                return Phase.BACKWARD, rerun, modules.current, True
             stamped = node.metadata.get("tracer_site")
             if stamped is not None:
                 last_backward_site[0] = stamped
@@ -187,7 +221,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             phase["now"] = Phase.BACKWARD
             if record and prime:
                 reached.update(_parameters_reached(loss))
-            with warnings.catch_warnings():    # the cycle it warns of is broken by zero_grad(set_to_none=True)
+            # a checkpointed region's recompute runs its modules' forward: their paths, as in forward
+            with warnings.catch_warnings(), modules:   # the cycle it warns of is broken by zero_grad(set_to_none=True)
                 warnings.filterwarnings("ignore", message="Using backward.. with create_graph=True")
                 scaled.backward(create_graph=source.create_graph)
             del scaled

@@ -139,10 +139,11 @@ class StepRecorder(TorchDispatchMode):
                 self.track_release(t, sid)
                 fresh = True
             outputs.append(self.table.value(t))
-        phase, source, module = self.site()
+        phase, source, module, *recomputed = self.site()
         self.ops.append(OpDraft(name=f"{phase.value}_{len(self.ops)}", target=target_name(func), phase=phase,
                                 args=plain_args, kwargs=plain_kwargs, outputs=tuple(outputs), source=source,
-                                module=module, is_view=bool(outputs) and not fresh))
+                                module=module, is_view=bool(outputs) and not fresh,
+                                recomputed=bool(recomputed and recomputed[0])))
         if self.cpu_scratch:                 # the CPU kernel's own workspace, freed before it returns
             scratch = eager_scratch_allocations(target_name(func), args, kwargs)
             add_kernel_scratch(self.ops[-1], self.ops_offset + len(self.ops) - 1, scratch, self.table)
