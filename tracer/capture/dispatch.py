@@ -21,7 +21,6 @@ one; device memory on a CPU target only), and the lines of the backward ops of a
 from __future__ import annotations
 
 import contextlib
-import linecache
 import math
 import os
 import sys
@@ -44,10 +43,10 @@ from tracer.capture.optimizer import (NotAnOptimizer, as_optimizer, make_standar
                                       not_an_optimizer_error, optimizer_held_tensors, optimizer_notes,
                                       simulated_if_bitsandbytes)
 from tracer.capture.recorder import StepRecorder
-from tracer.capture.source import loc_from_python_stack, model_code_frames, normalize_module_path
+from tracer.capture.source import loc_from_python_stack, loc_of_frames, normalize_module_path
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
-from tracer.stepgraph import Phase, SourceLoc, StorageRole
+from tracer.stepgraph import Phase, StorageRole
 
 CAPTURE_PATH = "dispatch (fake tensors, no graph)"
 
@@ -116,12 +115,7 @@ def checkpoint_rerun_line():
     if frame is None:
         return None
     frames.reverse()                                   # outer to inner
-    chosen = model_code_frames([(f.f_code.co_filename, f.f_code.co_name) for f in frames])
-    if not chosen:
-        return None
-    inner = frames[chosen[-1]]
-    path, line = inner.f_code.co_filename, inner.f_lineno
-    return SourceLoc(path, line, inner.f_code.co_name, linecache.getline(path, line).strip())
+    return loc_of_frames(frames)
 
 
 def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:

@@ -104,6 +104,11 @@ def loc_from_python_stack() -> SourceLoc | None:
         stack.append(frame)
         frame = frame.f_back
     stack.reverse()                                     # outer to inner
+    return loc_of_frames(stack)
+
+
+def loc_of_frames(stack: list) -> SourceLoc | None:
+    """The line of the innermost model-code frame (`model_code_frames`) of Python frames, outer to inner."""
     chosen = model_code_frames([(f.f_code.co_filename, f.f_code.co_name) for f in stack])
     if not chosen:
         return None
