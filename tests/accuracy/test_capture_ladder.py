@@ -164,6 +164,18 @@ def test_a_non_reentrant_checkpoints_recompute_is_recomputed_forward_work_on_eit
         [dataclasses.astuple(row) for row in op_by_op.at_peak.lines]
 
 
+def test_a_selective_regions_recompute_under_its_caching_mode_is_recomputed_forward_work_too():
+    """A selective region's recompute runs under checkpoint.py's caching mode (inside the model's frames):
+    the op-by-op rung still finds the model line it runs from and counts its FLOPs as recomputed."""
+    source = load_model_source(os.path.join(FIXTURES, "checkpoint_selective.py"))
+    results = {}
+    for capture in ("auto", "dispatch"):
+        options = CaptureOptions(batch=2, seq=16, capture=capture, target="cuda:h100")
+        results[capture] = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
+    assert results["dispatch"].recompute_flops_by_line == results["auto"].recompute_flops_by_line
+    assert results["dispatch"].recompute_flops > 0
+
+
 def test_policies_need_a_graph():
     with pytest.raises(CaptureError, match="need a captured graph"):
         capture_steps(load_model_source(os.path.join(FIXTURES, "data_dependent_branch.py")),

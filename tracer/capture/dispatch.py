@@ -106,16 +106,18 @@ _CHECKPOINT_FILE = os.path.join(os.path.dirname(torch.__file__), "utils", "check
 def checkpoint_rerun_line():
     """The model line a backward op runs from when torch.utils.checkpoint is running a region's forward
     again (its non-reentrant recompute, or a reentrant region's rerun): the innermost model frame inside
-    checkpoint.py's frames; None for any other backward op (a backward formula, the reentrant region's
+    the outermost of checkpoint.py's frames (a selective region's caching mode runs in checkpoint.py too,
+    inside the model's frames); None for any other backward op (a backward formula, the reentrant region's
     inner backward call, which runs no model code)."""
-    frames, frame = [], sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename != _CHECKPOINT_FILE:
+    frames, frame, outermost = [], sys._getframe(2), None
+    while frame is not None:
+        if frame.f_code.co_filename == _CHECKPOINT_FILE:
+            outermost = len(frames)
         frames.append(frame)
         frame = frame.f_back
-    if frame is None:
+    if outermost is None:
         return None
-    frames.reverse()                                   # outer to inner
-    return loc_of_frames(frames)
+    return loc_of_frames(frames[:outermost][::-1])     # inside it, outer to inner
 
 
 def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:
