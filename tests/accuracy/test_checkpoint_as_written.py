@@ -27,8 +27,8 @@ HF_CONFIGS = {
 BATCH, SEQ = 2, 64
 
 
-def _predict(source, spec=PolicySpec(name="eager"), batch=BATCH, seq=SEQ):
-    graphs = capture_steps(source, CaptureOptions(batch=batch, seq=seq, target="cpu"), (spec,))
+def _predict(source, spec=PolicySpec(name="eager"), batch=BATCH, seq=SEQ, capture="auto"):
+    graphs = capture_steps(source, CaptureOptions(batch=batch, seq=seq, target="cpu", capture=capture), (spec,))
     return analyze_graphs(graphs).policies[spec.label]
 
 
@@ -137,14 +137,16 @@ def _flop_counted(ops) -> int:
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("name, attn", [("hf:llama", "sdpa"), ("hf:bert", "eager"), ("hf:gpt2", "sdpa"), ("hf:t5", "sdpa")])
-def test_transformers_recompute_flops_match_flop_counter(name, attn):
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+def test_transformers_recompute_flops_match_flop_counter(name, attn, capture):
     """The recomputed ops' FLOPs equal FlopCounterMode's difference between the real step with
     gradient_checkpointing_enable() and the same step with its checkpoint function a plain call (the ops it
     counts). The baseline keeps checkpointing's other effects on the model: T5's attention flags its zero
     bias as a leaf that requires grad, so SDPA takes the math kernel, whose matmuls FlopCounterMode counts
-    (it has no formula for the CPU flash kernel a plain T5 step takes)."""
+    (it has no formula for the CPU flash kernel a plain T5 step takes). On both rungs: the op-by-op run marks
+    what checkpoint re-runs inside backward as recomputed."""
     source = _hf_source(name, attn, reentrant=False)
-    recomputed = [op for op in _predict(source).graph.ops if op.recomputed]
+    recomputed = [op for op in _predict(source, capture=capture).graph.ops if op.recomputed]
     batch = source.example_batch(BATCH, SEQ)
     torch.manual_seed(0)
     checkpointed = _counted_flops(source.build_model(), batch)
