@@ -524,9 +524,6 @@ class _Queued:
         self.here = _Inline().submit(self.fn, *self.args)
         return True
 
-    def done(self) -> bool:
-        return (self.here or self.future).done()
-
     def result(self):
         return (self.here or self.future).result()
 
