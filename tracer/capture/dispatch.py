@@ -13,10 +13,12 @@ for all but small calls). Values read from tensors
 value an `assert` statement reads is True (the step predicted passes its assertions).
 A model's own torch.utils.checkpoint runs for real: the ops its recompute (or a reentrant region's rerun)
 runs inside backward are marked recomputed, at the model line and module they run from
-(`checkpoint_rerun_line`). What this path cannot do: recompute policies (compiled, selective, full) need a
-graph. Not modelled here: the CPU RNG state each checkpointed region saves (a real CPU tensor, not a fake
-one; device memory on a CPU target only), and the lines of the backward ops of a reentrant region's rerun
-(autograd nodes made inside backward, which no torch-function mode sees).
+(`checkpoint_rerun_site`: a block's method or a plain function the region runs outside any module's
+forward takes the innermost module whose method is running); the nodes a reentrant region's rerun makes
+are stamped as forward's are (`_RerunNodes`), so the backward it runs over them has forward's lines and
+modules. What this path cannot do: recompute policies (compiled, selective, full) need a graph. Not
+modelled here: the CPU RNG state each checkpointed region saves (a real CPU tensor, not a fake one;
+device memory on a CPU target only).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import math
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -46,7 +49,7 @@ from tracer.capture.recorder import StepRecorder
 from tracer.capture.source import loc_from_python_stack, loc_of_frames, normalize_module_path
 from tracer.capture.storages import StorageTable
 from tracer.errors import ModelRunError
-from tracer.stepgraph import Phase, StorageRole
+from tracer.stepgraph import Phase, SourceLoc, StorageRole
 
 CAPTURE_PATH = "dispatch (fake tensors, no graph)"
 
@@ -59,7 +62,10 @@ class _ModuleStack:
 
     def __enter__(self):
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        self.handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._exit)]
+        # the exit hook runs when a forward raises too: torch.utils.checkpoint stops a recompute by raising
+        # inside a module once it has what backward needs, and the stack must not keep that module
+        self.handles = [register_module_forward_pre_hook(self._enter),
+                        register_module_forward_hook(self._exit, always_call=True)]
         return self
 
     def __exit__(self, *exc):
@@ -100,15 +106,53 @@ class _NodeStamper(TorchFunctionMode):
         return out
 
 
+class _RerunNodes:
+    """Stamps the autograd nodes a checkpointed region's rerun makes inside backward (no torch-function mode
+    sees them: the mode that stamps forward's nodes is off inside the backward call) with the line and
+    module of the op that made each, so that the backward a reentrant region runs over them has the lines
+    and modules forward's backward has. An op's outputs get their node after the recorder has returned
+    them (autograd reads their device, a `prim` op, before it sets the node): they are held through weak
+    references, which keep nothing alive, and stamped once the node is there (`stamp()`), at the latest by
+    the next op that is not a `prim` one."""
+
+    def __init__(self):
+        self.pending: list[tuple[weakref.ref, tuple]] = []
+
+    def on_op(self, draft, out) -> None:
+        if draft.target.startswith("prim."):
+            return
+        self.stamp()
+        self.pending.clear()           # outputs without a node by now get none (no gradient)
+        if draft.recomputed and draft.phase is Phase.BACKWARD:
+            self.pending += [(weakref.ref(t), (draft.source, draft.module)) for t in tree_leaves(out)
+                             if isinstance(t, torch.Tensor)]
+
+    def stamp(self) -> None:
+        """Stamps the pending outputs' nodes that exist; keeps the outputs still waiting for one."""
+        waiting = []
+        for ref, site in self.pending:
+            t = ref()
+            if t is None:
+                continue
+            if t.grad_fn is None:
+                waiting.append((ref, site))
+            elif "tracer_site" not in t.grad_fn.metadata:
+                t.grad_fn.metadata["tracer_site"] = site
+        self.pending = waiting
+
+
 _CHECKPOINT_FILE = os.path.join(os.path.dirname(torch.__file__), "utils", "checkpoint.py")
 
 
-def checkpoint_rerun_line():
-    """The model line a backward op runs from when torch.utils.checkpoint is running a region's forward
-    again (its non-reentrant recompute, or a reentrant region's rerun): the innermost model frame inside
-    the outermost of checkpoint.py's frames (a selective region's caching mode runs in checkpoint.py too,
-    inside the model's frames); None for any other backward op (a backward formula, the reentrant region's
-    inner backward call, which runs no model code)."""
+def checkpoint_rerun_site(module_names: dict[int, str]) -> tuple[SourceLoc | None, str] | None:
+    """The model line and module a backward op runs from when torch.utils.checkpoint is running a region's
+    forward again (its non-reentrant recompute, or a reentrant region's rerun), or None for any other
+    backward op (a backward formula, the reentrant region's inner backward call, which runs no model code).
+    The line is the innermost model frame inside the outermost of checkpoint.py's frames (a selective
+    region's caching mode runs in checkpoint.py too, inside the model's frames); the module is the innermost
+    of those frames' `self` that is one of the model's modules (`module_names`: id -> path), for the ops a
+    region runs outside any module's forward (a block's method it checkpoints: forward ran them inside the
+    block's forward, which the rerun does not enter); "" when none is."""
     frames, frame, outermost = [], sys._getframe(2), None
     while frame is not None:
         if frame.f_code.co_filename == _CHECKPOINT_FILE:
@@ -117,7 +161,13 @@ def checkpoint_rerun_line():
         frame = frame.f_back
     if outermost is None:
         return None
-    return loc_of_frames(frames[:outermost][::-1])     # inside it, outer to inner
+    inside = frames[:outermost]                       # inner to outer
+    loc = loc_of_frames(inside[::-1])
+    if loc is None:
+        return None                                   # checkpoint.py itself (a reentrant region's backward call)
+    module = next((module_names[id(f.f_locals["self"])] for f in inside
+                   if "self" in f.f_code.co_varnames[:1] and id(f.f_locals.get("self")) in module_names), "")
+    return loc, normalize_module_path(module)
 
 
 def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:
@@ -161,13 +211,18 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     phase = {"now": Phase.FORWARD}
     last_backward_site = [(None, "")]
 
+    reruns = _RerunNodes()
+
     def site():
+        if reruns.pending:
+            reruns.stamp()
         node = torch._C._current_autograd_node()
         if node is not None and phase["now"] is not Phase.OPTIMIZER:   # a second-order step's autograd.grad
             # runs backward nodes inside the optimizer phase: they are the step's, at its line
-            rerun = checkpoint_rerun_line()
+            rerun = checkpoint_rerun_site(names)
             if rerun is not None:          # torch.utils.checkpoint running the region's forward again
-                return Phase.BACKWARD, rerun, modules.current, True
+                loc, module = rerun
+                return Phase.BACKWARD, loc, modules.current or module, True
             stamped = node.metadata.get("tracer_site")
             if stamped is not None:
                 last_backward_site[0] = stamped
@@ -184,7 +239,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     # a custom op's CPU Python kernel is traced for either target: bitsandbytes' 4-bit matmul dequantizes
     # its weight there, as its CUDA kernel does for all but small calls (a size bitsandbytes picks per GPU)
     recorder = StepRecorder(table, 0, site=site, read_scalars_as_zero=True, kernel_device="cpu",
-                            opaque_raw_kernels=True, cpu_scratch=not target.is_cuda)
+                            opaque_raw_kernels=True, cpu_scratch=not target.is_cuda, on_op=reruns.on_op)
     gradients = []                          # (parameter name, storage id) of the recorded step's gradients
     reached: set[int] = set()               # ids of the parameters the recorded backward reaches
     packed: set[int] = set()                # storage ids autograd saved in the recorded forward

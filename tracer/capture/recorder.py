@@ -48,8 +48,12 @@ class StepRecorder(TorchDispatchMode):
     def __init__(self, table: StorageTable, ops_offset: int,
                  site: Callable[[], tuple[Phase, SourceLoc | None, str]] = _optimizer_site,
                  read_scalars_as_zero: bool = False, kernel_device: str | None = None,
-                 opaque_raw_kernels: bool = False, cpu_scratch: bool | None = None):
+                 opaque_raw_kernels: bool = False, cpu_scratch: bool | None = None,
+                 on_op: Callable[[OpDraft, object], None] | None = None):
         super().__init__()
+        # `on_op(draft, out)`: called with each op recorded and what it returned (its outputs get autograd
+        # nodes only after this mode returns them)
+        self.on_op = on_op
         self.kernel_device = kernel_device
         # the workspaces CPU kernels allocate inside a call (LAPACK's): the step's own on a CPU target; a
         # custom op's Python kernel traced on the CPU for a CUDA target does not make them count
@@ -147,6 +151,8 @@ class StepRecorder(TorchDispatchMode):
         if self.cpu_scratch:                 # the CPU kernel's own workspace, freed before it returns
             scratch = eager_scratch_allocations(target_name(func), args, kwargs)
             add_kernel_scratch(self.ops[-1], self.ops_offset + len(self.ops) - 1, scratch, self.table)
+        if self.on_op is not None:
+            self.on_op(self.ops[-1], out)
         return out
 
 

@@ -1,0 +1,53 @@
+"""The op-by-op rung (`--capture dispatch`) places what torch.utils.checkpoint runs inside backward where the
+graph rung places it: the lines and layers of a reentrant region's inner backward (autograd nodes made
+inside backward, which no torch-function mode sees), the layer of a recomputed op that forward ran inside a
+block's forward but outside any module's own (a checkpointed method or plain function), and the modules
+after a recompute that torch stops early by raising inside a module. On the CLI's default target, a GPU:
+on a CPU target the regions' RNG states are real CPU tensors, which the op-by-op run does not see."""
+import dataclasses
+import os
+
+import pytest
+
+from tracer.capture import CaptureOptions, PolicySpec, capture_steps, load_model_source
+from tracer.capture.dispatch import CAPTURE_PATH
+from tracer.passes.analysis import analyze_graphs
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
+
+
+def _eager(fixture: str, capture: str):
+    source = load_model_source(os.path.join(FIXTURES, fixture))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32, capture=capture,
+                                                            target="cuda:h100"), (PolicySpec(name="eager"),))
+    return analyze_graphs(graphs).policies["eager"]
+
+
+def _rows(rows, fixture: str | None = None) -> list:
+    """The rows as tuples; with `fixture`, only the rows of its lines (called from a test, the op-by-op run
+    gives the autograd engine's own ops the caller's line, where the CLI has none)."""
+    return [dataclasses.astuple(row) for row in rows
+            if fixture is None or (row.source is not None and row.source.file.endswith(os.sep + fixture))]
+
+
+@pytest.mark.parametrize("fixture", ["checkpoint_reentrant.py", "checkpoint_reentrant_locals.py",
+                                     "checkpoint_function.py", "checkpoint_inside_block.py"])
+def test_checkpointed_regions_have_the_graph_rungs_lines_and_layers(fixture):
+    graph, op_by_op = _eager(fixture, "auto"), _eager(fixture, "dispatch")
+    assert op_by_op.graph.config.capture_path == CAPTURE_PATH
+    assert op_by_op.peak_bytes == graph.peak_bytes
+    assert op_by_op.flops_by_layer == graph.flops_by_layer
+    assert (op_by_op.step_flops, op_by_op.recompute_flops) == (graph.step_flops, graph.recompute_flops)
+    assert _rows(op_by_op.at_peak.lines, fixture) == _rows(graph.at_peak.lines, fixture) != []
+    assert _rows(op_by_op.at_peak.layers) == _rows(graph.at_peak.layers)
+
+
+def test_a_reentrant_regions_inner_backward_has_its_forward_lines():
+    """No backward op of the reentrant fixture is left without a line: each has the line of the forward
+    (or rerun) op whose node it runs, as backward ops outside checkpointed regions do."""
+    ops = _eager("checkpoint_reentrant.py", "dispatch").graph.ops
+    rerun = [i for i, op in enumerate(ops) if op.recomputed]
+    inner = [op for op in ops[rerun[-1] + 1:] if op.phase.value == "backward" and not op.target.startswith("prim.")
+             and op.module.startswith("blocks.")]
+    assert rerun and inner
+    assert all(op.source is not None and op.source.line in (16, 17, 18) for op in inner)
