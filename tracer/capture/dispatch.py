@@ -23,6 +23,7 @@ device memory on a CPU target only).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -441,6 +442,19 @@ def _weights(p) -> int:
     return math.prod(shape) if shape is not None else p.numel()
 
 
+def batch_tensors(batch) -> list[torch.Tensor]:
+    """The tensors of a batch in the order its containers hold them: tuples, lists and dicts (as pytree
+    flattens them) and dataclasses (their fields in order, as a forward reads a `Batch(tokens, targets)`),
+    nested; the step's inputs, which exist before it."""
+    out = []
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += batch_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)])
+    return out
+
+
 def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
     """What lives before the step; persistent unless the recorder sees it released during the step."""
     table = recorder.table
@@ -456,7 +470,7 @@ def _register_preexisting(recorder: StepRecorder, model, batch, opt) -> None:
     for t, name in model_held_tensors(model):      # a quantized weight's scales and code maps
         if t not in table:                            # frozen model memory, but not parameters (not counted)
             recorder.add_existing(t, StorageRole.BUFFER, name=name)
-    for i, t in enumerate(x for x in batch if isinstance(x, torch.Tensor)):
+    for i, t in enumerate(batch_tensors(batch)):
         if t not in table:
             recorder.add_existing(t, StorageRole.INPUT, name=f"input {i}")
     names = {id(p): fqn for fqn, p in model.named_parameters()}

@@ -1,8 +1,9 @@
-"""The op-by-op rung (`--capture dispatch`) places what torch.utils.checkpoint runs inside backward where the
-graph rung places it: the lines and layers of a reentrant region's inner backward (autograd nodes made
+"""The op-by-op rung (`--capture dispatch`) gives the graph rung's numbers where both run a step: it places
+what torch.utils.checkpoint runs inside backward where the graph rung places it: the lines and layers of a reentrant region's inner backward (autograd nodes made
 inside backward, which no torch-function mode sees), the layer of a recomputed op that forward ran inside a
 block's forward but outside any module's own (a checkpointed method or plain function), and the modules
-after a recompute that torch stops early by raising inside a module. On the CLI's default target, a GPU:
+after a recompute that torch stops early by raising inside a module; and it counts a batch's tensors as
+the step's inputs wherever the batch holds them (a dataclass's fields). On the CLI's default target, a GPU:
 on a CPU target the regions' RNG states are real CPU tensors, which the op-by-op run does not see."""
 import dataclasses
 import os
@@ -51,3 +52,12 @@ def test_a_reentrant_regions_inner_backward_has_its_forward_lines():
              and op.module.startswith("blocks.")]
     assert rerun and inner
     assert all(op.source is not None and op.source.line in (16, 17, 18) for op in inner)
+
+
+def test_a_dataclass_batchs_tensors_are_the_steps_inputs():
+    """`forward(batch: Batch)` with a dataclass of tensors: they exist before the step, as the graph rung
+    (torch.compile's, which reads the fields) has them, not constants made at their first use."""
+    graph, op_by_op = _eager("dataclass_batch.py", "auto"), _eager("dataclass_batch.py", "dispatch")
+    assert op_by_op.at_peak.by_category == graph.at_peak.by_category
+    assert op_by_op.at_peak.by_category["input"] > 0
+    assert (op_by_op.start_bytes, op_by_op.peak_bytes) == (graph.start_bytes, graph.peak_bytes)
