@@ -608,30 +608,32 @@ def model_held_tensors(model: nn.Module) -> list[tuple[torch.Tensor, str]]:
     own = {id(t) for t in (*model.parameters(), *model.buffers())}
     found: dict[int, tuple[torch.Tensor, str]] = {}
     seen: set[int] = set()
-
-    def walk(value, name: str, depth: int) -> None:
-        if depth > _HELD_DEPTH or id(value) in seen or isinstance(value, (nn.Module, type)):
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            if id(value) not in own:
-                found.setdefault(id(value), (value, name))
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                walk(item, f"{name}.{key}", depth + 1)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(item, f"{name}[{i}]", depth + 1)
-        elif hasattr(value, "__dict__"):
-            for attribute, item in vars(value).items():
-                walk(item, f"{name}.{attribute}", depth + 1)
-
     for fqn, p in model.named_parameters():
         for attribute, value in vars(p).items():
-            walk(value, f"{fqn}.{attribute}", 1)
+            _walk_held(value, f"{fqn}.{attribute}", 1, own, found, seen)
     for path, module in model.named_modules():
         for attribute, value in vars(module).items():
             if attribute.startswith("_") or isinstance(value, torch.Tensor):
                 continue          # torch's own registries; a plain tensor attribute is read on its own
-            walk(value, f"{path}.{attribute}" if path else attribute, 1)
+            _walk_held(value, f"{path}.{attribute}" if path else attribute, 1, own, found, seen)
     return list(found.values())
+
+
+def _walk_held(value, name: str, depth: int, own: set[int], found: dict, seen: set[int]) -> None:
+    """`model_held_tensors`' walk, a module-level function (a nested one that calls itself is a reference
+    cycle holding what it found until a garbage collection, past the moment a real step frees it)."""
+    if depth > _HELD_DEPTH or id(value) in seen or isinstance(value, (nn.Module, type)):
+        return
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        if id(value) not in own:
+            found.setdefault(id(value), (value, name))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _walk_held(item, f"{name}.{key}", depth + 1, own, found, seen)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _walk_held(item, f"{name}[{i}]", depth + 1, own, found, seen)
+    elif hasattr(value, "__dict__"):
+        for attribute, item in vars(value).items():
+            _walk_held(item, f"{name}.{attribute}", depth + 1, own, found, seen)

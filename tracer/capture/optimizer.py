@@ -371,36 +371,42 @@ def optimizer_held_tensors(opt, names: dict[int, str] | None = None) -> list[tup
     params = {id(p) for group in getattr(opt, "param_groups", ()) for p in group.get("params", ())}
     found: dict[int, tuple[torch.Tensor, str]] = {}
     seen: set[int] = set()
-
-    def walk(value, name: str, depth: int = 0) -> None:
-        if depth > _MAX_STATE_DEPTH or id(value) in seen:
-            return
-        if isinstance(value, torch.Tensor):
-            if id(value) in params:
-                return
-            inner = _inner_tensors(value)
-            if inner is None:
-                found.setdefault(id(value), (value, name))
-            for attribute, tensor in inner or ():
-                walk(tensor, f"{name}.{attribute}", depth + 1)
-            return
-        if isinstance(value, (list, tuple, dict)):
-            seen.add(id(value))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                walk(item, f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]", depth + 1)
-
     for param, state in getattr(opt, "state", {}).items():
-        walk(state, names.get(id(param), "?"))
+        _walk_state(state, names.get(id(param), "?"), 0, params, found, seen)
     for i, group in enumerate(getattr(opt, "param_groups", ())):
-        walk({key: value for key, value in group.items() if key != "params"}, f"param_groups[{i}]")
+        _walk_state({key: value for key, value in group.items() if key != "params"}, f"param_groups[{i}]", 0,
+                    params, found, seen)
     for attribute, value in vars(opt).items():
         if attribute not in ("state", "param_groups"):
-            walk(value, attribute)
+            _walk_state(value, attribute, 0, params, found, seen)
     return list(found.values())
 
 
 _MAX_STATE_DEPTH = 16       # containers nested deeper than any optimizer keeps are not read
+
+
+def _walk_state(value, name: str, depth: int, params: set[int], found: dict, seen: set[int]) -> None:
+    """`optimizer_held_tensors`' walk, a module-level function: a nested one that calls itself is a reference
+    cycle (the function, its cell) holding what it found until a garbage collection, and a state tensor the
+    step replaces (state["m"] = new_m) would then outlive its replacement by as long as the collector waits,
+    where a real step frees it at once."""
+    if depth > _MAX_STATE_DEPTH or id(value) in seen:
+        return
+    if isinstance(value, torch.Tensor):
+        if id(value) in params:
+            return
+        inner = _inner_tensors(value)
+        if inner is None:
+            found.setdefault(id(value), (value, name))
+        for attribute, tensor in inner or ():
+            _walk_state(tensor, f"{name}.{attribute}", depth + 1, params, found, seen)
+        return
+    if isinstance(value, (list, tuple, dict)):
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            _walk_state(item, f"{name}.{key}" if isinstance(value, dict) else f"{name}[{key}]", depth + 1,
+                        params, found, seen)
 
 
 def _inner_tensors(tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
