@@ -219,29 +219,32 @@ def _stand_ins(args, fake_mode):
     """`args` with every tensor replaced by a fresh fake tensor of its size, strides and dtype (a subclass
     rebuilt through `__tensor_unflatten__` from stand-ins of its inner tensors); tensors that share a storage
     share their stand-ins' storage, so the trace sees the same aliasing."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_map
+
+    storages: dict = {}
+    with fake_mode:
+        return tree_map(functools.partial(_stand_in, storages=storages), list(args))
+
+
+def _stand_in(value, storages: dict):
+    """`_stand_ins`' replacement of one value (a module-level function: a nested one calling itself would be
+    a reference cycle holding the stand-ins until a garbage collection)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     from tracer.capture.storages import storage_key
 
-    storages: dict = {}
-
-    def stand_in(value):
-        if is_traceable_wrapper_subclass(value):
-            names, context = value.__tensor_flatten__()
-            inner = {name: stand_in(getattr(value, name)) for name in names}
-            return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
-        if not isinstance(value, torch.Tensor):
-            return value
-        key = storage_key(value)
-        if key not in storages:
-            storages[key] = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8).untyped_storage()
-        fresh = torch.empty(0, dtype=value.dtype).set_(storages[key], value.storage_offset(), value.shape,
-                                                      value.stride())
-        return fresh.requires_grad_(value.requires_grad) if value.is_floating_point() else fresh
-
-    with fake_mode:
-        return tree_map(stand_in, list(args))
+    if is_traceable_wrapper_subclass(value):
+        names, context = value.__tensor_flatten__()
+        inner = {name: _stand_in(getattr(value, name), storages) for name in names}
+        return type(value).__tensor_unflatten__(inner, context, value.size(), value.stride())
+    if not isinstance(value, torch.Tensor):
+        return value
+    key = storage_key(value)
+    if key not in storages:
+        storages[key] = torch.empty(value.untyped_storage().nbytes(), dtype=torch.uint8).untyped_storage()
+    fresh = torch.empty(0, dtype=value.dtype).set_(storages[key], value.storage_offset(), value.shape,
+                                                  value.stride())
+    return fresh.requires_grad_(value.requires_grad) if value.is_floating_point() else fresh
 
 
 def flat_inputs(args) -> list:
@@ -250,16 +253,15 @@ def flat_inputs(args) -> list:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
     from torch.utils._pytree import tree_leaves
     out: list = []
-
-    def add(value):
+    # an explicit stack, not a nested function calling itself: that is a reference cycle, which would hold
+    # the call's tensors (`out`) until a garbage collection, past the moment the step frees them
+    stack = list(reversed(tree_leaves(list(args))))
+    while stack:
+        value = stack.pop()
         if is_traceable_wrapper_subclass(value):
-            for name in value.__tensor_flatten__()[0]:
-                add(getattr(value, name))
+            stack += [getattr(value, name) for name in reversed(value.__tensor_flatten__()[0])]
         else:
             out.append(value)
-
-    for leaf in tree_leaves(list(args)):
-        add(leaf)
     return out
 
 
