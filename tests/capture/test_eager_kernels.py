@@ -1,8 +1,10 @@
 """capture/eager_kernels.py: while tracing, ops give their outputs the layout eager's kernels give them."""
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tracer.capture.eager_kernels import CONTIGUOUS_IN_EAGER, norm_statistics_as_in_eager, layouts_as_in_eager
+from tracer.capture.eager_kernels import (CONTIGUOUS_IN_EAGER, SUGGESTED_FORMAT_IN_EAGER, layouts_as_in_eager,
+                                         norm_statistics_as_in_eager)
 
 
 def _layer_norm_grad_input_strides():
@@ -25,6 +27,61 @@ def test_traced_layer_norm_grad_input_has_the_eager_layout_and_only_while_tracin
         assert _layer_norm_grad_input_strides() == (192, 16, 1)
     with FakeTensorMode():
         assert _layer_norm_grad_input_strides() == (192, 1, 12)  # torch's decomposition follows grad_out
+
+
+# inputs of 8 channels in three layouts: a transposed 3-d one (BatchNorm1d over `x.transpose(1, 2)`), a
+# channels-last 4-d one and a 4-d one permuted into no memory format
+_BATCH_NORM_INPUTS = {"transposed 3-d": lambda: torch.randn(2, 16, 8).transpose(1, 2),
+                      "channels-last 4-d": lambda: torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last),
+                      "permuted 4-d": lambda: torch.randn(2, 4, 8, 4).permute(0, 2, 1, 3)}
+
+
+def _batch_norm_strides(make_input) -> dict[str, tuple]:
+    """The strides of the output (forward ops) or grad_input (backward) of each batch norm kernel that runs
+    on the CPU, for one input layout."""
+    aten = torch.ops.aten
+    torch.manual_seed(0)
+    x = make_input()
+    weight, bias, mean, var = torch.ones(8), torch.zeros(8), torch.zeros(8), torch.ones(8)
+    out, save_mean, save_invstd = aten.native_batch_norm(x, weight, bias, mean.clone(), var.clone(), True, 0.1, 1e-5)
+    grad_out = torch.randn_like(x)
+    return {
+        "aten.native_batch_norm.default": out.stride(),
+        "aten._native_batch_norm_legit.default":
+            aten._native_batch_norm_legit(x, weight, bias, mean.clone(), var.clone(), True, 0.1, 1e-5)[0].stride(),
+        "aten._native_batch_norm_legit_functional.default":
+            aten._native_batch_norm_legit_functional(x, weight, bias, mean, var, True, 0.1, 1e-5)[0].stride(),
+        "aten._native_batch_norm_legit_no_training.default":
+            aten._native_batch_norm_legit_no_training(x, weight, bias, mean, var, 0.1, 1e-5)[0].stride(),
+        "aten._batch_norm_with_update.default":
+            aten._batch_norm_with_update(x, weight, bias, mean.clone(), var.clone(), 0.1, 1e-5)[0].stride(),
+        "aten._batch_norm_no_update.default":
+            aten._batch_norm_no_update(x, weight, bias, mean, var, 0.1, 1e-5)[0].stride(),
+        "aten.native_batch_norm_backward.default":
+            aten.native_batch_norm_backward(grad_out, x, weight, mean, var, save_mean, save_invstd, True, 1e-5,
+                                            [True, True, True])[0].stride(),
+    }
+
+
+@pytest.mark.parametrize("layout", _BATCH_NORM_INPUTS)
+def test_traced_batch_norm_allocates_in_the_inputs_suggested_format_as_the_cpu_kernels_do(layout):
+    """Batch norm's kernels allocate their output and grad_input in the input's suggested memory format:
+    contiguous but for a channels-last 4-d input. torch's decompositions keep a transposed input's strides."""
+    real = _batch_norm_strides(_BATCH_NORM_INPUTS[layout])
+    assert set(real) <= set(SUGGESTED_FORMAT_IN_EAGER)
+    with FakeTensorMode(allow_non_fake_inputs=True), layouts_as_in_eager():
+        assert _batch_norm_strides(_BATCH_NORM_INPUTS[layout]) == real
+    if layout == "transposed 3-d":
+        assert real["aten.native_batch_norm.default"] == (128, 16, 1)            # contiguous
+        with FakeTensorMode(allow_non_fake_inputs=True):                            # torch's own fake kernel
+            assert _batch_norm_strides(_BATCH_NORM_INPUTS[layout])["aten.native_batch_norm.default"] == (128, 1, 8)
+
+
+def test_a_batch_norm_over_a_transposed_input_steps_exactly_on_both_rungs():
+    """BatchNorm1d over `up(x).transpose(1, 2)`, transposed back into a linear: eager's contiguous output
+    makes the linear copy its transposed input and save the copy (16,384 B the traced step missed)."""
+    for capture in ("auto", "dispatch"):
+        _cpu_step_exact("batchnorm_shared_head.py", 2, 16, capture=capture)
 
 
 def _layer_norm_statistics_dtypes(x_dtype, parameter_dtype):
@@ -97,7 +154,7 @@ def test_interpolate_traces_as_the_eager_kernel_and_its_backward_exactly():
     assert torch.ops.aten.upsample_nearest2d.vec.py_kernels        # torch's own kernels are back afterwards
 
 
-def _cpu_step_exact(fixture: str, batch: int, seq: int):
+def _cpu_step_exact(fixture: str, batch: int, seq: int, capture: str = "auto"):
     """A fixture's traced CPU step (eager policy) against a real CPU step: every phase's peak and the saved
     bytes. Returns the graph."""
     import os
@@ -107,7 +164,7 @@ def _cpu_step_exact(fixture: str, batch: int, seq: int):
     from truth import measure_step
 
     source = load_model_source(os.path.join(os.path.dirname(__file__), "..", "fixtures", fixture))
-    graph = capture_steps(source, CaptureOptions(batch=batch, seq=seq, target="cpu"),
+    graph = capture_steps(source, CaptureOptions(batch=batch, seq=seq, target="cpu", capture=capture),
                           (PolicySpec(name="eager"),))["eager"]
     predicted = analyze_graphs({"eager": graph}).policies["eager"]
     torch.manual_seed(0)

@@ -15,7 +15,8 @@ are unchanged. Limit: it swaps the op's Python kernels (`py_kernels`, a private 
 torch upgrade may need it revisited; tests/accuracy/test_hf.py (T5) fails if it stops working.
 
 `layouts_as_in_eager()`: ops whose fake kernel (torch's Python decomposition, which fake tensors run for
-them) gives an output other strides than the eager kernel allocates it with (`CONTIGUOUS_IN_EAGER`). A
+them) gives an output other strides than the eager kernel allocates it with (`CONTIGUOUS_IN_EAGER`;
+`SUGGESTED_FORMAT_IN_EAGER`: batch norm's, in its input's suggested memory format). A
 later `reshape` of that output is a view in eager but a copy in the trace (`clone` + `_unsafe_view`), one
 tensor too many at the backward peak. For the duration, those outputs are made contiguous as eager's
 kernels make them. Limit: it swaps entries of `torch._decomp.decomposition_table` (fake tensors run an
@@ -112,6 +113,27 @@ def _autograd_kernels_replaced(op, as_in_eager):
 # decomposition's grad_input follows grad_out, which is transposed after a `permute` / `transpose` (PVT,
 # SegFormer: `x.flatten(2).transpose(1, 2)` then LayerNorm).
 CONTIGUOUS_IN_EAGER = {"aten.native_layer_norm_backward.default": (0,)}
+# aten op -> (positions of outputs the eager kernel allocates in an input's suggested memory format, that
+# input's position among the op's arguments). Batch norm's kernels on CPU and CUDA (cuDNN's too) allocate
+# their output and grad_input with `empty_like(input, input.suggest_memory_format())` (Normalization.cpp,
+# batch_norm.cu, cudnn/BatchNorm.cpp): channels-last only for a 4-d or 5-d channels-last input, contiguous
+# for every other layout; the decompositions keep a transposed input's strides (a `BatchNorm1d` over
+# `x.transpose(1, 2)`, as sequence models normalise channels), so the `transpose` back and a linear after it
+# copied in eager and not in the trace: a tensor of the input's size missing from the saved bytes.
+SUGGESTED_FORMAT_IN_EAGER = {
+    "aten.native_batch_norm.default": ((0,), 0),
+    "aten._native_batch_norm_legit.default": ((0,), 0),
+    "aten._native_batch_norm_legit.no_stats": ((0,), 0),
+    "aten._native_batch_norm_legit_functional.default": ((0,), 0),
+    "aten._native_batch_norm_legit_no_training.default": ((0,), 0),
+    "aten._batch_norm_with_update.default": ((0,), 0),
+    "aten._batch_norm_with_update_functional.default": ((0,), 0),
+    "aten._batch_norm_no_update.default": ((0,), 0),
+    "aten.cudnn_batch_norm.default": ((0,), 0),
+    "aten.native_batch_norm_backward.default": ((0,), 1),
+    "aten.batch_norm_backward.default": ((0,), 1),
+    "aten.cudnn_batch_norm_backward.default": ((0,), 0),
+}
 
 
 @contextlib.contextmanager
@@ -120,16 +142,21 @@ def layouts_as_in_eager():
 
     from torch._decomp import decomposition_table
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._prims_common import suggest_memory_format
     saved = {}
-    for name, positions in CONTIGUOUS_IN_EAGER.items():
+    rules = {**{name: (positions, None) for name, positions in CONTIGUOUS_IN_EAGER.items()},
+             **SUGGESTED_FORMAT_IN_EAGER}
+    for name, (positions, input_position) in rules.items():
         op = _op_named(name)
         if op not in decomposition_table:
             continue
         saved[op] = decomposition_table[op]
 
-        def as_in_eager(*args, _decomposed=saved[op], _positions=positions, **kwargs):
+        def as_in_eager(*args, _decomposed=saved[op], _positions=positions, _input=input_position, **kwargs):
             out = _decomposed(*args, **kwargs)
-            return tuple(t.contiguous() if i in _positions and t is not None else t for i, t in enumerate(out))
+            layout = torch.contiguous_format if _input is None else suggest_memory_format(args[_input])
+            return tuple(t.contiguous(memory_format=layout) if i in _positions and t is not None else t
+                         for i, t in enumerate(out))
 
         decomposition_table[op] = functools.wraps(saved[op])(as_in_eager)
     FakeTensorMode.cache_clear()         # metadata cached under torch's own layout would bypass the wrapper
