@@ -35,9 +35,9 @@ class KeepingLoop(nn.Module):
         return self.pick(out)
 
 
-def predict_and_measure(fixture, pick=lambda out: out):
+def predict_and_measure(fixture, pick=lambda out: out, capture="auto"):
     source = load_model_source(os.path.join(FIXTURES, fixture))
-    graph = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu"),
+    graph = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", capture=capture),
                           (PolicySpec(name="eager"),))["eager"]
     predicted = analyze_graphs({"eager": graph}).policies["eager"]
     torch.manual_seed(0)
@@ -51,22 +51,29 @@ def predict_and_measure(fixture, pick=lambda out: out):
     return graph, predicted, measured
 
 
-def test_the_loop_keeps_the_logits_through_backward_and_the_optimizer_step():
-    graph, predicted, measured = predict_and_measure("caller_keeps_logits.py", pick=lambda out: out["loss"])
+CAPTURES = ("auto", "dispatch")          # the graph rung and the step run op by op
+
+
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_the_loop_keeps_the_logits_through_backward_and_the_optimizer_step(capture):
+    graph, predicted, measured = predict_and_measure("caller_keeps_logits.py", pick=lambda out: out["loss"],
+                                                     capture=capture)
     assert_step_exact(predicted, measured)
     logits_bytes = BATCH * SEQ * 512 * 4
     assert predicted.at_peak.by_category["caller_held"] == logits_bytes
     # the same step with the logits dropped as the loss is taken: they are gone before the optimizer step
     source = load_model_source(os.path.join(FIXTURES, "caller_keeps_logits.py"))
     dropped = analyze_graphs(capture_steps(dataclasses.replace(source, keep=None),
-                                           CaptureOptions(batch=BATCH, seq=SEQ, target="cpu"),
+                                           CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", capture=capture),
                                            (PolicySpec(name="eager"),))).policies["eager"]
     assert predicted.phases["optimizer"].peak_bytes == dropped.phases["optimizer"].peak_bytes + logits_bytes
     assert any("keeps logits until the end of the step" in n for n in graph.config.notes)
 
 
-def test_a_resident_reference_model_and_keep_alive():
-    graph, predicted, measured = predict_and_measure("caller_reference_model.py", pick=lambda out: out[1])
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_a_resident_reference_model_and_keep_alive(capture):
+    graph, predicted, measured = predict_and_measure("caller_reference_model.py", pick=lambda out: out[1],
+                                                     capture=capture)
     assert_step_exact(predicted, measured)
     resident = 1_000_000 * 2 + BATCH * SEQ * 256 * 2
     previous_logits = BATCH * SEQ * 256 * 4          # the last step's, bound until this forward returns
@@ -75,8 +82,9 @@ def test_a_resident_reference_model_and_keep_alive():
     assert predicted.at_peak.by_category["caller_held"] == resident + BATCH * SEQ * 256 * 4   # + the kept logits
 
 
-def test_retain_graph_holds_every_saved_tensor_to_the_end_of_the_step():
-    graph, predicted, measured = predict_and_measure("caller_retain_graph.py")
+@pytest.mark.parametrize("capture", CAPTURES)
+def test_retain_graph_holds_every_saved_tensor_to_the_end_of_the_step(capture):
+    graph, predicted, measured = predict_and_measure("caller_retain_graph.py", capture=capture)
     assert_step_exact(predicted, measured)
     assert predicted.phases["optimizer"].peak_bytes - predicted.start_bytes >= predicted.saved.activation_bytes
 

@@ -131,10 +131,8 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
     forward_end = max((i for i, d in enumerate(ops) if d.phase is Phase.FORWARD), default=-1)
     for sid, label in found.items():
         entry = table.get(sid)
-        if entry.released_after_op is not None:     # a release the step observed (run op by op): later now
-            table.update(sid, released_after_op=max(entry.released_after_op, last), caller_held=True)
-        else:
-            table.update(sid, held_until_op=last, caller_held=True)
+        _hold_to_the_end(table, sid, last)
+        table.update(sid, caller_held=True)
         if steady and forward_end >= 0:
             table.add(None, StorageRole.INTERMEDIATE, nbytes=entry.nbytes, dtype=entry.dtype,
                       shape=by_label[label].shape or entry.shape, preexisting=True, caller_held=True,
@@ -162,10 +160,20 @@ def hold_caller_tensors(ops, table, *, kept: tuple[KeptOutput, ...], extra_resid
                  for v in input_values(d) if v.storage_id in made_in_forward}
         for sid in saved:
             if table.get(sid).role is StorageRole.INTERMEDIATE:
-                table.hold_until(sid, last)
+                _hold_to_the_end(table, sid, last)
         notes.append("loss.backward(retain_graph=True): every tensor saved for backward is held until the end of "
                      "the step (retain_graph)")
     return notes
+
+
+def _hold_to_the_end(table, sid: int, last: int) -> None:
+    """Storage `sid` is held through op `last`: a release the step observed (run op by op) moves there, a
+    captured graph's storage is held until it."""
+    entry = table.get(sid)
+    if entry.released_after_op is not None:
+        table.update(sid, released_after_op=max(entry.released_after_op, last))
+    else:
+        table.hold_until(sid, last)
 
 
 def inputs_at_their_turn(ops, table) -> None:
