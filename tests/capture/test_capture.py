@@ -61,14 +61,16 @@ def test_no_real_memory_is_allocated_for_a_7b_model():
 
 
 @pytest.mark.slow
-def test_a_fused_rnn_module_is_flagged_in_the_report():
-    """nn.LSTM runs cuDNN's fused kernel on CUDA, which the traced step does not reproduce: never silently
-    off. On the CPU its oneDNN kernel is traced as eager runs it (capture/eager_kernels.py): no note."""
+@pytest.mark.parametrize("capture", ["auto", "dispatch"])
+def test_a_fused_rnn_module_is_flagged_in_the_report(capture):
+    """nn.LSTM runs cuDNN's fused kernel on CUDA, which the traced step does not reproduce (nor the step run
+    op by op, which runs the CPU's kernels): never silently off. On the CPU its oneDNN kernel is traced as
+    eager runs it (capture/eager_kernels.py), and run op by op it is eager's own C++ path: no note."""
     path = os.path.join(os.path.dirname(__file__), "..", "fixtures", "lstm_lm.py")
-    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cuda"))
+    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cuda", capture=capture))
     (note,) = [n for n in graph.config.notes if "fused RNN kernel" in n]
     assert note.startswith("rnn: nn.LSTM runs cuDNN's fused RNN kernel")
-    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu"))
+    graph = capture_step(load_model_source(path), CaptureOptions(batch=2, seq=8, target="cpu", capture=capture))
     assert not [n for n in graph.config.notes if "RNN" in n]
 
 

@@ -533,7 +533,9 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
                         notes=(reason if chosen else f"export failed: {reason}",) + notes)
     frozen_ops = tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops))
     cpu = not parse_target(options.target).is_cuda
-    config = dataclasses.replace(config, notes=config.notes + unmodelled_scratch_notes(frozen_ops, cpu=cpu))
+    # run op by op, an RNN module runs the C++ kernels eager's CPU step runs; a CUDA target's cuDNN is not them
+    fused = () if cpu else tuple(_fused_module_notes(model, cpu=False))
+    config = dataclasses.replace(config, notes=config.notes + fused + unmodelled_scratch_notes(frozen_ops, cpu=cpu))
     graph = StepGraph(config=config, ops=frozen_ops, storages=table.freeze(), parameter_count=n_params,
                       frozen_parameter_count=n_frozen)
     return {spec.label: graph for spec in specs}
