@@ -88,3 +88,26 @@ def test_layer_of_cuts_after_the_first_index():
     assert layer_of("lm_head") == "lm_head"
     assert layer_of("encoder.norm") == "encoder"
     assert layer_of("") == ""
+
+
+def test_layers_are_listed_in_the_order_the_step_first_runs_them_whatever_the_storage_ids():
+    """A layer's place is its first op's (forward first: the model's order); layers no op runs in follow by
+    name. Storages numbered in another order (a graph's and the op-by-op run's differ) list the same."""
+    def step(numbered_late_first: bool):
+        b = GraphBuilder()
+        ids = {}
+        for name in (("head", "inp") if numbered_late_first else ("inp", "head")):
+            ids[name] = b.storage(32)
+        x = b.storage(16, StorageRole.INPUT, preexisting=True, name="input 0")
+        loss = b.storage(4, persistent=True)
+        b.op("forward", [x], [ids["inp"]], module="inp.proj", source=MATMUL)
+        b.op("forward", [ids["inp"]], [ids["head"], loss], module="head", source=ACT)
+        b.op("backward", [ids["inp"], ids["head"], loss], [b.storage(8)], module="inp.proj", source=MATMUL)
+        return b.build()
+    for late_first in (False, True):
+        graph = step(late_first)
+        liveness, saved, categories = _passes(graph)
+        at = attribute(graph, liveness, saved, categories, op_index=2)
+        at_start = attribute(graph, liveness, saved, categories, op_index=0)
+        assert [row.layer for row in at.layers] == ["inp", "head"]
+        assert [row.layer for row in at_start.layers] == ["inp", "head", "(input)"]   # head: its saved bytes

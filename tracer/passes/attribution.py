@@ -105,7 +105,7 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
         layers.setdefault(_layer_label(storage, producers[sid], "activation"), [0, 0])[1] += storage.nbytes
     line_rows = sorted((LineBytes(src, label, b, s) for label, (src, b, s) in lines.items()),
                        key=lambda r: (-r.bytes_at_peak, -r.saved_bytes, r.label))
-    layer_rows = tuple(LayerBytes(name, b, s) for name, (b, s) in layers.items())
+    layer_rows = tuple(LayerBytes(name, *layers[name]) for name in _in_step_order(layers, graph))
     return Attribution(op_index=op_index, by_category=by_category, lines=tuple(line_rows), layers=layer_rows)
 
 
@@ -121,11 +121,23 @@ def _line_label(producer: OpNode | None, category: str) -> tuple[str, SourceLoc 
     return f"({producer.target})", None
 
 
+def _in_step_order(layers, graph: StepGraph) -> list[str]:
+    """The layers in the order the step first runs an op of theirs (forward first: the model's order), then
+    the ones no op runs in (the inputs, parameters of modules that run no op) by name: one order whichever
+    way the step was captured, where storage ids are numbered differently."""
+    first: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        first.setdefault(_op_layer(op), i)
+    return sorted(layers, key=lambda name: (first.get(name, len(graph.ops)), name))
+
+
+def _op_layer(op: OpNode) -> str:
+    return "(optimizer step)" if op.phase is Phase.OPTIMIZER else layer_of(op.module) or "(root)"
+
+
 def _layer_label(storage, producer: OpNode | None, category: str) -> str:
     if producer is None:
         if category in MODEL_STATE_CATEGORIES and storage.name:
             return layer_of(storage.name.rsplit(".", 1)[0]) or "(root)"
         return f"({category})"
-    if producer.phase is Phase.OPTIMIZER:
-        return "(optimizer step)"
-    return layer_of(producer.module) or "(root)"
+    return _op_layer(producer)
