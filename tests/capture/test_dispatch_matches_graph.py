@@ -5,9 +5,10 @@ sees), the layer of a recomputed op that forward ran inside a block's forward bu
 own (a checkpointed method or plain function), and the modules after a recompute that torch stops early
 by raising inside a module. Lines and layers have no real measurement to hold them to, so these compare
 the rungs (the recomputed FLOPs are held to FlopCounterMode's on real steps on both rungs in
-tests/accuracy/test_checkpoint_as_written.py); on the CLI's default target, a GPU: on a CPU target the
-regions' RNG states are real CPU tensors, which the op-by-op run does not see. A batch's tensors held in
-a dataclass are the step's inputs: held to a real CPU step."""
+tests/accuracy/test_checkpoint_as_written.py); on the CLI's default target, a GPU. On a CPU target the
+regions' RNG states are real CPU tensors, made outside the dispatcher, which the op-by-op run records
+through stand-ins: held to real CPU steps. A batch's tensors held in a dataclass are the step's inputs:
+held to a real CPU step."""
 import dataclasses
 import os
 
@@ -72,3 +73,27 @@ def test_a_dataclass_batchs_tensors_are_the_steps_inputs():
     assert predicted.start_bytes == measured.start_bytes
     assert {name: phase.peak_bytes for name, phase in predicted.phases.items()} == measured.phase_peaks
     assert predicted.at_peak.by_category["input"] > 0
+
+
+def _cpu_step(fixture: str, capture: str):
+    """(the prediction on a CPU target, a real CPU step's measurement) of a fixture, batch 2, seq 32."""
+    source = load_model_source(os.path.join(FIXTURES, fixture))
+    graphs = capture_steps(source, CaptureOptions(batch=2, seq=32, capture=capture, target="cpu"),
+                           (PolicySpec(name="eager"),))
+    predicted = analyze_graphs(graphs).policies["eager"]
+    torch.manual_seed(0)
+    model = source.build_model()
+    return predicted, measure_step(model, source.example_batch(2, 32), torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+
+@pytest.mark.parametrize("fixture", ["user_checkpoint.py", "checkpoint_function.py", "checkpoint_reentrant.py",
+                                     "checkpoint_unread_partial.py"])
+def test_a_checkpointed_regions_rng_states_are_device_memory_on_a_cpu_target(fixture):
+    """Each region's CPU RNG state (5,056 B here), saved at its entry and held until its backward, and
+    fork_rng's copy while it recomputes: every phase peak equals a real CPU step's (the forward peak was
+    one state per region low, 10,112 B on two regions)."""
+    predicted, measured = _cpu_step(fixture, "dispatch")
+    assert predicted.start_bytes == measured.start_bytes
+    assert {name: phase.peak_bytes for name, phase in predicted.phases.items()} == measured.phase_peaks
+    if fixture in ("user_checkpoint.py", "checkpoint_function.py"):
+        assert predicted.saved.total_bytes == measured.saved_bytes

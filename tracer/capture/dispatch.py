@@ -16,9 +16,9 @@ runs inside backward are marked recomputed, at the model line and module they ru
 (`checkpoint_rerun_site`: a block's method or a plain function the region runs outside any module's
 forward takes the innermost module whose method is running); the nodes a reentrant region's rerun makes
 are stamped as forward's are (`_RerunNodes`), so the backward it runs over them has forward's lines and
-modules. What this path cannot do: recompute policies (compiled, selective, full) need a graph. Not
-modelled here: the CPU RNG state each checkpointed region saves (a real CPU tensor, not a fake one;
-device memory on a CPU target only).
+modules. The CPU RNG state each region saves (a real CPU tensor, made outside the dispatcher: device
+memory on a CPU target only) is recorded through a fake stand-in of its size (`_rng_states_recorded`).
+What this path cannot do: recompute policies (compiled, selective, full) need a graph.
 """
 from __future__ import annotations
 
@@ -256,6 +256,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             stack.enter_context(cuda_optimizer_defaults(target))    # read when step() runs, too
             if record:
                 stack.enter_context(recorder)
+                if not target.is_cuda:
+                    stack.enter_context(_rng_states_recorded(table, packed))
             phase["now"] = Phase.FORWARD
             # --offload activations: the loop's save_on_cpu runs for real on the fake tensors (a CPU view:
             # with pin_memory=True every save is copied, activation_offload.py's model of a CPU target)
@@ -344,6 +346,33 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position, model
+
+
+@contextlib.contextmanager
+def _rng_states_recorded(table: StorageTable, packed: set[int]):
+    """`torch.get_rng_state()` makes a real CPU tensor outside the dispatcher (torch.utils.checkpoint saves
+    one at a region's entry and fork_rng stashes one while it recomputes): on a CPU target, device memory.
+    For the duration each one returned has a fake stand-in of its size, made through the recorder where it
+    is made and dropped when the real state dies, so the step holds its bytes exactly as long. The state a
+    region saves in forward, which its recompute restores, is saved for backward (added to `packed`)."""
+    import torch.utils.checkpoint as checkpoint_module
+    real = torch.get_rng_state
+    stand_ins: dict[int, torch.Tensor] = {}
+
+    def get_rng_state() -> torch.Tensor:
+        state = real()
+        stand_in = stand_ins[id(state)] = torch.empty(state.shape, dtype=state.dtype)
+        weakref.finalize(state, stand_ins.pop, id(state), None)
+        if (sys._getframe(1).f_code.co_filename == checkpoint_module.__file__
+                and torch._C._current_autograd_node() is None and table.lookup(stand_in) is not None):
+            packed.add(table.lookup(stand_in))
+        return state
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = real
 
 
 def _prime_optimizer(model, opt, scaler, set_to_none: bool, fake_mode, target) -> frozenset[int]:

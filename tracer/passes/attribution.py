@@ -122,13 +122,15 @@ def _line_label(producer: OpNode | None, category: str) -> tuple[str, SourceLoc 
 
 
 def _in_step_order(layers, graph: StepGraph) -> list[str]:
-    """The layers in the order the step first runs an op of theirs (forward first: the model's order), then
-    the ones no op runs in (the inputs, parameters of modules that run no op) by name: one order whichever
-    way the step was captured, where storage ids are numbered differently."""
+    """The model's layers in the order its forward first runs an op of theirs, then the rest by name (the
+    root module's own ops, the inputs, the optimizer step, parameters of modules that run no op): one order
+    whichever way the step was captured, where storage ids are numbered differently and the ops outside
+    any layer (a checkpoint's detaches, the loss) differ."""
     first: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
-        first.setdefault(_op_layer(op), i)
-    return sorted(layers, key=lambda name: (first.get(name, len(graph.ops)), name))
+        if op.phase is Phase.FORWARD and layer_of(op.module):
+            first.setdefault(layer_of(op.module), i)
+    return sorted(layers, key=lambda name: (0, first[name], "") if name in first else (1, 0, name))
 
 
 def _op_layer(op: OpNode) -> str:
