@@ -97,3 +97,14 @@ def test_a_checkpointed_regions_rng_states_are_device_memory_on_a_cpu_target(fix
     assert {name: phase.peak_bytes for name, phase in predicted.phases.items()} == measured.phase_peaks
     if fixture in ("user_checkpoint.py", "checkpoint_function.py"):
         assert predicted.saved.total_bytes == measured.saved_bytes
+
+
+def test_a_module_under_two_names_is_named_as_on_the_graph_rung():
+    """`self.head2 = self.head`, called as `head2`: both rungs bill its ops to the same layer (the last of
+    its names, as the graph rung's module hooks fire), and every layer's bytes and FLOPs agree."""
+    graph, _ = _cpu_step("batchnorm_shared_head.py", "auto")
+    op_by_op, measured = _cpu_step("batchnorm_shared_head.py", "dispatch")
+    assert "head2" in op_by_op.flops_by_layer
+    assert op_by_op.flops_by_layer == graph.flops_by_layer
+    assert _rows(op_by_op.at_peak.layers) == _rows(graph.at_peak.layers)
+    assert {name: phase.peak_bytes for name, phase in op_by_op.phases.items()} == measured.phase_peaks

@@ -207,7 +207,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     steady = options.step == "steady"
     prime = steady and not warm_up_step and not source.create_graph
     table = StorageTable()
-    names = {id(m): path for path, m in model.named_modules()}
+    # a module reachable under two names takes the last, as the graph rungs' module hooks name it
+    names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
     modules = _ModuleStack(names)
     phase = {"now": Phase.FORWARD}
     last_backward_site = [(None, "")]
