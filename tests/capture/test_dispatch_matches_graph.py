@@ -108,3 +108,15 @@ def test_a_module_under_two_names_is_named_as_on_the_graph_rung():
     assert op_by_op.flops_by_layer == graph.flops_by_layer
     assert _rows(op_by_op.at_peak.layers) == _rows(graph.at_peak.layers)
     assert {name: phase.peak_bytes for name, phase in op_by_op.phases.items()} == measured.phase_peaks
+
+
+@pytest.mark.parametrize("fixture", ["batchnorm_shared_head.py", "input_mutated.py"])
+def test_a_buffer_or_input_updated_in_place_is_saved_as_what_existed_before_the_step(fixture):
+    """BatchNorm's running stats and a user input written in place in forward: backward reads the storage
+    that existed before the step (the op-by-op run sees that storage written), so its saved bytes are input
+    bytes, not activations, on both rungs; the totals equal a real CPU step's."""
+    graph, measured = _cpu_step(fixture, "auto")
+    op_by_op, _ = _cpu_step(fixture, "dispatch")
+    assert graph.saved.total_bytes == op_by_op.saved.total_bytes == measured.saved_bytes
+    assert graph.saved.activation_bytes == op_by_op.saved.activation_bytes
+    assert graph.saved.input_bytes == op_by_op.saved.input_bytes > 0

@@ -159,7 +159,8 @@ def _write_into_buffers(outs: list, descs: list, table: StorageTable, values) ->
     for out, desc in zip(outs, descs):
         if is_input_mutation_output(desc) and isinstance(values.get(out), TensorValue) \
                 and not table.get(values[out].storage_id).preexisting:       # not the input's own storage
-            table.update(values[out].storage_id, fused=True, name=f"{_input_name(desc.mutated_input)} (updated in place)")
+            table.update(values[out].storage_id, fused=True, preexisting=True,
+                         name=f"{_input_name(desc.mutated_input)} (updated in place)")
 
 
 def _input_name(desc) -> str:

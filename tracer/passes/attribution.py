@@ -89,6 +89,8 @@ def attribute(graph: StepGraph, liveness: Liveness, saved: SavedTensors, categor
     for sid in liveness.live_storages_at(op_index):
         storage = graph.storage(sid)
         nbytes = liveness.intervals[sid].nbytes
+        if nbytes == 0:          # fused into its consumers' kernels, or another storage's value: no row
+            continue
         by_category[categories[sid]] += nbytes
         producer = producers[sid]
         label, source = _line_label(producer, categories[sid])
