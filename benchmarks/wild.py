@@ -1,7 +1,7 @@
 """Corpus sweep: every architecture transformers builds from a tiny default config, plus hand-written styles,
 each predicted by tracer (--target cpu, eager policy, dropout 0) and measured in a real CPU step.
 
-    python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S]
+    python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S] [--capture dispatch]
 
 Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING with a causal-lm, masked-lm,
 seq2seq, image-classification, speech-seq2seq or CTC head, its default head as `hf:` picks it) and
@@ -334,9 +334,10 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:220]
 
 
-def run_one(name: str, time_limit_s: int, runnable=None) -> Row:
+def run_one(name: str, time_limit_s: int, runnable=None, capture: str = "auto") -> Row:
     """One row: `runnable(name)` gives (source, shrink) whose real model runs (default runnable_source), then
-    the prediction and the real step are compared. Sibling sweeps (wild_vision.py) pass their own."""
+    the prediction (on the capture path `capture`) and the real step are compared. Sibling sweeps
+    (wild_vision.py) pass their own."""
     row, stage = Row(name), "build"
     start = time.perf_counter()
     signal.signal(signal.SIGALRM, _alarm)
@@ -355,8 +356,8 @@ def run_one(name: str, time_limit_s: int, runnable=None) -> Row:
             built_model = model
         row.built = True
         stage = "trace"
-        graphs = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", moe_routing="balanced"),
-                               (PolicySpec(name="eager"),))
+        graphs = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", moe_routing="balanced",
+                                                      capture=capture), (PolicySpec(name="eager"),))
         graph = graphs["eager"]
         row.traced = graph.config.capture_path
         predicted = analyze_graphs(graphs).policies["eager"]
@@ -428,6 +429,8 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, help="the first N names only")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--time-limit", type=int, default=120, help="seconds per model (default 120)")
+    parser.add_argument("--capture", default="auto", choices=("auto", "dispatch"),
+                        help="the capture path predicted with (dispatch: the step run op by op)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -437,18 +440,18 @@ def main(argv=None) -> int:
         names = style_names() + hf_names()
     if args.limit:
         names = names[:args.limit]
-    sweep(names, args.time_limit, args.json)
+    sweep(names, args.time_limit, args.json, capture=args.capture)
     return 0
 
 
 def sweep(names: list[str], time_limit_s: int, json_path: str | None, runnable=None,
-          skips=(DefaultConfigBroken,)) -> list[Row]:
+          skips=(DefaultConfigBroken,), capture: str = "auto") -> list[Row]:
     """Runs `run_one` on each name, printing each row as it comes (and rewriting `json_path`), then the
     summary line and every row that is not exact."""
     rows = []
     print(HEADER, flush=True)
     for name in names:
-        row = run_one(name, time_limit_s, runnable)
+        row = run_one(name, time_limit_s, runnable, capture)
         rows.append(row)
         print(render_row(row), flush=True)
         if json_path:

@@ -35,8 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.build import model_held_tensors, step_module
-from tracer.capture.eager_kernels import (collective_waits_as_in_eager, layouts_as_in_eager,
-                                          norm_statistics_as_in_eager)
+from tracer.capture.eager_kernels import kernels_as_in_eager
 from tracer.capture.lightning_loop import optimizer_factory
 from tracer.capture.joint import attribute_tensors, build_fake
 from tracer.capture.source import exception_location
@@ -251,9 +250,9 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             stack.enter_context(fake_mode)
             log = stack.enter_context(cuda_capture(target, options.precision, cast_cache=True))
             stack.enter_context(cuda_eager_kernels(target))
-            stack.enter_context(norm_statistics_as_in_eager(cpu=not target.is_cuda))
-            stack.enter_context(layouts_as_in_eager())      # fake kernels' strides where eager's differ
-            stack.enter_context(collective_waits_as_in_eager())
+            # the graph rungs' fake kernels as eager's: those the C++ dispatcher reaches here (strides, norm
+            # statistics, collectives' waits, oneDNN's RNN workspace); the Python kernels are inert here
+            stack.enter_context(kernels_as_in_eager(cpu=not target.is_cuda))
             stack.enter_context(cuda_optimizer_defaults(target))    # read when step() runs, too
             if record:
                 stack.enter_context(recorder)

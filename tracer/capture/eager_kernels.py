@@ -557,7 +557,10 @@ def _fake_kernels_replaced(kernels: dict):
 
 @contextlib.contextmanager
 def kernels_as_in_eager(cpu: bool = False):
-    """All of the above, while a graph is traced (`cpu`: for a CPU target)."""
+    """All of the above, while a graph is traced or the step runs op by op (`cpu`: for a CPU target). Run op
+    by op, only what the C++ dispatcher reaches takes effect (the decomposition table's strides, the fake
+    kernels' table, oneDNN's RNN Meta kernels); the Python kernels it swaps are read by the Python dispatcher
+    of a trace only."""
     rnns = (lstm_as_in_eager(), gru_as_in_eager()) if cpu else ()
     with dropout_as_in_eager(cpu), layouts_as_in_eager(), upsampling_as_in_eager(), \
             norm_statistics_as_in_eager(cpu), collective_waits_as_in_eager(), contextlib.ExitStack() as stack:
