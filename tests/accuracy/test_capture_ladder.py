@@ -15,8 +15,8 @@ from truth import measure_step
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")
 
 
-def _compare(model, options, model_args=()):
-    source = load_model_source(model, model_args=model_args)
+def _compare(model, options, model_args=(), hf_config=(), saved=False):
+    source = load_model_source(model, model_args=model_args, hf_config=hf_config)
     predicted = analyze_graphs(capture_steps(source, options, (PolicySpec(name="eager"),))).policies["eager"]
     torch.manual_seed(0)
     real = source.build_model()
@@ -26,6 +26,8 @@ def _compare(model, options, model_args=()):
     assert predicted.peak_phase == measured.peak_phase
     for phase in ("forward", "backward", "optimizer"):
         assert predicted.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    if saved:
+        assert predicted.saved.total_bytes == measured.saved_bytes
     return predicted
 
 
@@ -67,6 +69,16 @@ def test_the_dispatch_path_reproduces_a_llama_step_exactly():
 
 
 HF_GPT2 = ("n_layer=2", "n_embd=64", "n_head=4", "vocab_size=512", "n_positions=64")
+HF_BIOGPT = ("num_hidden_layers=2", "hidden_size=64", "num_attention_heads=4", "intermediate_size=128",
+             "vocab_size=256", "hidden_dropout_prob=0.0", "attention_probs_dropout_prob=0.0")    # SDPA's flash
+
+
+def test_the_dispatch_path_skips_the_causal_mask_as_eager_does():
+    """BioGPT makes an all-ones attention mask in forward; eager reads it, finds no padding and calls SDPA
+    with is_causal instead of a mask. transformers counts a fake tensor as tracing and built the mask on the
+    op-by-op rung (a bool mask converted to a float one that flash attention saved: 4 KiB per layer here)."""
+    options = CaptureOptions(batch=2, seq=16, target="cpu", capture="dispatch")
+    _compare("hf:biogpt", options, hf_config=HF_BIOGPT, saved=True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

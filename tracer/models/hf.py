@@ -84,7 +84,8 @@ class LossFromLabels(nn.Module):
 def _masks_as_in_eager():
     """Under torch.export, transformers builds explicit causal masks (so the graph stays shape-generic), which
     also turns off SDPA's is_causal and native GQA and repeats K/V. Eager and torch.compile skip the mask.
-    The tracer predicts what eager runs, so while tracing it answers "not exporting" to the mask code."""
+    The tracer predicts what eager runs, so while tracing it answers "not exporting" to the mask code, and
+    "not tracing" for a fake tensor (the step run op by op holds fake tensors where eager holds real ones)."""
     import transformers.masking_utils as masking
 
     saved = masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices
@@ -102,11 +103,22 @@ def _masks_as_in_eager():
             masking.is_tracing = is_tracing
         return None
 
+    tracing = getattr(masking, "is_tracing", None)
+
+    def tracing_as_eager(tensor=None) -> bool:
+        # transformers counts a fake tensor as tracing (and then builds the mask it would skip in eager);
+        # here a fake tensor stands for the real one, whose values eager reads
+        return tracing(None) or isinstance(tensor, torch.fx.Proxy)
+
     masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = (lambda: False), unpacked
+    if tracing is not None:
+        masking.is_tracing = tracing_as_eager
     try:
         yield
     finally:
         masking.is_torchdynamo_exporting, masking.find_packed_sequence_indices = saved
+        if tracing is not None:
+            masking.is_tracing = tracing
 
 
 def parse_overrides(items: list[str] | tuple[str, ...]) -> dict:
