@@ -363,9 +363,10 @@ def _rng_states_recorded(table: StorageTable, packed: set[int]):
         state = real()
         stand_in = stand_ins[id(state)] = torch.empty(state.shape, dtype=state.dtype)
         weakref.finalize(state, stand_ins.pop, id(state), None)
-        if (sys._getframe(1).f_code.co_filename == checkpoint_module.__file__
-                and torch._C._current_autograd_node() is None and table.lookup(stand_in) is not None):
-            packed.add(table.lookup(stand_in))
+        sid = table.lookup(stand_in)
+        if (sid is not None and sys._getframe(1).f_code.co_filename == checkpoint_module.__file__
+                and torch._C._current_autograd_node() is None):
+            packed.add(sid)
         return state
 
     torch.get_rng_state = get_rng_state

@@ -135,13 +135,11 @@ def _in_step_order(layers, graph: StepGraph) -> list[str]:
     return sorted(layers, key=lambda name: (0, first[name], "") if name in first else (1, 0, name))
 
 
-def _op_layer(op: OpNode) -> str:
-    return "(optimizer step)" if op.phase is Phase.OPTIMIZER else layer_of(op.module) or "(root)"
-
-
 def _layer_label(storage, producer: OpNode | None, category: str) -> str:
     if producer is None:
         if category in MODEL_STATE_CATEGORIES and storage.name:
             return layer_of(storage.name.rsplit(".", 1)[0]) or "(root)"
         return f"({category})"
-    return _op_layer(producer)
+    if producer.phase is Phase.OPTIMIZER:
+        return "(optimizer step)"
+    return layer_of(producer.module) or "(root)"
