@@ -285,7 +285,9 @@ class AnalysisOptions:
         pipeline = self.pipeline_setup()
         if pipeline is not None:           # the stages' step: the micro-batches' forwards and backwards
             fields.update(batch=self.batch // pipeline.microbatches, accumulate=pipeline.microbatches)
-        return CaptureOptions(**fields, target=self.target_label())
+        # only the eager step is read: it may run op by op (the capture's `_op_by_op_first` decides)
+        eager_step_only = self.policies == ("eager",) and self.shard is None and self.tp == 1 and self.pp == 1
+        return CaptureOptions(**fields, target=self.target_label(), op_by_op_first=eager_step_only)
 
     def device_setup(self):
         """The device view's setup for a CUDA target, else None."""

@@ -21,9 +21,9 @@ def _capture(source, options, monkeypatch, *, whole_warm_up: bool):
     recorded = []
     inner = dispatch.capture_step_dispatch
 
-    def spy(src, opts, *, chosen=False, warm_up_step=False):
+    def spy(src, opts, *, chosen=False, warm_up_step=False, vouched=False):
         recorded.append(warm_up_step)
-        return inner(src, opts, chosen=chosen, warm_up_step=warm_up_step or whole_warm_up)
+        return inner(src, opts, chosen=chosen, warm_up_step=warm_up_step or whole_warm_up, vouched=vouched)
 
     monkeypatch.setattr("tracer.capture.capture_step_dispatch", spy)
     monkeypatch.setattr(dispatch, "capture_step_dispatch", spy)

@@ -39,13 +39,19 @@ def test_progress_is_shown_on_a_terminal_or_when_asked(monkeypatch, flags, tty, 
 
 def test_the_capture_stages_are_reported(capsys):
     """On the two-block MLP of tests/fixtures (a quarter of llama-debug's capture time): a full capture
-    goes through the same stages for every model."""
+    goes through the same stages for every model: the eager-only command runs the step op by op, a capture
+    of the graph traces it and simulates each policy."""
     assert main([MLP_LM, "--seq", "8", "--target", "cpu", "--progress"]) == 0
     out, err = capsys.readouterr()
     lines = [line.split("] ", 1)[1] for line in err.splitlines()]
     assert lines == [f"capturing {MLP_LM} (batch 2, seq 8) under fake tensors ...",
-                     "tracing the joint graph from the module ...", "simulating eager ...", "analysing ...", "done"]
+                     "running the step op by op on fake tensors ...", "analysing ...", "done"]
     assert "] " not in out.splitlines()[0] and "peak:" in out
+    assert main([MLP_LM, "--seq", "8", "--target", "cpu", "--progress", "--capture", "export"]) == 0
+    out, err = capsys.readouterr()
+    lines = [line.split("] ", 1)[1] for line in err.splitlines()]
+    assert lines == [f"capturing {MLP_LM} (batch 2, seq 8) under fake tensors ...",
+                     "tracing the joint graph from the module ...", "simulating eager ...", "analysing ...", "done"]
 
 
 def _linear_step(batch: int, seq: int):

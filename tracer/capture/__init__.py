@@ -34,12 +34,14 @@ from tracer.capture.caller_held import observe_kept_outputs
 from tracer.capture.convert import OpDraft, convert_step, input_values
 from tracer.capture.eager_checkpoint import eager_checkpoint_semantics, recompute_local_holds
 from tracer.capture.forward_leaves import leaf_note
-from tracer.capture.dispatch import CAPTURE_PATH as DISPATCH_PATH, capture_step_dispatch, parameter_counts
+from tracer.capture.dispatch import (CAPTURE_PATH as DISPATCH_PATH, VOUCHED_PATH, capture_step_dispatch,
+                                     parameter_counts)
 from tracer.capture import dynamo_joint as compile_rung   # a module: its function shares its name
 from tracer.errors import CaptureError, TracerError, UsageError
 from tracer.capture.joint import export_joint
 from tracer.capture.model_input import ModelSource, load_model_source
 from tracer.capture.target import parse_target
+from tracer.capture.source import caller_frames_left_out
 from tracer.capture.policies import policy_schedule
 from tracer.capture.precision import PRECISIONS, autocast_dtype, make_grad_scaler, uses_grad_scaler
 from tracer.capture.autocast_cache import autocast_cache_holds, reuse_cached_casts
@@ -84,6 +86,10 @@ class CaptureOptions:
     fp8: str | None = None             # torchao's float8 recipe on the linears (float8.py)
     ep: int = 1                        # built and stepped as rank 0 of this many ranks (process_group.py)
     cp: int = 1                        # context parallelism: `seq` is one rank's share (context_parallel.py)
+    # the eager-only analysis runs the step op by op first, and captures the joint graph only where that
+    # run used something the two are not held equal on (`_op_by_op_first`); set by the pipeline for an
+    # analysis whose passes read nothing but the eager step
+    op_by_op_first: bool = False
 
 
 def capture_step(source: ModelSource, options: CaptureOptions, spec: PolicySpec | None = None) -> StepGraph:
@@ -172,7 +178,7 @@ def _requested_steps(source, requests, options, on_policy, on_stage) -> tuple[St
         # anomaly mode's report of an error the capture ladder handles (reentrant checkpointing under AOT)
         warnings.filterwarnings("ignore", message="Error detected in")
         with routing_assumption(parse_routing(options.moe_routing)) as routing, device_queries_observed() as asked:
-            graphs = _capture_steps(source, requests, on_policy, on_stage or (lambda message: None))
+            graphs = _capture_steps(source, requests, on_policy, on_stage or (lambda message: None), routing)
         notes = source.notes + routing.notes + device_query_note(asked, parse_target(options.target).is_cuda)
         if routing.grouped_mm_lines and options.target != "cpu":
             notes += ("whether the CUDA grouped matmul takes "
@@ -235,9 +241,14 @@ def _gc_skips_the_heap_so_far():
         gc.unfreeze()
 
 
-def _capture_steps(source, requests, on_policy, on_stage) -> tuple[StepGraph, ...]:
+def _capture_steps(source, requests, on_policy, on_stage, routing=None) -> tuple[StepGraph, ...]:
     options = requests[0][0]
     kept = observe_kept_outputs(source, options) if source.keep is not None else ()
+    if _op_by_op_first(source, requests):
+        on_stage("running the step op by op on fake tensors ...")
+        graphs = _vouched_op_by_op(source, requests, kept, routing)
+        if graphs is not None:
+            return graphs
     if options.capture == "dispatch":
         on_stage("running the step op by op on fake tensors (no graph) ...")
         return _dispatch_requests(source, requests, reason="--capture dispatch: the step runs op by op, as asked",
@@ -466,16 +477,50 @@ QUANTIZED_BASE_REASON = ("--base: bitsandbytes' quantized layers are run op by o
                          "cannot be traced into a graph)")
 
 
-def _dispatch_requests(source, requests, *, reason: str, kept, chosen: bool = False) -> tuple[StepGraph, ...]:
+OP_BY_OP_REASON = ("eager only: the step ran op by op on fake tensors; it uses nothing that run and the joint "
+                   "graph differ on (--capture export traces the graph)")
+
+
+def _op_by_op_first(source, requests) -> bool:
+    """The eager-only analysis of a plain step: every request the eager policy, with the options' defaults
+    but for batch, shape, optimizer and target (each lever, fp16's GradScaler and autocast's casts, a
+    first step and kept gradients are captured as a graph: the two paths are not held equal on them)."""
+    options = requests[0][0]
+    plain = CaptureOptions(batch=options.batch, seq=options.seq, optimizer=options.optimizer, foreach=options.foreach,
+                           target=options.target, moe_routing=options.moe_routing, op_by_op_first=True,
+                           precision=options.precision if options.precision in ("fp32", "bf16-pure") else "fp32")
+    return (options.op_by_op_first and all(o == plain and spec.name == "eager" and spec == PolicySpec(name="eager")
+                                           for o, spec in requests)
+            and not source.create_graph)
+
+
+def _vouched_op_by_op(source, requests, kept, routing) -> tuple[StepGraph, ...] | None:
+    """The requests' steps run op by op, or None where that run used something the op-by-op run and the
+    joint graph are not held equal on (dispatch.py `graph_rung_features`, or a routing decision: a
+    data-dependent size, a value read) or failed (the graph rungs then report the model's error as they
+    do): the caller captures the graph."""
+    try:
+        graphs = _dispatch_requests(source, requests, reason=OP_BY_OP_REASON, kept=kept, chosen=True, vouched=True)
+    except Exception:           # noqa: BLE001 - GraphRungNeeded, or a failure the graph rungs report as before
+        graphs = None
+    if routing is not None and (graphs is None or routing.decided_anything):
+        routing.reset()
+        return None
+    return graphs
+
+
+def _dispatch_requests(source, requests, *, reason: str, kept, chosen: bool = False,
+                       vouched: bool = False) -> tuple[StepGraph, ...]:
     """The dispatch rung once per distinct options of the requests; `chosen`: run op by op for `reason`, not
-    because every graph rung failed with it."""
+    because every graph rung failed with it; `vouched`: raise GraphRungNeeded where it cannot stand for the
+    graph's eager step."""
     by_options: dict = {}
     for options, spec in requests:
         by_options.setdefault(options, []).append(spec)
     graphs = {}
     for options, specs in by_options.items():
         for spec, graph in zip(specs, _dispatch_steps(source, options, tuple(specs), reason=reason,
-                                                      kept=kept, chosen=chosen).values()):
+                                                      kept=kept, chosen=chosen, vouched=vouched).values()):
             graphs[(options, spec)] = graph
     return tuple(graphs[(options, spec)] for options, spec in requests)
 
@@ -507,7 +552,8 @@ def _ladder(capture: str) -> list:
     return rungs[capture]
 
 
-def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: bool = False) -> dict[str, StepGraph]:
+def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: bool = False,
+                    vouched: bool = False) -> dict[str, StepGraph]:
     """The ladder's last rung: no graph, so only the eager policy can be simulated."""
     why = f"; the step runs op by op: {reason}" if chosen else f", and none could be captured: {reason}"
     fix = "" if chosen else "fix what export reports, or "
@@ -520,15 +566,17 @@ def _dispatch_steps(source, options, specs, *, reason: str, kept=(), chosen: boo
     if others:
         raise CaptureError(f"policies {', '.join(others)} need a captured graph{why}",
                            hint=f"{fix}ask for --policy eager only")
-    ops, table, (n_params, n_frozen), notes, loss_position, model = capture_step_dispatch(source, options,
-                                                                                          chosen=chosen)
+    with caller_frames_left_out():
+        ops, table, (n_params, n_frozen), notes, loss_position, model = capture_step_dispatch(
+            source, options, chosen=chosen, vouched=vouched)
     _eager_reduced_loss_storages(ops, table)      # the fake kernel's 0-dim loss; eager's keeps more
     notes += _caller_held(ops, table, source, options, kept or _default_loop_kept(source, options, loss_position, model),
                           model)
     notes += _loop_order(ops, table, model, options.step == "steady")
     config = StepConfig(model=source.name, batch=options.batch, seq=options.seq, precision=options.precision,
                         optimizer=_optimizer_label(source, options, model), step=options.step,
-                        zero_grad_set_to_none=options.zero_grad_set_to_none, capture_path=DISPATCH_PATH,
+                        zero_grad_set_to_none=options.zero_grad_set_to_none,
+                        capture_path=VOUCHED_PATH if vouched else DISPATCH_PATH,
                         policy="eager", target=options.target,
                         notes=(reason if chosen else f"export failed: {reason}",) + notes)
     frozen_ops = tuple(_freeze(i, d, eager_autograd=False) for i, d in enumerate(ops))

@@ -190,6 +190,7 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
     region_at = {node: (region, False) for region in regions for node in region.forward_nodes}
     region_at.update({node: (region, True) for region in regions for node in region.backward_nodes})
     region_runs: dict[tuple[int, bool], tuple] = {}     # (id(region), backward) -> (storages made, saved values)
+    forward_lines: dict = {}                             # `_summing_module`'s index of forward lines
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -222,16 +223,34 @@ def _convert_nodes(gm, table, values, node_pos, ops, tangent, *, partitioned: bo
             written = _written_storage(writes.get(node), table, values, written_inputs)
         ops.append(_convert_node(node, node_phase, recomputed, table, values, written=written))
         if tagged_backward and "fwd_nn_module_stack" not in node.meta:
-            ops[-1].module = _summing_module(node, node_pos, ops)
+            ops[-1].module = _summing_module(node, node_pos, ops, forward_lines)
         node_pos[node] = len(ops) - 1
 
 
-def _summing_module(node: fx.Node, node_pos: dict, ops: list[OpDraft]) -> str:
+def _summing_module(node: fx.Node, node_pos: dict, ops: list[OpDraft], forward_lines: dict) -> str:
     """The module of a backward op that no forward op made: autograd's engine summing the gradients a tensor
     gets from its readers. Eager sums when the last of them arrives, as part of the autograd node that made
-    it, so the sum belongs to that node's module."""
+    it, so the sum belongs to that node's module. The graph names that node's forward line (the op's own
+    source: "gradient addition ... around" it) but not always its op: a node whose backward is the identity
+    (an add's) leaves no op, so the newest input is made by the node before it, in a module inside the
+    line's. The sum takes the module of the newest input's op where a forward op at the line runs in it,
+    else the innermost module of the line's forward ops that encloses it (`forward_lines`: (file, line) ->
+    the modules of the forward ops there, filled on first use)."""
     positions = [node_pos[a] for a in node.all_input_nodes if a in node_pos]
-    return ops[max(positions)].module if positions else ""
+    newest = ops[max(positions)].module if positions else ""
+    loc = ops[-1].source
+    if loc is None:
+        return newest
+    if not forward_lines:
+        for op in ops:
+            if op.phase is Phase.FORWARD and op.source is not None:
+                forward_lines.setdefault((op.source.file, op.source.line), set()).add(op.module)
+        forward_lines[None] = set()          # filled
+    at_line = forward_lines.get((loc.file, loc.line), set())
+    if not at_line or newest in at_line:
+        return newest
+    enclosing = [m for m in at_line if m == "" or newest.startswith(m + ".")]
+    return max(enclosing, key=len) if enclosing else newest
 
 
 def _convert_region(region, backward: bool, table: StorageTable, values, node_pos, ops,

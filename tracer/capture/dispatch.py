@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from tracer.capture.build import model_held_tensors, step_module
+from tracer.capture.convert import input_values
 from tracer.capture.eager_kernels import kernels_as_in_eager
 from tracer.capture.lightning_loop import optimizer_factory
 from tracer.capture.joint import attribute_tensors, build_fake
@@ -52,6 +53,8 @@ from tracer.errors import ModelRunError
 from tracer.stepgraph import Phase, SourceLoc, StorageRole
 
 CAPTURE_PATH = "dispatch (fake tensors, no graph)"
+# the eager-only command's step run op by op where it stands for the joint graph's (`graph_rung_features`)
+VOUCHED_PATH = "op by op (the joint graph's eager step)"
 
 
 class _ModuleStack:
@@ -170,11 +173,14 @@ def checkpoint_rerun_site(module_names: dict[int, str]) -> tuple[SourceLoc | Non
     return loc, normalize_module_path(module)
 
 
-def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False) -> tuple:
+def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False, warm_up_step: bool = False,
+                          vouched: bool = False) -> tuple:
     """Returns (ops, StorageTable, (parameter count, frozen parameter count), notes, the loss's position in a
     returned tuple, the built model). `chosen`: the step runs
     op by op by choice (a second-order step, a quantized base, --capture dispatch), not because no graph
-    could be captured.
+    could be captured. `vouched`: the step stands for the joint graph's eager step (the eager-only
+    command's first try): raises GraphRungNeeded when it used something the two are not known to equal on
+    (`graph_rung_features`).
 
     A steady step needs what the step before it leaves behind. The optimizer's state is made by priming:
     one optimizer step on fake gradients of every parameter that requires one, without running the model.
@@ -213,6 +219,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     last_backward_site = [(None, "")]
 
     reruns = _RerunNodes()
+    parameter_ids = {id(p) for p in model.parameters()}
+    seen: set[str] = set()                  # what the run used that `graph_rung_features` names
 
     def site():
         if reruns.pending:
@@ -231,6 +239,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
                 # a parameter's gradient accumulation (a copy of a gradient in another layout) runs as soon
                 # as the node that made the gradient has run: that node's line and module
                 stamped = last_backward_site[0]
+                if id(node.variable) not in parameter_ids:
+                    seen.add("a leaf tensor made in forward that requires grad")
             loc, module = stamped or (None, "")
             return Phase.BACKWARD, loc, module
         if phase["now"] is Phase.FORWARD:
@@ -264,7 +274,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             offloaded = (torch.autograd.graph.save_on_cpu(pin_memory=True) if options.offload == "activations"
                          else contextlib.nullcontext())
             noted = _saved_storages_noted(table, packed) if record else contextlib.nullcontext()
-            with modules, _NodeStamper(modules), autocast(), noted, offloaded:
+            with modules, _NodeStamper(modules), autocast(), noted, offloaded, _saved_tensor_hooks_seen(seen):
                 loss = step(*batch)
             log.clear_casts()                  # autocast's exit frees its cached casts
             if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
@@ -325,7 +335,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     if prime and not _primed_step_is_steady(recorder, table, loss_sid, primed, reached,
                                             attributes_before, _module_attributes(model)):
         del model, opt, recorder, table, built, batch, step
-        return capture_step_dispatch(source, options, chosen=chosen, warm_up_step=True)
+        return capture_step_dispatch(source, options, chosen=chosen, warm_up_step=True, vouched=vouched)
     if loss_sid is not None:
         table.update(loss_sid, persistent=True, name="loss")
     for sid in recorder.created:
@@ -339,13 +349,91 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     for value, name in optimizer_held_tensors(opt, names):
         if table.lookup(value) is not None:
             table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
+    if vouched:
+        features = graph_rung_features(recorder, table, model, seen)
+        if features:
+            raise GraphRungNeeded(features)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
-    notes += [("" if chosen else "no graph could be captured; ") + "the step ran op by op on fake "
-              f"tensors ({CAPTURE_PATH}): eager memory and attribution only, no recompute policies"]
+    if not vouched:
+        notes += [("" if chosen else "no graph could be captured; ") + "the step ran op by op on fake "
+                  f"tensors ({CAPTURE_PATH}): eager memory and attribution only, no recompute policies"]
     notes += [f"a value read from a tensor at {loc.short() if loc else 'an unknown line'} was taken as 0 / False "
               "(fake tensors have no data)" for loc in dict.fromkeys(recorder.scalar_reads)]
     notes += [assertion_note(loc.short()) for loc in dict.fromkeys(recorder.asserted_reads)]
     return recorder.ops, table, parameter_counts(model), tuple(notes), step.loss_position, model
+
+
+class GraphRungNeeded(Exception):
+    """The step run op by op used something it is not known to equal the joint graph's step on."""
+
+    def __init__(self, features: tuple[str, ...]):
+        super().__init__("; ".join(features))
+        self.features = features
+
+
+def graph_rung_features(recorder: StepRecorder, table: StorageTable, model, seen: set[str]) -> tuple[str, ...]:
+    """What the recorded step used that the op-by-op run and the joint graph's eager step are not held equal
+    on (benchmarks/capture_parity.py compares the two on every fixture): a checkpointed region's recompute,
+    a value read from a tensor (the graph rung drops the ops only Python reads), a tensor subclass (float8
+    training), a custom op's kernel, an RNN module (a CUDA target's cuDNN kernel), a collective, saved-tensor
+    hooks of the model's own (save_on_cpu), a leaf made in forward that requires grad, or a forward write
+    into a parameter's own storage (`weight.data.clamp_()`). Empty: the two are the same step."""
+    features = set(seen)
+    if recorder.scalar_reads or recorder.asserted_reads or recorder.model_constant_reads:
+        features.add("values read from tensors")
+    if recorder.subclass_ops:
+        features.add("a tensor subclass")
+    if recorder.traced_kernels or recorder.opaque_kernels:
+        features.add("a custom op's kernel")
+    for op in recorder.ops:
+        if op.recomputed or op.rerun_of is not None:
+            features.add("a checkpointed region")
+        elif op.target.startswith(("c10d.", "_c10d_functional.")):
+            features.add("a collective")
+        elif op.phase is Phase.FORWARD and _writes_a_parameter(op, table):
+            features.add("a forward write into a parameter")
+    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        features.add("an RNN module")
+    if _unread_scalar_results(recorder.ops):
+        features.add("values read from tensors")
+    return tuple(sorted(features))
+
+
+def _unread_scalar_results(ops) -> bool:
+    """A forward op whose outputs are new 0-dim tensors that no later op reads: a value Python reads (or
+    drops), which the joint graph leaves out with its op."""
+    read: set[int] = set()
+    for op in ops:
+        read.update(value.storage_id for value in input_values(op))
+    return any(op.phase is Phase.FORWARD and not op.is_view and op.outputs
+               and all(value.shape == () and value.storage_id not in read for value in op.outputs)
+               for op in ops)
+
+
+def _writes_a_parameter(op, table: StorageTable) -> bool:
+    """An in-place aten op (`clamp_`) whose output is a parameter's storage."""
+    parts = op.target.split(".")
+    if len(parts) < 2 or not parts[1].endswith("_"):
+        return False
+    return any(table.get(value.storage_id).role is StorageRole.PARAMETER for value in op.outputs)
+
+
+@contextlib.contextmanager
+def _saved_tensor_hooks_seen(seen: set[str]):
+    """Adds to `seen` when the model's code enters saved-tensor hooks of its own (save_on_cpu, a
+    non-reentrant checkpoint's) while active."""
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    original = hooks.__enter__
+
+    def enter(self):
+        seen.add("saved-tensor hooks")
+        return original(self)
+
+    hooks.__enter__ = enter
+    try:
+        yield
+    finally:
+        hooks.__enter__ = original
 
 
 @contextlib.contextmanager
@@ -434,14 +522,26 @@ def _primed_step_is_steady(recorder: StepRecorder, table: StorageTable, loss_sid
 
 def _saved_storages_noted(table: StorageTable, packed: set[int]):
     """saved_tensors_hooks that add the storage id of every tensor autograd saves to `packed`, holding a
-    detached alias as autograd holds the tensor (made outside the recorder: it is no op of the step)."""
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    detached alias as autograd holds the tensor (made outside the recorder: it is no op of the step). Autograd
+    does not check a hooked tensor's version when backward reads it, so the unpack hook checks it as autograd
+    does without hooks: a saved tensor written in place after it was saved stops the step, as eager's
+    backward stops."""
+    def pack(t: torch.Tensor):
         sid = table.lookup(t)
         if sid is not None:
             packed.add(sid)
         with torch.utils._python_dispatch._disable_current_modes():
-            return t.detach()
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            alias = t.detach()                  # shares t's version counter
+        return alias, alias._version
+
+    def unpack(saved) -> torch.Tensor:
+        alias, version = saved
+        if alias._version != version:
+            raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an "
+                               f"inplace operation: a tensor of shape {list(alias.shape)} is at version "
+                               f"{alias._version}; expected version {version} instead")
+        return alias
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def _saved_and_held_into_backward(ops, table: StorageTable, packed: set[int]) -> None:

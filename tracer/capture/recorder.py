@@ -70,6 +70,8 @@ class StepRecorder(TorchDispatchMode):
         self.created: list[int] = []
         self.scalar_reads: list[SourceLoc | None] = []
         self.asserted_reads: list[SourceLoc] = []         # truth values an assert statement read: True
+        self.subclass_ops = False                         # an op ran on a tensor subclass
+        self.model_constant_reads = 0                     # values of known tensors read outside the optimizer
         self._finalizers: list[weakref.finalize] = []
 
     def add_existing(self, t: torch.Tensor, role: StorageRole, **fields) -> int:
@@ -109,7 +111,7 @@ class StepRecorder(TorchDispatchMode):
         if self.read_scalars_as_zero and func is torch.ops.aten._local_scalar_dense.default:
             from torch._subclasses.fake_tensor import DataDependentOutputException
             try:
-                return func(*args, **kwargs)        # a constant the fake mode knows (e.g. Adam's step count)
+                value = func(*args, **kwargs)       # a constant the fake mode knows (e.g. Adam's step count)
             except DataDependentOutputException:
                 loc = loc_from_python_stack()
                 if args[0].dtype == torch.bool and loc is not None and is_assertion(loc.file, loc.line):
@@ -117,8 +119,12 @@ class StepRecorder(TorchDispatchMode):
                     return True
                 self.scalar_reads.append(loc)
                 return _zero_like_scalar(args[0].dtype)
+            if self.site()[0] is not Phase.OPTIMIZER:
+                self.model_constant_reads += 1
+            return value
         leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if any(is_traceable_wrapper_subclass(t) for t in leaves):
+            self.subclass_ops = True
             # a tensor subclass (a DTensor) runs the op on its inner tensors: those ops, which come back
             # through this mode, are what allocates; the subclass itself holds no memory of its own
             return NotImplemented

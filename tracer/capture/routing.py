@@ -151,6 +151,15 @@ class RoutingShadows:
         self.asserted_lines: dict[str, None] = {}               # lines whose `assert` read a value: True
 
     @property
+    def decided_anything(self) -> bool:
+        """A router was seen, a data-dependent size answered, or a value read or asserted."""
+        return bool(self.routers or self.answered or self.scalar_reads or self.asserted_lines or self.grouped_mm_lines)
+
+    def reset(self) -> None:
+        """Forget what a capture decided (before another path captures the same step again)."""
+        self.__init__(self.assumption)
+
+    @property
     def notes(self) -> tuple[str, ...]:
         from tracer.capture.pylocals import assertion_note
         notes = []

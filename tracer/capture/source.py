@@ -13,6 +13,7 @@ Module paths from export's `nn_module_stack` are normalised (`L__self__`, `_expo
 from __future__ import annotations
 
 import functools
+import contextlib
 import linecache
 import os
 import re
@@ -98,13 +99,31 @@ def user_frames(stack_trace: str | None) -> tuple[tuple[str, int, str], ...]:
                  if is_user_file(m["file"]))
 
 
+_CALLER_FRAMES = [0]     # outer frames of the code that started the step run, left out of its lines
+
+
 def loc_from_python_stack() -> SourceLoc | None:
     stack, frame = [], sys._getframe(1)
     while frame is not None:
         stack.append(frame)
         frame = frame.f_back
     stack.reverse()                                     # outer to inner
-    return loc_of_frames(stack)
+    return loc_of_frames(stack[_CALLER_FRAMES[-1]:])
+
+
+@contextlib.contextmanager
+def caller_frames_left_out():
+    """While active, `loc_from_python_stack` leaves out the frames that called into it: a script of the
+    user's that calls `tracer.analyze` is not the model's code, and an op no model line runs (autograd's
+    engine starting backward) has no line rather than the script's."""
+    depth, frame = 0, sys._getframe(2)
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    _CALLER_FRAMES.append(depth)
+    try:
+        yield
+    finally:
+        _CALLER_FRAMES.pop()
 
 
 def loc_of_frames(stack: list) -> SourceLoc | None:

@@ -25,7 +25,8 @@ Comparison contract:
     a flag given replaces one, and the comparison reports it instead of refusing it.
   * The config (model, batch, seq, precision, optimizer, step, zero_grad_set_to_none, capture_path) must
     match; otherwise UsageError naming each setting that differs. Capture paths that build the joint
-    graph (aot-joint, export-joint, compile-joint) count as one: they give the same graph. Different tracer or torch versions are
+    graph (aot-joint, export-joint, compile-joint) count as one: they give the same graph, and so does the
+    eager-only step run op by op where it stands for the graph's (capture/dispatch.py `VOUCHED_PATH`). Different tracer or torch versions are
     allowed and reported in `notes` (torch controls some of the numbers).
   * Gated numbers are the `numbers` above. One regresses when `current > baseline * (1 + tolerance)`
     (from a baseline of 0, any growth regresses); it improves when `current < baseline * (1 - tolerance)`.
@@ -339,7 +340,8 @@ def _refuse_config_mismatch(old: dict, new: dict, overridden: tuple[str, ...] = 
     """The differences in `overridden` keys (returned); any other difference raises UsageError."""
     def norm(key, value):
         if key == "capture_path" and isinstance(value, str):
-            # every graph front end gives the same joint graph; only the dispatch fallback models less
+            # every graph front end gives the same joint graph, and so does the eager-only step run op by op
+            # where it stands for it (VOUCHED_PATH); only the dispatch fallback models less
             return value if value.startswith("dispatch") else "joint graph"
         return os.path.normpath(value) if key == "model" and isinstance(value, str) and value.endswith(".py") else value
 

@@ -81,7 +81,7 @@ ZERO_COST_OPS: frozenset[str] = frozenset({
     "aten.ones_like", "aten.full", "aten.full_like", "aten.new_empty", "aten.new_empty_strided",
     "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.arange", "aten.scalar_tensor", "aten.fill",
     "aten.fill_", "aten.zero_", "aten._foreach_zero_", "aten.rand", "aten.randn", "aten.randint",
-    "aten.rand_like", "aten.randn_like", "aten.bernoulli", "aten.uniform_", "aten.normal_", "prims.iota",
+    "aten.rand_like", "aten.randn_like", "aten.bernoulli", "aten.bernoulli_", "aten.uniform_", "aten.normal_", "prims.iota",
     # scalars, shapes, asserts, bookkeeping
     "aten._local_scalar_dense", "aten.sym_size", "aten.sym_stride", "aten.sym_numel",
     "aten.sym_storage_offset", "aten._assert_tensor_metadata", "aten._assert_async", "aten._assert_scalar",
