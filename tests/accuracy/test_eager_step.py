@@ -174,6 +174,21 @@ def test_an_assertion_on_activation_values_is_taken_as_passing_and_noted():
                for note in result.graph.config.notes)
 
 
+def test_a_negated_assertion_reads_the_value_that_lets_it_pass(tmp_path):
+    """`assert not h.isnan().any()` passes when the value read is False: read as True, as a plain
+    `assert (h >= 0).all()` reads, it stopped every capture path with an AssertionError."""
+    model = tmp_path / "negated_assert.py"
+    model.write_text(open(os.path.join(FIXTURES, "asserts_on_values.py")).read().replace(
+        '        assert h_max.isnan().sum() == 0, "NaN in the activations"\n',
+        '        assert not h.isnan().any()\n        assert not (not (h >= 0).all())\n'))
+    result, measured = predict_and_measure(str(model), batch=2, seq=16)
+    for phase in ("forward", "backward", "optimizer"):
+        assert result.phases[phase].peak_bytes == measured.phase_peaks[phase], phase
+    assert result.saved.total_bytes == measured.saved_bytes
+    assert sum("negated_assert.py:21" in note or "negated_assert.py:22" in note
+               for note in result.graph.config.notes) == 2
+
+
 def test_a_weight_gradient_in_another_layout_is_copied_by_accumulate_grad():
     """A Conv2d fed a channels_last view (`permute(0, 2, 1).reshape(...)`, PVT's spatial reduction) returns
     its weight gradient channels_last; AccumulateGrad copies it into the weight's contiguous layout

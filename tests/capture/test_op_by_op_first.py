@@ -34,7 +34,7 @@ def _numbers(report: dict) -> dict:
 
 
 @pytest.mark.parametrize("model", ["llama-debug", "gpt2-debug", "mlp_lm.py", "python_held_containers.py",
-                                   "inplace_dropout_head.py", "default_adam.py"])
+                                   "inplace_dropout_head.py", "default_adam.py", "handover_hf_dict_batch.py"])
 def test_the_eager_only_analysis_runs_op_by_op_with_every_number_of_the_graph(model):
     default = tracer.analyze(_fixture(model), seq=32).policies["eager"]
     graph = tracer.analyze(_fixture(model), seq=32, capture="export").policies["eager"]
@@ -44,9 +44,10 @@ def test_the_eager_only_analysis_runs_op_by_op_with_every_number_of_the_graph(mo
 
 
 @pytest.mark.parametrize("fixture, feature", [
-    ("checkpoint_selective.py", "a checkpointed region"),
+    ("checkpoint_reentrant.py", "a checkpointed region"),
+    ("checkpoint_selective.py", "saved-tensor hooks"),            # a non-reentrant region's own
     ("asserts_on_values.py", "values read from tensors"),
-    ("handover_hf_dict_batch.py", "values read from tensors"),    # a 0-dim result no op reads
+    ("constant_value_reads.py", "values read from tensors"),
     ("saved_on_cpu.py", "saved-tensor hooks"),
     ("lstm_lm.py", "an RNN module"),
     ("forward_made_leaf.py", "a leaf tensor made in forward that requires grad"),

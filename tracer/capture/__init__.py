@@ -9,7 +9,13 @@ exported module (`export-joint`) -> torch.compile's joint graph (`compile-joint`
 when all fail, the whole step run op by op on fake tensors (`dispatch.py`: eager memory and attribution,
 no recompute policies); a direct trace that fails inside a custom autograd Function's backward goes straight
 to it (export would replace that backward by its forward's: joint.py `_failing_custom_backward`). The
-report's capture path and notes say which rung was used and why.
+report's capture path and notes say which rung was used and why. An analysis that reads only the eager
+step (`CaptureOptions.op_by_op_first`, which the pipeline sets for the eager policy without a lever or a
+sharding, tensor- or pipeline-parallel pass) runs the step op by op first, which costs less than a joint
+trace, and keeps that run (capture path `dispatch.VOUCHED_PATH`) unless it used something the two paths are
+not held equal on (dispatch.py `graph_rung_features`: a checkpointed region, a value read, a tensor
+subclass, a custom op's kernel, an RNN module, a collective, saved-tensor hooks of the model's own, a leaf
+made in forward, a forward write into a parameter; or a routing decision) or failed: then the ladder runs.
 
 The modules are stages, each importing only those before it (tests/test_package_imports.py holds the list):
 what every stage reads (meta.py: the fx-meta keys and AOT descriptor predicates; source, storages,
@@ -496,17 +502,15 @@ def _op_by_op_first(source, requests) -> bool:
 
 def _vouched_op_by_op(source, requests, kept, routing) -> tuple[StepGraph, ...] | None:
     """The requests' steps run op by op, or None where that run used something the op-by-op run and the
-    joint graph are not held equal on (dispatch.py `graph_rung_features`, or a routing decision: a
-    data-dependent size, a value read) or failed (the graph rungs then report the model's error as they
-    do): the caller captures the graph."""
+    joint graph are not held equal on (dispatch.py `GraphRungNeeded`) or failed (the graph rungs then report
+    the model's error as they do): the caller captures the graph, with the routing assumption's record of
+    this run forgotten."""
     try:
-        graphs = _dispatch_requests(source, requests, reason=OP_BY_OP_REASON, kept=kept, chosen=True, vouched=True)
+        return _dispatch_requests(source, requests, reason=OP_BY_OP_REASON, kept=kept, chosen=True, vouched=True)
     except Exception:           # noqa: BLE001 - GraphRungNeeded, or a failure the graph rungs report as before
-        graphs = None
-    if routing is not None and (graphs is None or routing.decided_anything):
-        routing.reset()
+        if routing is not None:
+            routing.reset()
         return None
-    return graphs
 
 
 def _dispatch_requests(source, requests, *, reason: str, kept, chosen: bool = False,

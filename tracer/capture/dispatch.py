@@ -10,7 +10,7 @@ bf16 autocast's lists, dropout's fused kernel, the optimizer's foreach default);
 kernel is still traced (bitsandbytes' 4-bit matmul dequantizes its weight there, as its CUDA kernel does
 for all but small calls). Values read from tensors
 (`.item()`, `if t.sum() > 0:`) read as 0 / False, and every such read is reported with its line; a truth
-value an `assert` statement reads is True (the step predicted passes its assertions).
+value an `assert` statement reads is the one that lets it pass (the step predicted passes its assertions).
 A model's own torch.utils.checkpoint runs for real: the ops its recompute (or a reentrant region's rerun)
 runs inside backward are marked recomputed, at the model line and module they run from
 (`checkpoint_rerun_site`: a block's method or a plain function the region runs outside any module's
@@ -19,6 +19,13 @@ are stamped as forward's are (`_RerunNodes`), so the backward it runs over them 
 modules. The CPU RNG state each region saves (a real CPU tensor, made outside the dispatcher: device
 memory on a CPU target only) is recorded through a fake stand-in of its size (`_rng_states_recorded`).
 What this path cannot do: recompute policies (compiled, selective, full) need a graph.
+
+It is also the eager-only analysis's first try (`vouched`): the run is kept, as `VOUCHED_PATH`, only where
+`graph_rung_features` finds nothing the op-by-op run and the joint graph are not held equal on
+(benchmarks/capture_parity.py compares the two on every fixture); else the caller captures the graph.
+Autograd does not check the version of a tensor saved-tensor hooks hold, so the run's own hooks check it:
+a saved tensor written in place stops the step as eager's backward stops it. Lines are the model's: the
+frames of the code that called the capture (a user's script calling `tracer.analyze`) are left out.
 """
 from __future__ import annotations
 
@@ -214,7 +221,6 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
     table = StorageTable()
     # a module reachable under two names takes the last, as the graph rungs' module hooks name it
     names = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
-    modules = _ModuleStack(names)
     phase = {"now": Phase.FORWARD}
     last_backward_site = [(None, "")]
 
@@ -246,6 +252,12 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
         if phase["now"] is Phase.FORWARD:
             return Phase.FORWARD, loc_from_python_stack(), modules.current
         return phase["now"], loc_from_python_stack(), ""
+
+    if vouched and any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        raise GraphRungNeeded(("an RNN module",))       # before the model runs: its state is as it was built
+    # the other features show as the step runs; it runs to its end, whatever it meets (a model's own state,
+    # a selective checkpoint policy's count of matmuls, is then that of a whole step, as in a training loop)
+    modules = _ModuleStack(names)
 
     # a custom op's CPU Python kernel is traced for either target: bitsandbytes' 4-bit matmul dequantizes
     # its weight there, as its CUDA kernel does for all but small calls (a size bitsandbytes picks per GPU)
@@ -319,7 +331,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
                 recorder.add_existing(tensor, StorageRole.OPTIMIZER_STATE, name=name)
         loss = run_step(record=True)
         recorder.stop_tracking()
-    except ModelRunError:
+    except (ModelRunError, GraphRungNeeded):
         raise
     except Exception as exc:
         from tracer.capture.joint import _routing_error
@@ -350,7 +362,8 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
         if table.lookup(value) is not None:
             table.update(table.lookup(value), role=StorageRole.OPTIMIZER_STATE, name=name)
     if vouched:
-        features = graph_rung_features(recorder, table, model, seen)
+        features = graph_rung_features(recorder, table, model, seen) + (
+            ("a data-dependent size or value",) if _routing_decided() else ())
         if features:
             raise GraphRungNeeded(features)
     notes = list(built.notes + step.notes() + optimizer_notes(opt))
@@ -378,25 +391,47 @@ def graph_rung_features(recorder: StepRecorder, table: StorageTable, model, seen
     training), a custom op's kernel, an RNN module (a CUDA target's cuDNN kernel), a collective, saved-tensor
     hooks of the model's own (save_on_cpu), a leaf made in forward that requires grad, or a forward write
     into a parameter's own storage (`weight.data.clamp_()`). Empty: the two are the same step."""
-    features = set(seen)
+    features = set(seen) | _recorder_features(recorder)
+    for op in recorder.ops:
+        features |= _op_features(op, table)
+    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        features.add("an RNN module")
+    if _unread_scalar_results(recorder.ops):
+        features.add("values read from tensors")
+    return tuple(sorted(features))
+
+
+def _recorder_features(recorder: StepRecorder) -> set[str]:
+    features = set()
     if recorder.scalar_reads or recorder.asserted_reads or recorder.model_constant_reads:
         features.add("values read from tensors")
     if recorder.subclass_ops:
         features.add("a tensor subclass")
     if recorder.traced_kernels or recorder.opaque_kernels:
         features.add("a custom op's kernel")
-    for op in recorder.ops:
-        if op.recomputed or op.rerun_of is not None:
-            features.add("a checkpointed region")
-        elif op.target.startswith(("c10d.", "_c10d_functional.")):
-            features.add("a collective")
-        elif op.phase is Phase.FORWARD and _writes_a_parameter(op, table):
-            features.add("a forward write into a parameter")
-    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
-        features.add("an RNN module")
-    if _unread_scalar_results(recorder.ops):
-        features.add("values read from tensors")
-    return tuple(sorted(features))
+    return features
+
+
+def _op_features(op, table: StorageTable) -> set[str]:
+    """What one recorded op is that the two paths are not held equal on; a forward truth value (a 0-dim
+    bool: `mask.all()`) is taken for a value read (the joint graph leaves out one that no op reads)."""
+    if op.recomputed or op.rerun_of is not None:
+        return {"a checkpointed region"}
+    if op.target.startswith(("c10d.", "_c10d_functional.")):
+        return {"a collective"}
+    if op.phase is Phase.FORWARD:
+        if _writes_a_parameter(op, table):
+            return {"a forward write into a parameter"}
+        if op.outputs and all(v.shape == () and v.dtype == "bool" for v in op.outputs) and not op.is_view:
+            return {"values read from tensors"}
+    return set()
+
+
+def _routing_decided() -> bool:
+    """The routing assumption of the capture decided a size or answered a value read."""
+    from tracer.capture.routing import active_routing
+    state = active_routing()
+    return state is not None and state.decided_anything
 
 
 def _unread_scalar_results(ops) -> bool:

@@ -478,6 +478,16 @@ def is_assertion(file: str, line: int) -> bool:
     return isinstance(_statement_at(file, line)[0], ast.Assert)
 
 
+def passing_truth(file: str, line: int) -> bool:
+    """The truth value that lets the `assert` at `file:line` pass, when the value it reads is its test under
+    `not`s (`assert (x == 0).all()`: True; `assert not x.isnan().any()`: False); True for any other test."""
+    test = getattr(_statement_at(file, line)[0], "test", None)
+    negated = False
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        test, negated = test.operand, not negated
+    return not negated
+
+
 def assertion_note(line: str) -> str:
     """The report's note for an `assert` at `line` (`file.py:N`) whose truth value reads a tensor."""
     return (f"the assertion at {line} reads a tensor's value: taken as passing (fake tensors have no data; the "

@@ -17,8 +17,8 @@ fake kernel: a compiled kernel allocates its outputs only. A traced kernel that 
 (`data_ptr`) stops the step with a clear error.
 Values the code reads from tensors (`.item()`, `if t:`) do not exist on fake tensors: with
 `read_scalars_as_zero` they read as 0 / False and each such read is noted with its line, except that a
-truth value an `assert` statement reads is True (a step that runs passes its assertions: `assert not
-x.isnan().any()`), noted apart.
+truth value an `assert` statement reads is the one that lets it pass (a step that runs passes its assertions:
+False for `assert not x.isnan().any()`), noted apart.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves
 from tracer.capture.convert import OpDraft, add_kernel_scratch, plain_value
 from tracer.capture.kernel_scratch import eager_scratch_allocations
 from tracer.capture.meta import target_name
-from tracer.capture.pylocals import is_assertion
+from tracer.capture.pylocals import is_assertion, passing_truth
 from tracer.capture.source import loc_from_python_stack
 from tracer.capture.storages import StorageTable
 from tracer.stepgraph import Phase, SourceLoc, StorageRole
@@ -69,7 +69,7 @@ class StepRecorder(TorchDispatchMode):
         self.ops: list[OpDraft] = []
         self.created: list[int] = []
         self.scalar_reads: list[SourceLoc | None] = []
-        self.asserted_reads: list[SourceLoc] = []         # truth values an assert statement read: True
+        self.asserted_reads: list[SourceLoc] = []         # truth values an assert statement read (passing)
         self.subclass_ops = False                         # an op ran on a tensor subclass
         self.model_constant_reads = 0                     # values of known tensors read outside the optimizer
         self._finalizers: list[weakref.finalize] = []
@@ -116,7 +116,7 @@ class StepRecorder(TorchDispatchMode):
                 loc = loc_from_python_stack()
                 if args[0].dtype == torch.bool and loc is not None and is_assertion(loc.file, loc.line):
                     self.asserted_reads.append(loc)
-                    return True
+                    return passing_truth(loc.file, loc.line)
                 self.scalar_reads.append(loc)
                 return _zero_like_scalar(args[0].dtype)
             if self.site()[0] is not Phase.OPTIMIZER:

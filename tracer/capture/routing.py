@@ -213,8 +213,9 @@ class RoutingShadows:
         try:
             out = original(mode, func, types, args, kwargs)
         except (_DynamicOutputShape, _DataDependentOutput) as exc:
-            if not shadowed and isinstance(exc, _DataDependentOutput) and self._asserted(func, tensors):
-                return True                  # `assert (t == 0).all()`: the step predicted is one that runs
+            passing = self._asserted(func, tensors) if not shadowed and isinstance(exc, _DataDependentOutput) else None
+            if passing is not None:
+                return passing               # `assert (t == 0).all()`: the step predicted is one that runs
             if not shadowed and isinstance(exc, _DataDependentOutput):
                 raise                        # a value read (`if t.sum() > 0`): the capture ladder reports it
             if not shadowed and _in_inductor_pass():
@@ -235,17 +236,18 @@ class RoutingShadows:
             self._forget_mutated(func, args)
         return out
 
-    def _asserted(self, func, tensors) -> bool:
-        """A bool read by an `assert` statement of the user's code (recorded for the report's note)."""
-        from tracer.capture.pylocals import is_assertion
+    def _asserted(self, func, tensors) -> bool | None:
+        """For a bool read by an `assert` statement of the user's code, the value that lets it pass (recorded
+        for the report's note); else None."""
+        from tracer.capture.pylocals import is_assertion, passing_truth
         from tracer.capture.source import loc_from_python_stack
         if func is not aten._local_scalar_dense.default or tensors[0].dtype != torch.bool:
-            return False
+            return None
         loc = loc_from_python_stack()
         if loc is None or not is_assertion(loc.file, loc.line):
-            return False
+            return None
         self.asserted_lines.setdefault(loc.short(), None)
-        return True
+        return passing_truth(loc.file, loc.line)
 
     def _known(self, t: torch.Tensor) -> bool:
         """`t` has a shadow, or is itself a small real tensor (a constant the trace lifts: `torch.tensor([-1, 0])`).
@@ -618,6 +620,11 @@ def forget_values(*tensors: torch.Tensor) -> None:
     for state in _ACTIVE:
         for t in tensors:
             state.forget(t)
+
+
+def active_routing() -> "RoutingShadows | None":
+    """The state of the innermost active routing assumption, if any."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextlib.contextmanager

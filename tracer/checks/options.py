@@ -71,8 +71,9 @@ MODEL_OPTIONS: tuple[ModelOption, ...] = (
     ModelOption("capture", "auto", ("auto", "export", "compile", "dispatch"),
                 "auto: the joint graph, traced from the module, else through torch.export, else through "
                 "torch.compile, falling back to running the step op by op on fake tensors (eager policy only); "
-                "export: the first two, no fallback; compile: torch.compile's joint only; dispatch: the "
-                "fallback directly (default auto)"),
+                "for the eager policy alone the op-by-op run comes first and is kept where it stands for the "
+                "graph's step; export: the first two, no fallback; compile: torch.compile's joint only; "
+                "dispatch: the op-by-op run directly (default auto)"),
     ModelOption("hf_attn", "sdpa", ("sdpa", "eager"),
                 "hf: models: attn_implementation (default sdpa; eager saves the s x s probabilities)"),
     ModelOption("moe_routing", "balanced", None,
