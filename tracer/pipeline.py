@@ -839,8 +839,10 @@ def capture_cut_variants(source, variants: tuple[AnalysisOptions, ...], depth: i
 def _variant_capture(source, variants: tuple[AnalysisOptions, ...], say) -> Callable:
     from tracer.capture import capture_step_requests
 
-    requests = tuple((v.capture_options(), v.policy_specs(model_save_policy=source.save_policy)[0])
-                     for v in variants)
+    # the variants' steps come from one joint capture, which their synthesis and its check compare op for
+    # op: the graph's, never an eager-only variant's step run op by op
+    requests = tuple((dataclasses.replace(v.capture_options(), op_by_op_first=False),
+                      v.policy_specs(model_save_policy=source.save_policy)[0]) for v in variants)
     return lambda src, indices: capture_step_requests(
         src, tuple(requests[i] for i in indices), on_policy=lambda label: say(f"simulating {label} ..."),
         on_stage=say)

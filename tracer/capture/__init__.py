@@ -227,8 +227,9 @@ def seq_free_input_shapes(source: ModelSource, batch: int, seq: int) -> str | No
 
 def joint_key(options: CaptureOptions) -> CaptureOptions:
     """The options with the step-only fields at their defaults: equal keys share one joint capture
-    (--offload activations is traced under save_on_cpu: a capture of its own)."""
-    key = dataclasses.replace(options, **{f: getattr(CaptureOptions, f) for f in STEP_FIELDS})
+    (--offload activations is traced under save_on_cpu: a capture of its own; whether an eager-only request
+    may run op by op first is no part of it)."""
+    key = dataclasses.replace(options, op_by_op_first=False, **{f: getattr(CaptureOptions, f) for f in STEP_FIELDS})
     return dataclasses.replace(key, offload="activations") if options.offload == "activations" else key
 
 
