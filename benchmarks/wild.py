@@ -1,7 +1,7 @@
 """Corpus sweep: every architecture transformers builds from a tiny default config, plus hand-written styles,
 each predicted by tracer (--target cpu, eager policy, dropout 0) and measured in a real CPU step.
 
-    python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S] [--capture dispatch]
+    python benchmarks/wild.py [--only NAME,...] [--limit N] [--json PATH] [--time-limit S] [--capture auto|graph|dispatch]
 
 Names: `hf:<model_type>` for transformers (every model_type of CONFIG_MAPPING with a causal-lm, masked-lm,
 seq2seq, image-classification, speech-seq2seq or CTC head, its default head as `hf:` picks it) and
@@ -357,7 +357,8 @@ def run_one(name: str, time_limit_s: int, runnable=None, capture: str = "auto") 
         row.built = True
         stage = "trace"
         graphs = capture_steps(source, CaptureOptions(batch=BATCH, seq=SEQ, target="cpu", moe_routing="balanced",
-                                                      capture=capture), (PolicySpec(name="eager"),))
+                                                      capture="auto" if capture == "graph" else capture,
+                                                      op_by_op_first=capture == "auto"), (PolicySpec(name="eager"),))
         graph = graphs["eager"]
         row.traced = graph.config.capture_path
         predicted = analyze_graphs(graphs).policies["eager"]
@@ -429,8 +430,9 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=int, help="the first N names only")
     parser.add_argument("--json", help="write the rows as JSON here")
     parser.add_argument("--time-limit", type=int, default=120, help="seconds per model (default 120)")
-    parser.add_argument("--capture", default="auto", choices=("auto", "dispatch"),
-                        help="the capture path predicted with (dispatch: the step run op by op)")
+    parser.add_argument("--capture", default="auto", choices=("auto", "graph", "dispatch"),
+                        help="the capture path predicted with (auto: the default command's, op by op where that "
+                             "run stands for the graph; graph: the joint graph's ladder; dispatch: op by op)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

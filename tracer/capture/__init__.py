@@ -496,9 +496,8 @@ def _op_by_op_first(source, requests) -> bool:
     plain = CaptureOptions(batch=options.batch, seq=options.seq, optimizer=options.optimizer, foreach=options.foreach,
                            target=options.target, moe_routing=options.moe_routing, op_by_op_first=True,
                            precision=options.precision if options.precision in ("fp32", "bf16-pure") else "fp32")
-    return (options.op_by_op_first and all(o == plain and spec.name == "eager" and spec == PolicySpec(name="eager")
-                                           for o, spec in requests)
-            and not source.create_graph)
+    return (options.op_by_op_first and not source.create_graph
+            and all(o == plain and spec == PolicySpec(name="eager") for o, spec in requests))
 
 
 def _vouched_op_by_op(source, requests, kept, routing) -> tuple[StepGraph, ...] | None:

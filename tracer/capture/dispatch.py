@@ -253,7 +253,7 @@ def capture_step_dispatch(source: ModelSource, options, *, chosen: bool = False,
             return Phase.FORWARD, loc_from_python_stack(), modules.current
         return phase["now"], loc_from_python_stack(), ""
 
-    if vouched and any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+    if vouched and _has_rnn(model):
         raise GraphRungNeeded(("an RNN module",))       # before the model runs: its state is as it was built
     # the other features show as the step runs; it runs to its end, whatever it meets (a model's own state,
     # a selective checkpoint policy's count of matmuls, is then that of a whole step, as in a training loop)
@@ -394,11 +394,15 @@ def graph_rung_features(recorder: StepRecorder, table: StorageTable, model, seen
     features = set(seen) | _recorder_features(recorder)
     for op in recorder.ops:
         features |= _op_features(op, table)
-    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+    if _has_rnn(model):
         features.add("an RNN module")
     if _unread_scalar_results(recorder.ops):
         features.add("values read from tensors")
     return tuple(sorted(features))
+
+
+def _has_rnn(model) -> bool:
+    return any(isinstance(m, torch.nn.RNNBase) for m in model.modules())
 
 
 def _recorder_features(recorder: StepRecorder) -> set[str]:
