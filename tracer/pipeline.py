@@ -285,7 +285,9 @@ class AnalysisOptions:
         pipeline = self.pipeline_setup()
         if pipeline is not None:           # the stages' step: the micro-batches' forwards and backwards
             fields.update(batch=self.batch // pipeline.microbatches, accumulate=pipeline.microbatches)
-        # only the eager step is read: it may run op by op (the capture's `_op_by_op_first` decides)
+        # only the eager step is read: it may run op by op (the capture's `_op_by_op_first` decides). The
+        # policies are read here too: an analysis of several captures them in subsets (a compiled policy
+        # planned apart), and a subset of the eager policy alone must not run op by op beside the others' graph
         eager_step_only = self.policies == ("eager",) and self.shard is None and self.tp == 1 and self.pp == 1
         return CaptureOptions(**fields, target=self.target_label(), op_by_op_first=eager_step_only)
 
