@@ -7,6 +7,7 @@ to do; the CLI prints it as one line and exits with `exit_code`. The original ex
 from __future__ import annotations
 
 import enum
+from typing import Sequence
 
 
 class ExitCode(enum.IntEnum):
@@ -64,3 +65,37 @@ class CaptureError(TracerError):
                  quiet: bool = False):
         super().__init__(message, hint=hint)
         self.next_rung_may_work, self.direct, self.quiet = next_rung_may_work, direct, quiet
+
+
+def package_import_error(needs: str, packages: Sequence[str], exc: ImportError, *, install: str,
+                         error: type[TracerError] = UsageError) -> TracerError:
+    """The error for `needs` (an option, `--lora`) when importing `packages` raised `exc`. A package that is
+    not installed asks for `install`; where every one is installed, the import itself failed (a package
+    built for another torch that the import pulls in: a torchvision whose C++ operators do not load breaks
+    transformers, and so peft), so the message gives the failure's root cause instead of asking for a
+    package that is already there."""
+    if any(_not_installed(name) for name in packages):
+        return error(f"{needs} needs {' and '.join(packages)}", hint=install)
+    root = _root_cause(exc)
+    first_line = (str(root).strip().splitlines() or [""])[0]
+    return error(f"{needs}: {' and '.join(packages)} installed, but importing failed: "
+                 f"{type(root).__name__}: {first_line}",
+                 hint=f"python -c 'import {packages[0]}' shows the whole error; reinstall the package it names in "
+                      "the same pip command as torch (pip install torch==<your version> <package>), or uninstall it")
+
+
+def _not_installed(name: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):       # a module left half-imported in sys.modules: installed
+        return False
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception `exc` was raised from (or while handling)."""
+    seen = {id(exc)}
+    while (inner := exc.__cause__ or exc.__context__) is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        exc = inner
+    return exc

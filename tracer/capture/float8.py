@@ -26,7 +26,7 @@ from torch import nn
 from tracer.capture.lora import linears_except_head
 from tracer.capture.model_input import ModelSource
 from tracer.choices import FP8_RECIPES
-from tracer.errors import UsageError
+from tracer.errors import UsageError, package_import_error
 
 FLOAT8_MULTIPLE = 16           # in and out features of a converted linear are multiples of this
 
@@ -47,7 +47,7 @@ def convert_for_float8(model: nn.Module, recipe: str) -> nn.Module:
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as exc:
-        raise UsageError("--fp8 needs torchao", hint="pip install torchao") from exc
+        raise package_import_error("--fp8", ("torchao",), exc, install="pip install torchao") from exc
     chosen = {path for path in linears_except_head(model) if _float8_shaped(model.get_submodule(path))}
     if not chosen:
         raise UsageError(f"--fp8 {recipe}: {type(model).__name__} has no nn.Linear besides its head whose features "

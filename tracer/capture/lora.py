@@ -23,7 +23,7 @@ import dataclasses
 from torch import nn
 
 from tracer.capture.model_input import ModelSource
-from tracer.errors import UsageError
+from tracer.errors import UsageError, package_import_error
 
 
 def lora_source(source: ModelSource, rank: int, targets: tuple[str, ...] = ()) -> ModelSource:
@@ -39,7 +39,7 @@ def apply_lora(model: nn.Module, rank: int, targets: tuple[str, ...] = ()) -> nn
     try:
         import peft
     except ImportError as exc:
-        raise UsageError("--lora needs peft", hint="pip install peft") from exc
+        raise package_import_error("--lora", ("peft",), exc, install="pip install peft") from exc
     chosen = _matching(model, targets) if targets else default_targets(model)
     if not chosen:
         raise UsageError(f"--lora: {type(model).__name__} has no nn.Linear to adapt",

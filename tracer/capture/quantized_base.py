@@ -38,7 +38,7 @@ from torch import nn
 from tracer.capture.lora import linears_except_head
 from tracer.capture.model_input import ModelSource
 from tracer.choices import QUANTIZED_BASES
-from tracer.errors import UsageError
+from tracer.errors import UsageError, package_import_error
 
 QLORA_RANK = 8                 # LoRA adapters' rank when --base is given without --lora
 
@@ -67,7 +67,8 @@ def quantize_base(model: nn.Module, base: str, compute: torch.dtype) -> nn.Modul
         import bitsandbytes as bnb
         from peft import prepare_model_for_kbit_training
     except ImportError as exc:
-        raise UsageError("--base needs bitsandbytes and peft", hint="pip install bitsandbytes peft") from exc
+        raise package_import_error("--base", ("bitsandbytes", "peft"), exc,
+                                   install="pip install bitsandbytes peft") from exc
     paths = tuple(path for path in linears_except_head(model)
                   if not isinstance(model.get_submodule(path), _READ_BY_PARENT)) + _conv1d_paths(model)
     if not paths:

@@ -20,7 +20,7 @@ import json
 import types
 
 from tracer.capture.model_input import ModelSource
-from tracer.errors import UsageError
+from tracer.errors import UsageError, package_import_error
 
 
 def trainer_optimizer_source(source: ModelSource, path: str) -> ModelSource:
@@ -51,8 +51,8 @@ def training_arguments(path: str):
     try:
         from transformers import TrainingArguments
     except ImportError as exc:
-        raise UsageError("--trainer-args builds the Trainer's optimizer with transformers",
-                         hint="pip install transformers") from exc
+        raise package_import_error("--trainer-args (the Trainer's optimizer)", ("transformers",), exc,
+                                   install="pip install transformers") from exc
     with open(path) as f:
         values = json.load(f)
     fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}

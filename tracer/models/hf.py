@@ -50,7 +50,7 @@ import re
 import torch
 from torch import nn
 
-from tracer.errors import ModelInputError
+from tracer.errors import ModelInputError, package_import_error
 from tracer.models.hf_tasks import DEFAULT_TASKS, TASKS, Task  # noqa: F401 - data, without torch
 
 _INPUT_NAMES = {"tokens": "input_ids", "image": "pixel_values", "audio": "input_features", "waveform": "input_values"}
@@ -744,8 +744,8 @@ def _import_transformers():
     try:
         import transformers
     except ImportError as exc:
-        raise ModelInputError("hf: models need the transformers package",
-                              hint="pip install -e '.[hf]'") from exc
+        raise package_import_error("an hf: model", ("transformers",), exc, install="pip install -e '.[hf]'",
+                                   error=ModelInputError) from exc
     os.environ.setdefault("HF_HUB_OFFLINE", "1")       # never reach for the hub
     transformers.logging.set_verbosity_error()
     return transformers
