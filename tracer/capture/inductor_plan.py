@@ -84,12 +84,14 @@ def inductor_partition(joint: fx.GraphModule, fake_mode, *, num_fwd_outputs: int
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import partition_fn
     from torch._inductor.virtualized import V
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
-    decomposed = _decompose(joint, fake_mode)
-    args = [p.meta.get("val") for p in decomposed.graph.find_nodes(op="placeholder")]
-    with torch.no_grad(), tracing(TracingContext(fake_mode)), V.set_fake_mode(fake_mode):
-        return partition_fn(decomposed, args, num_fwd_outputs=num_fwd_outputs,
-                            static_lifetime_input_indices=static_inputs)
+    with _use_lazy_graph_module(True):      # see _planning
+        decomposed = _decompose(joint, fake_mode)
+        args = [p.meta.get("val") for p in decomposed.graph.find_nodes(op="placeholder")]
+        with torch.no_grad(), tracing(TracingContext(fake_mode)), V.set_fake_mode(fake_mode):
+            return partition_fn(decomposed, args, num_fwd_outputs=num_fwd_outputs,
+                                static_lifetime_input_indices=static_inputs)
 
 
 def _decompose(joint: fx.GraphModule, fake_mode) -> fx.GraphModule:
@@ -222,15 +224,19 @@ def _planning(fake_mode, donated):
     from torch._guards import TracingContext, tracing
     from torch._inductor import config
     from torch._inductor.virtualized import V
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
     context = TracingContext(fake_mode)
     context.fw_metadata = types.SimpleNamespace(bw_donated_idxs=list(donated))   # what get_donated_idxs reads
     # scalar C++ kernels only (simdlen 1): vectorising changes a kernel's code, not which buffers the wrapper
     # allocates, and halves the code generation time (same plans on every model of the benchmark). One
     # compile thread: with more, Inductor starts a pool of compile worker processes (each imports torch) and,
-    # once it is up, sends every generated kernel there to be compiled, which a plan never needs.
+    # once it is up, sends every generated kernel there to be compiled, which a plan never needs. Lazy graph
+    # modules, as torch.compile makes them: a graph module a pass builds or edits is read and lowered, never
+    # run, so its Python code is generated only if something asks for it (about 1 s of a 10-block plan).
     with torch.no_grad(), tracing(context), V.set_fake_mode(fake_mode), \
-            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1, "compile_threads": 1}):
+            config.patch({"fx_graph_cache": False, "cpp.simdlen": 1, "compile_threads": 1}), \
+            _use_lazy_graph_module(True):
         yield
 
 
