@@ -2,7 +2,8 @@
 
 Every error the user can cause is a `TracerError` whose message names the file, line or op and says what
 to do; the CLI prints it as one line and exits with `exit_code`. The original exception stays chained
-(`raise ... from exc`) and is shown with `--verbose`.
+(`raise ... from exc`) and is shown with `--verbose`. An option whose package is missing or fails to import
+gets its error from `package_import_error`.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def package_import_error(needs: str, packages: Sequence[str], exc: ImportError, 
     built for another torch that the import pulls in: a torchvision whose C++ operators do not load breaks
     transformers, and so peft), so the message gives the failure's root cause instead of asking for a
     package that is already there."""
-    if any(_not_installed(name) for name in packages):
+    if not all(package_installed(name) for name in packages):
         return error(f"{needs} needs {' and '.join(packages)}", hint=install)
     root = _root_cause(exc)
     first_line = (str(root).strip().splitlines() or [""])[0]
@@ -84,12 +85,14 @@ def package_import_error(needs: str, packages: Sequence[str], exc: ImportError, 
                       "the same pip command as torch (pip install torch==<your version> <package>), or uninstall it")
 
 
-def _not_installed(name: str) -> bool:
+def package_installed(name: str) -> bool:
+    """Whether the top-level package `name` can be found, without importing it (an import may fail for
+    reasons of its own: `package_import_error`)."""
     import importlib.util
     try:
-        return importlib.util.find_spec(name) is None
+        return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):       # a module left half-imported in sys.modules: installed
-        return False
+        return True
 
 
 def _root_cause(exc: BaseException) -> BaseException:

@@ -29,7 +29,7 @@ import gc
 from typing import Callable
 
 from tracer.depth_capture import BASE_DEPTH, CHECK_DEPTH, CutSteps
-from tracer.errors import TracerError, UsageError
+from tracer.errors import TracerError, UsageError, package_installed
 from tracer.passes.attribution import MODEL_STATE_CATEGORIES
 from tracer.pipeline import (AnalysisOptions, analyze_captured, analyze_one, block_list, capture_cut_variants,
                              capture_variants, load_source, spaced_collections)
@@ -111,9 +111,9 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         settings["microbatches"] = ACCUMULATE_STEPS if base.batch % ACCUMULATE_STEPS == 0 else base.batch
     if "cp" in settings:             # the sequence split over every rank, each ringing attention with the others
         settings["cp"] = world_size
-    if "quantized_base" in settings and not _installed("bitsandbytes", "peft"):
+    if "quantized_base" in settings and not (package_installed("bitsandbytes") and package_installed("peft")):
         return None, "needs bitsandbytes and peft (pip install bitsandbytes peft)"
-    if "fp8" in settings and not _installed("torchao"):
+    if "fp8" in settings and not package_installed("torchao"):
         return None, "needs torchao (pip install torchao)"
     if "offload" in settings and _unified_memory(base):
         return None, (f"the {base.gpu}'s CPU and GPU share one memory: offloading to the host frees none of it")
@@ -127,11 +127,6 @@ def lever_options(lever: Lever, base: AnalysisOptions, world_size: int | None = 
         return dataclasses.replace(base, policies=(policy,), memory_budgets=(None,), **settings), ""
     except UsageError as exc:                  # a combination AnalysisOptions refuses: shown, not fatal
         return None, str(exc).splitlines()[0]
-
-
-def _installed(*names: str) -> bool:
-    import importlib.util
-    return all(importlib.util.find_spec(name) is not None for name in names)
 
 
 def _unified_memory(options: AnalysisOptions) -> bool:

@@ -142,8 +142,8 @@ class SimulatedBnbOptimizer(torch.optim.Optimizer):
 
 def installed_class(name: str):
     """bitsandbytes' class behind `--optimizer name` when bitsandbytes is installed, else None."""
-    import importlib.util
-    if importlib.util.find_spec("bitsandbytes") is None:
+    from tracer.errors import package_installed
+    if not package_installed("bitsandbytes"):
         return None
     import bitsandbytes.optim
     return {"adamw8bit": bitsandbytes.optim.AdamW8bit, "paged-adamw8bit": bitsandbytes.optim.PagedAdamW8bit}[name]

@@ -64,6 +64,7 @@ import tempfile
 
 from tracer.capture import triton_buffer_effects
 from tracer.choices import GpuSpec
+from tracer.errors import package_installed
 
 TRITON_REQUIREMENT = "triton==3.7.1"      # what torch 2.13.0's CUDA wheels install (their metadata pins it)
 
@@ -103,14 +104,12 @@ class TritonPlanError(RuntimeError):
 
 def triton_unavailable() -> str | None:
     """Why a Triton plan cannot be made in this process, or None when it can."""
-    import importlib.util
-
     import torch
     if torch.version.cuda is not None:
         return "this torch is a CUDA build (the planning patches are for the CPU build)"
     if not hasattr(os, "fork"):
         return "this platform has no fork()"
-    if importlib.util.find_spec("triton") is None:
+    if not package_installed("triton"):
         return f"triton is not installed (pip install {TRITON_REQUIREMENT})"
     if _compiler() is None:
         return "no C++ compiler (g++ or $CXX) to build the planning device guard"
